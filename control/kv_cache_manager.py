@@ -1,0 +1,138 @@
+"""The scheduler's single entry point to KV blocks: prefix lookup, allocation, caching, freeing.
+
+Token layout of one allocation: | computed | new hits | new tokens | lookahead |. Slots are
+allocated from the hits onward; only full blocks up to computed + new tokens (never past the
+request's verified tokens, so never drafts or lookahead) are hashed and cached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from specserve.control.block_pool import KVBlock
+from specserve.control.kv_coordinator import KVCoordinator
+from specserve.control.request import Request
+from specserve.shared.config import CacheConfig
+from specserve.shared.hashing import BlockHasher
+from specserve.shared.kv_events import KVEvent
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens served from the cache
+    requests: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass(frozen=True)
+class CacheHit:
+    """The result of a side-effect-free prefix lookup."""
+
+    blocks: list[list[KVBlock]]  # per KV group
+    num_tokens: int
+
+    @staticmethod
+    def empty(num_groups: int) -> CacheHit:
+        return CacheHit([[] for _ in range(num_groups)], 0)
+
+
+class KVCacheManager:
+    def __init__(self, cache_config: CacheConfig, max_model_len: int, use_eagle: bool) -> None:
+        self.config = cache_config
+        self.max_model_len = max_model_len
+        self.coordinator = KVCoordinator(cache_config, use_eagle)
+        self.pool = self.coordinator.pool
+        self.hasher = BlockHasher(cache_config.hash_algo, cache_config.hash_seed)
+        self.hash_block_size = cache_config.hash_block_size
+        self.enable_caching = cache_config.enable_prefix_caching
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_groups(self) -> int:
+        return self.coordinator.num_groups
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def hash_request(self, request: Request) -> None:
+        """Extend the request's block hashes over its verified tokens (drafts are never hashed)."""
+        if self.enable_caching:
+            request.update_block_hashes(self.hasher, self.hash_block_size)
+
+    def get_computed_blocks(self, request: Request) -> CacheHit:
+        """Longest usable prefix hit; touches nothing, so an unscheduled lookup leaves no trace.
+
+        The last token is always recomputed: the step needs its logits.
+        """
+        if not self.enable_caching:
+            return CacheHit.empty(self.num_groups)
+        self.hash_request(request)
+        blocks, num_tokens = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1
+        )
+        return CacheHit(blocks, num_tokens)
+
+    def record_prefix_stats(self, request: Request, hit: CacheHit) -> None:
+        """Count a request's lookup once, at its first admission (not on retries or resumption)."""
+        if request.prefix_stats_recorded:
+            return
+        request.prefix_stats_recorded = True
+        self.stats.requests += 1
+        self.stats.queries += request.num_tokens
+        self.stats.hits += hit.num_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        hit: CacheHit | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> list[list[int]] | None:
+        """Allocate slots for new tokens, adopted hits and lookahead; None if they do not fit.
+
+        A None result changes nothing except freeing blocks that left a sliding window. Hit blocks
+        that sit in the free queue count against capacity, since adopting them removes them.
+        Returns the new block ids per group.
+        """
+        if num_new_tokens <= 0:
+            raise ValueError("allocate_slots needs at least one new token")
+        hit_blocks: Sequence[Sequence[KVBlock]] = (
+            hit.blocks if hit is not None else [[] for _ in range(self.num_groups)]
+        )
+        num_hit_tokens = hit.num_tokens if hit is not None else 0
+        req_id = request.request_id
+        num_computed = min(request.num_computed_tokens + num_hit_tokens, self.max_model_len)
+        num_main = num_computed + num_new_tokens
+        num_slots = min(num_main + num_lookahead_tokens, self.max_model_len)
+
+        coordinator = self.coordinator
+        coordinator.remove_skipped_blocks(req_id, num_computed)
+        needed = coordinator.num_blocks_to_allocate(req_id, num_slots, hit_blocks, num_computed)
+        if needed > self.pool.num_free_blocks:
+            return None
+        if not coordinator.holds(req_id):
+            coordinator.add_hit_blocks(req_id, hit_blocks, num_computed)
+        new_blocks = coordinator.allocate_new_blocks(req_id, num_slots)
+        if self.enable_caching:
+            self.hash_request(request)
+            coordinator.cache_blocks(
+                req_id, lambda: request.block_hashes, min(num_main, request.num_tokens)
+            )
+        return [[b.block_id for b in group] for group in new_blocks]
+
+    def free(self, request: Request) -> None:
+        self.coordinator.free(request.request_id)
+
+    def block_ids(self, request: Request) -> list[list[int]]:
+        return self.coordinator.block_ids(request.request_id)
+
+    def take_events(self) -> list[KVEvent]:
+        return self.pool.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

@@ -1,0 +1,83 @@
+"""The scheduler's view of one request."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from specserve.shared.hashing import BlockHash, BlockHasher, extend_block_hashes
+from specserve.shared.protocol import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3  # EOS or a stop token
+    FINISHED_LENGTH = 4  # max_tokens or max_model_len
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_id: int | None = None
+    priority: int = 0  # lower runs first under the priority policy
+    arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None
+    adapter: str | None = None
+    # KV arrives from elsewhere (prefill/decode disaggregation): the drafter cannot run on it.
+    load_kv_async: bool = False
+
+    status: RequestStatus = RequestStatus.WAITING
+    all_token_ids: list[int] = field(init=False)
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    handle: int = -1  # the integer id the worker knows this request by
+    prefix_stats_recorded: bool = False
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
+
+    @property
+    def is_prefill_chunk(self) -> bool:
+        """Still processing known tokens: no output and no drafts for it this step."""
+        return self.num_computed_tokens < self.num_tokens
+
+    def update_block_hashes(self, hasher: BlockHasher, block_size: int) -> None:
+        extend_block_hashes(
+            hasher,
+            self.block_hashes,
+            self.all_token_ids,
+            block_size,
+            self.cache_salt,
+            self.adapter,
+        )

@@ -1,0 +1,456 @@
+"""Continuous-batching scheduler for one worker's block pool.
+
+There are no prefill and decode phases: every request has `num_computed_tokens`, and each step
+closes part of the gap to its known tokens plus drafts under one token budget. Running requests go
+first (preempting by recompute when blocks run out); waiting requests are admitted only in steps
+that preempted nothing. Draft tokens are scheduled for verification optimistically and
+`num_computed_tokens` is rolled back by the number the worker rejects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specserve.control.kv_cache_manager import CacheHit, KVCacheManager
+from specserve.control.request import Request, RequestStatus
+from specserve.control.request_queue import make_queue
+from specserve.shared.config import CacheConfig, SchedulerConfig, SchedulingPolicy
+from specserve.shared.kv_events import KVEvent
+from specserve.shared.protocol import (
+    PROTOCOL_VERSION,
+    NewRequest,
+    RequestResult,
+    RunningDelta,
+    StepBatch,
+    StepResult,
+    TokenLogprobs,
+)
+
+
+@dataclass
+class SpecDecodingStats:
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft_tokens:
+            self.accepted_per_position.extend(
+                [0] * (num_draft_tokens - len(self.accepted_per_position))
+            )
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """1 + accepted/drafts: tokens emitted per draft round, the bonus token included."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        return [n / self.num_drafts for n in self.accepted_per_position] if self.num_drafts else []
+
+
+@dataclass
+class ScheduledStep:
+    """One step's decisions: the wire batch plus what `update_from_output` needs to apply it."""
+
+    batch: StepBatch
+    num_scheduled_tokens: dict[str, int]
+    spec_token_ids: dict[str, list[int]]
+    preempted_ids: list[str]
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass
+class RequestUpdate:
+    """What one step produced for one request, for the frontend."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    status: RequestStatus = RequestStatus.RUNNING
+    stop_reason: int | str | None = None
+    logprobs: TokenLogprobs | None = None
+    error: str | None = None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        self.config = config
+        self.spec = config.spec
+        self.kv = KVCacheManager(
+            cache_config, config.max_model_len, use_eagle=self.spec.reads_target_hidden_states
+        )
+        self.lookahead_tokens = self.spec.lookahead_tokens
+        self.draft_slots = self.spec.drafter_input_slots
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_queue(config.policy)
+        self.running: list[Request] = []
+        self.waiting_for_kv: dict[str, Request] = {}
+        self.spec_stats = SpecDecodingStats()
+        self._by_handle: dict[int, Request] = {}
+        self._next_handle = 0
+        self._step_id = 0
+        self._worker_known: set[str] = set()  # requests whose state the worker holds
+        self._finished_handles: list[int] = []  # to tell the worker in the next step
+
+    # --- requests in and out ----------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"the prompt has {request.num_prompt_tokens} tokens; this model allows at most "
+                f"{self.config.max_model_len - 1} prompt tokens (max_model_len "
+                f"{self.config.max_model_len}, one position kept for output)"
+            )
+        request.sampling.validate()
+        # Handles are never reused, so a late result can never be applied to a newer request.
+        request.handle = self._next_handle
+        self._next_handle += 1
+        self._by_handle[request.handle] = request
+        self.requests[request.request_id] = request
+        self.kv.hash_request(request)
+        self.waiting.push(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.status.finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif request_id in self.waiting_for_kv:
+                del self.waiting_for_kv[request_id]
+            else:
+                self.waiting.remove(request)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def on_remote_kv_ready(self, request_id: str) -> None:
+        """KV for all but the last prompt token has arrived; schedule the rest normally."""
+        request = self.waiting_for_kv.pop(request_id)
+        request.num_computed_tokens = request.num_tokens - 1
+        request.status = RequestStatus.WAITING
+        self.waiting.push_front(request)
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or len(self.waiting) or self.waiting_for_kv)
+
+    # --- scheduling -------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledStep:
+        cfg = self.config
+        token_budget = cfg.max_num_batched_tokens
+        input_budget = cfg.max_num_batched_tokens  # also pays for the drafter's query slots
+        num_scheduled: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
+        new_block_ids: dict[str, list[list[int]]] = {}
+        computed_before: dict[str, int] = {}
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and token_budget > 0 and input_budget > self.draft_slots:
+            request = self.running[i]
+            n = request.num_tokens_with_spec - request.num_computed_tokens
+            if 0 < cfg.long_prefill_token_threshold < n:
+                n = cfg.long_prefill_token_threshold
+            n = min(
+                n,
+                token_budget,
+                input_budget - self.draft_slots,
+                # No input position may exceed max_model_len - 1.
+                cfg.max_model_len - 1 - request.num_computed_tokens,
+            )
+            if n <= 0:
+                i += 1
+                continue
+            new_ids = None
+            while True:
+                new_ids = self.kv.allocate_slots(
+                    request, n, num_lookahead_tokens=self.lookahead_tokens
+                )
+                if new_ids is not None:
+                    break
+                victim = self._pick_victim()
+                victim_index = self.running.index(victim)
+                self.running.pop(victim_index)
+                if victim_index < i:
+                    i -= 1
+                if victim.request_id in num_scheduled:  # give back what it was granted
+                    given = num_scheduled.pop(victim.request_id)
+                    token_budget += given
+                    input_budget += given + self.draft_slots
+                    new_block_ids.pop(victim.request_id, None)
+                    victim.spec_token_ids = spec_tokens.pop(victim.request_id, [])
+                    computed_before.pop(victim.request_id)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if new_ids is None:
+                break
+            num_scheduled[request.request_id] = n
+            computed_before[request.request_id] = request.num_computed_tokens
+            token_budget -= n
+            input_budget -= n + self.draft_slots
+            if any(new_ids):
+                new_block_ids[request.request_id] = new_ids
+            if request.spec_token_ids:
+                k = n + request.num_computed_tokens - request.num_tokens
+                if k > 0:
+                    spec_tokens[request.request_id] = request.spec_token_ids[:k]
+                request.spec_token_ids = []  # fresh drafts arrive with the step's result
+            i += 1
+
+        new_requests: list[Request] = []
+        if not preempted:
+            token_budget, input_budget = self._admit_waiting(
+                token_budget, input_budget, num_scheduled, new_requests
+            )
+
+        batch = self._build_batch(
+            new_requests, num_scheduled, computed_before, new_block_ids, spec_tokens, preempted
+        )
+        for request_id, n in num_scheduled.items():
+            self.requests[request_id].num_computed_tokens += n  # optimistic: drafts included
+        return ScheduledStep(batch, num_scheduled, spec_tokens, [r.request_id for r in preempted])
+
+    def _admit_waiting(
+        self,
+        token_budget: int,
+        input_budget: int,
+        num_scheduled: dict[str, int],
+        new_requests: list[Request],
+    ) -> tuple[int, int]:
+        cfg = self.config
+        while (
+            len(self.waiting)
+            and token_budget > 0
+            and input_budget > self.draft_slots
+            and len(self.running) < cfg.max_num_seqs
+        ):
+            request = self.waiting.peek()
+            if request.num_computed_tokens == 0:
+                hit = self.kv.get_computed_blocks(request)
+            else:  # remote KV arrived
+                hit = CacheHit.empty(self.kv.num_groups)
+            num_computed = request.num_computed_tokens + hit.num_tokens
+            n = request.num_tokens - num_computed
+            if request.load_kv_async and request.num_computed_tokens == 0:
+                n = max(n - 1, 0)  # slots for the transferred KV; the last token is computed here
+            if 0 < cfg.long_prefill_token_threshold < n:
+                n = cfg.long_prefill_token_threshold
+            if not cfg.enable_chunked_prefill and n > token_budget:
+                break
+            n = min(n, token_budget, input_budget - self.draft_slots)
+            if n <= 0:
+                break
+            lookahead = self.admission_lookahead(request)
+            new_ids = self.kv.allocate_slots(request, n, hit, lookahead)
+            if new_ids is None:
+                break  # waiting requests never preempt running ones
+            self.waiting.pop()
+            self.kv.record_prefix_stats(request, hit)
+            if request.load_kv_async and request.num_computed_tokens == 0:
+                self.waiting_for_kv[request.request_id] = request
+                request.load_kv_async = False  # what remains is computed locally
+                continue
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            self.running.append(request)
+            new_requests.append(request)
+            num_scheduled[request.request_id] = n
+            token_budget -= n
+            input_budget -= n + self.draft_slots
+        return token_budget, input_budget
+
+    def admission_lookahead(self, request: Request) -> int:
+        """Lookahead slots for a request being admitted.
+
+        The drafter already runs in the first prefill's step and writes KV past the prompt, so a
+        normal first prefill gets the full lookahead. Only a request whose KV arrives from
+        elsewhere, with a drafter that needs target hidden states it cannot have, skips it.
+        """
+        if request.load_kv_async and self.spec.reads_target_hidden_states:
+            return 0
+        return self.lookahead_tokens
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == SchedulingPolicy.PRIORITY:
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute later: free the blocks (they stay cached) and requeue at the front."""
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.waiting.push_front(request)
+
+    def _build_batch(
+        self,
+        new_requests: list[Request],
+        num_scheduled: dict[str, int],
+        computed_before: dict[str, int],
+        new_block_ids: dict[str, list[list[int]]],
+        spec_tokens: dict[str, list[int]],
+        preempted: list[Request],
+    ) -> StepBatch:
+        new_msgs = [
+            NewRequest(
+                handle=r.handle,
+                request_id=r.request_id,
+                token_ids=list(r.all_token_ids),
+                num_prompt_tokens=r.num_prompt_tokens,
+                sampling=r.sampling,
+                block_ids=self.kv.block_ids(r),
+                num_computed_tokens=r.num_computed_tokens,
+                num_scheduled_tokens=num_scheduled[r.request_id],
+            )
+            for r in new_requests
+        ]
+        new_ids = {r.request_id for r in new_requests}
+        deltas = [
+            RunningDelta(
+                handle=self.requests[rid].handle,
+                num_computed_tokens=computed_before[rid],
+                num_scheduled_tokens=n,
+                new_block_ids=new_block_ids.get(rid),
+                num_spec_tokens=len(spec_tokens.get(rid, ())),
+            )
+            for rid, n in num_scheduled.items()
+            if rid not in new_ids
+        ]
+        preempted_handles = []
+        for r in preempted:
+            if r.request_id in self._worker_known:
+                self._worker_known.discard(r.request_id)
+                preempted_handles.append(r.handle)
+        self._worker_known.update(new_ids)
+        finished, self._finished_handles = self._finished_handles, []
+        self._step_id += 1
+        return StepBatch(
+            version=PROTOCOL_VERSION,
+            step_id=self._step_id,
+            new_requests=new_msgs,
+            running=deltas,
+            preempted=preempted_handles,
+            finished=finished,
+        )
+
+    # --- results ----------------------------------------------------------------------------
+
+    def update_from_output(self, step: ScheduledStep, result: StepResult) -> list[RequestUpdate]:
+        if result.step_id != step.batch.step_id:
+            raise ValueError(
+                f"result for step {result.step_id} applied to step {step.batch.step_id}"
+            )
+        updates: list[RequestUpdate] = []
+        for res in result.results:
+            request = self._by_handle.get(res.handle)
+            if (
+                request is None
+                or request.status != RequestStatus.RUNNING
+                or request.request_id not in step.num_scheduled_tokens
+            ):
+                continue  # aborted or preempted since it was scheduled: stale output
+            update = self._apply_result(request, step, res)
+            if update is not None:
+                updates.append(update)
+        if any(r.status.finished for r in self.running):
+            self.running = [r for r in self.running if not r.status.finished]
+        return updates
+
+    def _apply_result(
+        self, request: Request, step: ScheduledStep, res: RequestResult
+    ) -> RequestUpdate | None:
+        if res.error is not None:
+            self.running.remove(request)
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+            return RequestUpdate(
+                request.request_id, [], True, RequestStatus.FINISHED_ERROR, error=res.error
+            )
+        generated = res.sampled_token_ids
+        drafts = step.spec_token_ids.get(request.request_id)
+        # Judged before this step's tokens land: a chunk that did not reach the end of the known
+        # tokens produces no output and must not receive drafts.
+        was_prefill_chunk = request.is_prefill_chunk
+        max_generated = 0 if was_prefill_chunk else 1 + len(drafts or ())
+        if len(generated) > max_generated:
+            self.running.remove(request)
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+            error = (
+                f"worker returned {len(generated)} tokens for a step that allows at most "
+                f"{max_generated}"
+            )
+            return RequestUpdate(
+                request.request_id, [], True, RequestStatus.FINISHED_ERROR, error=error
+            )
+        if drafts:
+            num_accepted = max(len(generated) - 1, 0)
+            request.num_computed_tokens -= len(drafts) - num_accepted
+            self.spec_stats.observe(len(drafts), num_accepted)
+        new_tokens: list[int] = []
+        for token in generated:
+            request.all_token_ids.append(token)
+            new_tokens.append(token)
+            status = self._check_stop(request, token)
+            if status is not None:
+                self._finish(request, status)
+                break
+        if not request.status.finished:
+            self.kv.hash_request(request)
+            if res.draft_token_ids and not was_prefill_chunk:
+                request.spec_token_ids = list(res.draft_token_ids)
+        if not new_tokens and not request.status.finished:
+            return None
+        return RequestUpdate(
+            request.request_id,
+            new_tokens,
+            request.status.finished,
+            request.status,
+            request.stop_reason,
+            res.logprobs,
+        )
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        sampling = request.sampling
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_output_tokens < sampling.min_tokens:
+            return None
+        if not sampling.ignore_eos and token == request.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if token in sampling.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= sampling.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        request.spec_token_ids = []
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        del self._by_handle[request.handle]
+        if request.request_id in self._worker_known:
+            self._worker_known.discard(request.request_id)
+            self._finished_handles.append(request.handle)
+
+    def take_kv_events(self) -> list[KVEvent]:
+        return self.kv.take_events()

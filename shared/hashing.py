@@ -1,0 +1,133 @@
+"""Chained block hashes for prefix caching.
+
+A block's hash covers its parent's hash, the token ids of one *full* block and optional extra keys
+(the tenant's cache salt on block 0, the adapter name on every block). Because each hash chains
+over the whole prefix, equal hashes mean equal prefixes. Every control-plane replica must derive
+the same keys for the shared Redis index, so the chain root comes from a fixed, configurable seed,
+never from a per-process random value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+
+BlockHash = bytes
+"""The raw digest bytes of one block's chained hash."""
+
+DEFAULT_HASH_SEED = "specserve/prefix-cache/v1"
+HASH_ALGORITHMS = ("sha256", "xxh3_128")
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def _xxh3_128(data: bytes) -> bytes:
+    try:
+        import xxhash
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ValueError(
+            "hash algorithm 'xxh3_128' needs the xxhash package: pip install 'specserve[fast-hash]'"
+        ) from exc
+    return xxhash.xxh3_128_digest(data)
+
+
+def _digest_fn(algo: str) -> Callable[[bytes], bytes]:
+    if algo == "sha256":
+        return _sha256
+    if algo == "xxh3_128":
+        _xxh3_128(b"")  # fail at construction, not on the first request
+        return _xxh3_128
+    raise ValueError(f"unknown block hash algorithm {algo!r}; choose one of {HASH_ALGORITHMS}")
+
+
+@dataclass(frozen=True)
+class BlockHasher:
+    """Hashes full blocks with a canonical MessagePack encoding of (parent, tokens, extra keys).
+
+    `sha256` is the default (collision-resistant, safe when tenants share a cache); `xxh3_128` is
+    a faster non-cryptographic option for single-tenant deployments.
+    """
+
+    algo: str = "sha256"
+    seed: str = DEFAULT_HASH_SEED
+    _digest: Callable[[bytes], bytes] = field(init=False, repr=False, compare=False)
+    root: BlockHash = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        digest = _digest_fn(self.algo)
+        object.__setattr__(self, "_digest", digest)
+        object.__setattr__(self, "root", digest(_encode(["specserve-root", self.seed])))
+
+    def hash_block(
+        self,
+        parent: BlockHash | None,
+        token_ids: Sequence[int],
+        extra_keys: tuple | None = None,
+    ) -> BlockHash:
+        """Hash one full block; `parent` None means the block starts the sequence."""
+        payload = _encode((parent if parent is not None else self.root, token_ids, extra_keys))
+        return self._digest(payload)
+
+
+def block_extra_keys(block_index: int, cache_salt: str | None, adapter: str | None) -> tuple | None:
+    """Extra keys of one block: the adapter name on every block, the salt on block 0 only.
+
+    The salt need only enter block 0: the chain carries it into every later hash.
+    """
+    keys: list[str] = []
+    if adapter:
+        keys.append(adapter)
+    if cache_salt and block_index == 0:
+        keys.append(cache_salt)
+    return tuple(keys) if keys else None
+
+
+def extend_block_hashes(
+    hasher: BlockHasher,
+    block_hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None = None,
+    adapter: str | None = None,
+) -> None:
+    """Append the hashes of blocks of `token_ids` completed since the last call.
+
+    Partial blocks are never hashed, and callers pass only verified tokens (never drafts), so a
+    hash always names KV that the target model has computed or will compute for those tokens.
+    """
+    start_block = len(block_hashes)
+    num_full = len(token_ids) // block_size
+    parent = block_hashes[-1] if block_hashes else None
+    for i in range(start_block, num_full):
+        begin = i * block_size
+        parent = hasher.hash_block(
+            parent,
+            token_ids[begin : begin + block_size],
+            block_extra_keys(i, cache_salt, adapter),
+        )
+        block_hashes.append(parent)
+
+
+def coarsen_block_hashes(
+    block_hashes: Sequence[BlockHash], hash_block_size: int, block_size: int
+) -> Sequence[BlockHash]:
+    """View fine-grained hashes at a coarser block size that is a multiple of the fine one.
+
+    Coarse block i ends where fine block (i+1)*scale-1 ends, and a chained hash already covers the
+    whole prefix, so that fine hash identifies the coarse block.
+    """
+    if block_size == hash_block_size:
+        return block_hashes
+    if block_size % hash_block_size:
+        raise ValueError(
+            f"block size {block_size} is not a multiple of the hash block size {hash_block_size}"
+        )
+    scale = block_size // hash_block_size
+    return list(block_hashes[scale - 1 :: scale])

@@ -1,0 +1,170 @@
+"""The step contract between a scheduler and a worker: versioned msgspec MessagePack structs.
+
+A step batch carries only what changed since the last step: new (or resumed) requests in full,
+running requests as small array-encoded deltas addressed by a per-worker integer handle. The
+worker keeps each request's tokens, block tables and drafts between steps.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid specserve message of this protocol version."""
+
+
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    """Per-request sampling and stopping parameters."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; N: the chosen token's plus the top N
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first impossible parameter."""
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if vocab_size is not None:
+            bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(
+                    f"stop_token_ids {bad} are outside the vocabulary (size {vocab_size})"
+                )
+
+
+class NewRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A request the worker has no state for: first admission, or resumption after preemption."""
+
+    handle: int
+    request_id: str
+    token_ids: list[int]  # the prompt, plus tokens generated before a preemption
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    block_ids: list[list[int]]  # one block table per KV group
+    num_computed_tokens: int  # KV already present (prefix-cache hit)
+    num_scheduled_tokens: int
+
+
+class RunningDelta(msgspec.Struct, frozen=True, array_like=True):
+    """What changed for a request the worker already holds. Array-encoded to stay small."""
+
+    handle: int
+    num_computed_tokens: int
+    num_scheduled_tokens: int  # includes the draft tokens to verify
+    new_block_ids: list[list[int]] | None = None  # appended to the per-group block tables
+    # Verify the first this-many drafts the worker proposed for this request in the last step;
+    # the worker holds the draft ids, so they need not travel back.
+    num_spec_tokens: int = 0
+
+
+class StepBatch(msgspec.Struct, frozen=True, tag="step", forbid_unknown_fields=True):
+    version: int
+    step_id: int
+    new_requests: list[NewRequest] = []
+    running: list[RunningDelta] = []
+    preempted: list[int] = []  # drop state; the request comes back as a NewRequest
+    finished: list[int] = []  # finished or aborted: drop state
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(r.num_scheduled_tokens for r in self.new_requests) + sum(
+            r.num_scheduled_tokens for r in self.running
+        )
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """Logprobs of each sampled token and of the top-N alternatives at its position."""
+
+    chosen: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+class RequestResult(msgspec.Struct, frozen=True, array_like=True):
+    handle: int
+    sampled_token_ids: list[int]  # empty for a prefill chunk that does not end the prompt
+    draft_token_ids: list[int] | None = None  # proposals for the next step
+    logprobs: TokenLogprobs | None = None
+    error: str | None = None  # this request failed; the others in the step are unaffected
+
+
+class StepResult(msgspec.Struct, frozen=True, tag="result", forbid_unknown_fields=True):
+    version: int
+    step_id: int
+    results: list[RequestResult] = []
+
+
+WorkerMessage = StepBatch | StepResult
+
+
+class _Header(msgspec.Struct):
+    type: str = ""
+    version: int = -1
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(WorkerMessage)
+_header_decoder = msgspec.msgpack.Decoder(_Header)
+
+
+def encode(msg: WorkerMessage) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> WorkerMessage:
+    """Decode one frame, raising ProtocolError with the reason when it is not a valid message."""
+    try:
+        msg = _decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(_diagnose(data, exc)) from exc
+    if msg.version != PROTOCOL_VERSION:
+        raise ProtocolError(_version_error(msg.version))
+    return msg
+
+
+def _version_error(version: int) -> str:
+    return f"unsupported protocol version {version}; this side speaks version {PROTOCOL_VERSION}"
+
+
+def _diagnose(data: bytes, exc: msgspec.DecodeError) -> str:
+    try:
+        header = _header_decoder.decode(data)
+    except msgspec.DecodeError:
+        return f"malformed frame ({len(data)} bytes): not a specserve message ({exc})"
+    if header.version not in (-1, PROTOCOL_VERSION):
+        return _version_error(header.version)
+    if header.type not in ("step", "result"):
+        return f"unknown message type {header.type!r}; expected 'step' or 'result'"
+    return f"malformed {header.type!r} message: {exc}"

@@ -1,0 +1,125 @@
+import msgspec
+import pytest
+
+from specserve.shared import protocol as p
+
+
+def _decode_batch(n: int, k: int) -> p.StepBatch:
+    return p.StepBatch(
+        version=p.PROTOCOL_VERSION,
+        step_id=123456,
+        running=[
+            p.RunningDelta(
+                handle=10_000 + i,
+                num_computed_tokens=3000 + i,
+                num_scheduled_tokens=1 + k,
+                num_spec_tokens=k,
+            )
+            for i in range(n)
+        ],
+    )
+
+
+def test_round_trip_of_every_message_kind():
+    sampling = p.SamplingParams(max_tokens=8, temperature=0.0, seed=3, stop_token_ids=(2, 5))
+    batch = p.StepBatch(
+        version=p.PROTOCOL_VERSION,
+        step_id=1,
+        new_requests=[
+            p.NewRequest(
+                handle=0,
+                request_id="r0",
+                token_ids=[1, 2, 3],
+                num_prompt_tokens=3,
+                sampling=sampling,
+                block_ids=[[1], [2]],
+                num_computed_tokens=0,
+                num_scheduled_tokens=3,
+            )
+        ],
+        running=[p.RunningDelta(1, 16, 4, [[7], [8]], 3)],
+        preempted=[2],
+        finished=[3],
+    )
+    assert p.decode(p.encode(batch)) == batch
+    result = p.StepResult(
+        version=p.PROTOCOL_VERSION,
+        step_id=1,
+        results=[
+            p.RequestResult(0, [9], [1, 2, 3], p.TokenLogprobs([-0.5], [[9, 4]], [[-0.5, -1.5]])),
+            p.RequestResult(1, [], error="boom"),
+        ],
+    )
+    assert p.decode(p.encode(result)) == result
+
+
+def test_a_step_of_256_decoding_requests_is_a_few_kilobytes():
+    # 256 requests verifying 4 drafts each, with realistic handles and positions: ~10 bytes each.
+    size = len(p.encode(_decode_batch(256, 4)))
+    assert size == 2639, size  # 10 bytes per request + 79 bytes of envelope
+    assert len(p.encode(_decode_batch(256, 0))) == 2639
+
+
+@pytest.mark.parametrize(
+    ("frame", "message"),
+    [
+        (b"\xc1", "malformed frame"),
+        (b"not msgpack at all", "malformed frame"),
+        (msgspec.msgpack.encode([1, 2, 3]), "malformed frame"),
+        (msgspec.msgpack.encode({"type": "hello", "version": 1}), "unknown message type 'hello'"),
+        (
+            msgspec.msgpack.encode({"type": "step", "version": 99, "step_id": 1}),
+            "unsupported protocol version 99",
+        ),
+        (msgspec.msgpack.encode({"type": "step", "step_id": 1}), "malformed 'step' message"),
+        (
+            msgspec.msgpack.encode({"type": "step", "version": 1, "step_id": "x"}),
+            "Expected `int`, got `str`",
+        ),
+        (
+            msgspec.msgpack.encode({"type": "step", "version": 1, "step_id": 1, "extra": 1}),
+            "unknown field `extra`",
+        ),
+        (
+            msgspec.msgpack.encode(
+                {"type": "result", "version": 1, "step_id": 1, "results": [[1, "x"]]}
+            ),
+            "malformed 'result' message",
+        ),
+    ],
+)
+def test_malformed_or_unknown_frames_raise_a_clear_protocol_error(frame, message):
+    with pytest.raises(p.ProtocolError, match=message.replace("(", r"\(")):
+        p.decode(frame)
+
+
+def test_version_mismatch_in_a_well_formed_message():
+    frame = p.encode(p.StepBatch(version=2, step_id=1))
+    with pytest.raises(p.ProtocolError, match="unsupported protocol version 2"):
+        p.decode(frame)
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"max_tokens": 0}, "max_tokens must be >= 1"),
+        ({"temperature": -0.1}, "temperature must be"),
+        ({"temperature": float("nan")}, "temperature must be"),
+        ({"top_p": 0.0}, "top_p must be in"),
+        ({"top_p": 1.5}, "top_p must be in"),
+        ({"top_k": -1}, "top_k must be >= 0"),
+        ({"min_p": 2.0}, "min_p must be in"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens must be in"),
+        ({"seed": -1}, "seed must be in"),
+        ({"logprobs": 21}, "logprobs must be in"),
+    ],
+)
+def test_impossible_sampling_parameters_are_rejected(params, message):
+    with pytest.raises(ValueError, match=message):
+        p.SamplingParams(**params).validate()
+
+
+def test_stop_tokens_outside_the_vocabulary_are_rejected():
+    p.SamplingParams(stop_token_ids=(1, 2)).validate(vocab_size=10)
+    with pytest.raises(ValueError, match=r"stop_token_ids \[10\] are outside the vocabulary"):
+        p.SamplingParams(stop_token_ids=(1, 10)).validate(vocab_size=10)
