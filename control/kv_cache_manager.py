@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 from specserve.control.block_pool import KVBlock
 from specserve.control.kv_coordinator import KVCoordinator
+from specserve.control.kv_group_manager import KVGroupManager
 from specserve.control.request import Request
-from specserve.shared.config import CacheConfig
+from specserve.shared.config import AttentionType, CacheConfig
 from specserve.shared.hashing import BlockHasher
 from specserve.shared.kv_events import KVEvent
 
@@ -51,6 +52,14 @@ class KVCacheManager:
         self.hash_block_size = cache_config.hash_block_size
         self.enable_caching = cache_config.enable_prefix_caching
         self.stats = PrefixCacheStats()
+        # One full-attention group (the common case): a running request's table only grows at
+        # its end, so growing it needs none of the coordinator's fan-out.
+        managers = self.coordinator.managers
+        self._single_full = (
+            managers[0]
+            if len(managers) == 1 and managers[0].spec.attention == AttentionType.FULL
+            else None
+        )
 
     @property
     def num_groups(self) -> int:
@@ -61,7 +70,9 @@ class KVCacheManager:
 
     def hash_request(self, request: Request) -> None:
         """Extend the request's block hashes over its verified tokens (drafts are never hashed)."""
-        if self.enable_caching:
+        if self.enable_caching and len(request.all_token_ids) // self.hash_block_size > len(
+            request.block_hashes
+        ):
             request.update_block_hashes(self.hasher, self.hash_block_size)
 
     def get_computed_blocks(self, request: Request) -> CacheHit:
@@ -110,6 +121,10 @@ class KVCacheManager:
         num_main = num_computed + num_new_tokens
         num_slots = min(num_main + num_lookahead_tokens, self.max_model_len)
 
+        single = self._single_full
+        if single is not None and hit is None and req_id in single.num_cached:
+            return self._grow_table(single, request, num_slots, min(num_main, request.num_tokens))
+
         coordinator = self.coordinator
         coordinator.remove_skipped_blocks(req_id, num_computed)
         needed = coordinator.num_blocks_to_allocate(req_id, num_slots, hit_blocks, num_computed)
@@ -119,11 +134,29 @@ class KVCacheManager:
             coordinator.add_hit_blocks(req_id, hit_blocks, num_computed)
         new_blocks = coordinator.allocate_new_blocks(req_id, num_slots)
         if self.enable_caching:
-            self.hash_request(request)
+            self.hash_request(request)  # usually a no-op: hashes follow the tokens as they arrive
             coordinator.cache_blocks(
                 req_id, lambda: request.block_hashes, min(num_main, request.num_tokens)
             )
         return [[b.block_id for b in group] for group in new_blocks]
+
+    def _grow_table(
+        self, manager: KVGroupManager, request: Request, num_slots: int, num_cacheable: int
+    ) -> list[list[int]] | None:
+        """`allocate_slots` for a running request of a single full-attention group."""
+        req_id = request.request_id
+        table = manager.req_blocks[req_id]
+        missing = -(-num_slots // manager.block_size) - len(table)
+        new: list[KVBlock] = []
+        if missing > 0:
+            if missing > self.pool.num_free_blocks:
+                return None
+            new = self.pool.get_new_blocks(missing)
+            table.extend(new)
+        if self.enable_caching and num_cacheable // manager.block_size > manager.num_cached[req_id]:
+            self.hash_request(request)
+            manager.cache_blocks(req_id, lambda: request.block_hashes, num_cacheable)
+        return [[b.block_id for b in new]]
 
     def free(self, request: Request) -> None:
         self.coordinator.free(request.request_id)

@@ -9,6 +9,7 @@ that preempted nothing. Draft tokens are scheduled for verification optimistical
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specserve.control.kv_cache_manager import CacheHit, KVCacheManager
@@ -69,7 +70,7 @@ class ScheduledStep:
         return sum(self.num_scheduled_tokens.values())
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestUpdate:
     """What one step produced for one request, for the frontend."""
 
@@ -96,6 +97,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}
         self.spec_stats = SpecDecodingStats()
+        self.num_preemptions = 0
+        self._running_has_finished = False  # set by _finish; update_from_output compacts
         self._by_handle: dict[int, Request] = {}
         self._next_handle = 0
         self._step_id = 0
@@ -154,77 +157,70 @@ class Scheduler:
         cfg = self.config
         token_budget = cfg.max_num_batched_tokens
         input_budget = cfg.max_num_batched_tokens  # also pays for the drafter's query slots
+        draft_slots = self.draft_slots
+        threshold = cfg.long_prefill_token_threshold
+        last_position = cfg.max_model_len - 1  # no input position may exceed it
+        allocate = self.kv.allocate_slots
+        running = self.running
         num_scheduled: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
-        new_block_ids: dict[str, list[list[int]]] = {}
-        computed_before: dict[str, int] = {}
+        deltas: dict[str, RunningDelta] = {}
         preempted: list[Request] = []
 
         i = 0
-        while i < len(self.running) and token_budget > 0 and input_budget > self.draft_slots:
-            request = self.running[i]
-            n = request.num_tokens_with_spec - request.num_computed_tokens
-            if 0 < cfg.long_prefill_token_threshold < n:
-                n = cfg.long_prefill_token_threshold
-            n = min(
-                n,
-                token_budget,
-                input_budget - self.draft_slots,
-                # No input position may exceed max_model_len - 1.
-                cfg.max_model_len - 1 - request.num_computed_tokens,
-            )
+        while i < len(running) and token_budget > 0 and input_budget > draft_slots:
+            request = running[i]
+            computed = request.num_computed_tokens
+            num_tokens = len(request.all_token_ids)
+            drafts = request.spec_token_ids
+            n = num_tokens + len(drafts) - computed
+            if 0 < threshold < n:
+                n = threshold
+            n = min(n, token_budget, input_budget - draft_slots, last_position - computed)
             if n <= 0:
                 i += 1
                 continue
-            new_ids = None
-            while True:
-                new_ids = self.kv.allocate_slots(
-                    request, n, num_lookahead_tokens=self.lookahead_tokens
-                )
-                if new_ids is not None:
-                    break
+            new_ids = allocate(request, n, None, self.lookahead_tokens)
+            while new_ids is None:
                 victim = self._pick_victim()
-                victim_index = self.running.index(victim)
-                self.running.pop(victim_index)
+                victim_index = running.index(victim)
+                running.pop(victim_index)
                 if victim_index < i:
                     i -= 1
-                if victim.request_id in num_scheduled:  # give back what it was granted
+                if victim.request_id in deltas:  # give back what it was granted this step
                     given = num_scheduled.pop(victim.request_id)
                     token_budget += given
-                    input_budget += given + self.draft_slots
-                    new_block_ids.pop(victim.request_id, None)
-                    victim.spec_token_ids = spec_tokens.pop(victim.request_id, [])
-                    computed_before.pop(victim.request_id)
+                    input_budget += given + draft_slots
+                    del deltas[victim.request_id]
+                    spec_tokens.pop(victim.request_id, None)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
                     break
+                new_ids = allocate(request, n, None, self.lookahead_tokens)
             if new_ids is None:
                 break
-            num_scheduled[request.request_id] = n
-            computed_before[request.request_id] = request.num_computed_tokens
-            token_budget -= n
-            input_budget -= n + self.draft_slots
-            if any(new_ids):
-                new_block_ids[request.request_id] = new_ids
-            if request.spec_token_ids:
-                k = n + request.num_computed_tokens - request.num_tokens
-                if k > 0:
-                    spec_tokens[request.request_id] = request.spec_token_ids[:k]
+            rid = request.request_id
+            num_spec = 0
+            if drafts:
+                num_spec = max(n + computed - num_tokens, 0)
+                if num_spec:
+                    spec_tokens[rid] = drafts[:num_spec]
                 request.spec_token_ids = []  # fresh drafts arrive with the step's result
+            has_new_blocks = any(new_ids)
+            deltas[rid] = RunningDelta(
+                request.handle, computed, n, new_ids if has_new_blocks else None, num_spec
+            )
+            num_scheduled[rid] = n
+            request.num_computed_tokens = computed + n  # optimistic: drafts included
+            token_budget -= n
+            input_budget -= n + draft_slots
             i += 1
 
-        new_requests: list[Request] = []
+        new_requests: list[NewRequest] = []
         if not preempted:
-            token_budget, input_budget = self._admit_waiting(
-                token_budget, input_budget, num_scheduled, new_requests
-            )
-
-        batch = self._build_batch(
-            new_requests, num_scheduled, computed_before, new_block_ids, spec_tokens, preempted
-        )
-        for request_id, n in num_scheduled.items():
-            self.requests[request_id].num_computed_tokens += n  # optimistic: drafts included
+            self._admit_waiting(token_budget, input_budget, num_scheduled, new_requests)
+        batch = self._build_batch(new_requests, list(deltas.values()), preempted)
         return ScheduledStep(batch, num_scheduled, spec_tokens, [r.request_id for r in preempted])
 
     def _admit_waiting(
@@ -232,8 +228,8 @@ class Scheduler:
         token_budget: int,
         input_budget: int,
         num_scheduled: dict[str, int],
-        new_requests: list[Request],
-    ) -> tuple[int, int]:
+        new_requests: list[NewRequest],
+    ) -> None:
         cfg = self.config
         while (
             len(self.waiting)
@@ -268,13 +264,23 @@ class Scheduler:
                 request.load_kv_async = False  # what remains is computed locally
                 continue
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_computed
             self.running.append(request)
-            new_requests.append(request)
+            new_requests.append(
+                NewRequest(
+                    handle=request.handle,
+                    request_id=request.request_id,
+                    token_ids=list(request.all_token_ids),
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    sampling=request.sampling,
+                    block_ids=self.kv.block_ids(request),
+                    num_computed_tokens=num_computed,
+                    num_scheduled_tokens=n,
+                )
+            )
+            request.num_computed_tokens = num_computed + n
             num_scheduled[request.request_id] = n
             token_budget -= n
             input_budget -= n + self.draft_slots
-        return token_budget, input_budget
 
     def admission_lookahead(self, request: Request) -> int:
         """Lookahead slots for a request being admitted.
@@ -299,54 +305,24 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.spec_token_ids = []
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.push_front(request)
 
     def _build_batch(
-        self,
-        new_requests: list[Request],
-        num_scheduled: dict[str, int],
-        computed_before: dict[str, int],
-        new_block_ids: dict[str, list[list[int]]],
-        spec_tokens: dict[str, list[int]],
-        preempted: list[Request],
+        self, new_requests: list[NewRequest], deltas: list[RunningDelta], preempted: list[Request]
     ) -> StepBatch:
-        new_msgs = [
-            NewRequest(
-                handle=r.handle,
-                request_id=r.request_id,
-                token_ids=list(r.all_token_ids),
-                num_prompt_tokens=r.num_prompt_tokens,
-                sampling=r.sampling,
-                block_ids=self.kv.block_ids(r),
-                num_computed_tokens=r.num_computed_tokens,
-                num_scheduled_tokens=num_scheduled[r.request_id],
-            )
-            for r in new_requests
-        ]
-        new_ids = {r.request_id for r in new_requests}
-        deltas = [
-            RunningDelta(
-                handle=self.requests[rid].handle,
-                num_computed_tokens=computed_before[rid],
-                num_scheduled_tokens=n,
-                new_block_ids=new_block_ids.get(rid),
-                num_spec_tokens=len(spec_tokens.get(rid, ())),
-            )
-            for rid, n in num_scheduled.items()
-            if rid not in new_ids
-        ]
         preempted_handles = []
         for r in preempted:
             if r.request_id in self._worker_known:
                 self._worker_known.discard(r.request_id)
                 preempted_handles.append(r.handle)
-        self._worker_known.update(new_ids)
+        self._worker_known.update(r.request_id for r in new_requests)
         finished, self._finished_handles = self._finished_handles, []
         self._step_id += 1
         return StepBatch(
             version=PROTOCOL_VERSION,
             step_id=self._step_id,
-            new_requests=new_msgs,
+            new_requests=new_requests,
             running=deltas,
             preempted=preempted_handles,
             finished=finished,
@@ -371,27 +347,27 @@ class Scheduler:
             update = self._apply_result(request, step, res)
             if update is not None:
                 updates.append(update)
-        if any(r.status.finished for r in self.running):
+        if self._running_has_finished:
             self.running = [r for r in self.running if not r.status.finished]
+            self._running_has_finished = False
         return updates
 
     def _apply_result(
         self, request: Request, step: ScheduledStep, res: RequestResult
     ) -> RequestUpdate | None:
         if res.error is not None:
-            self.running.remove(request)
             self._finish(request, RequestStatus.FINISHED_ERROR)
             return RequestUpdate(
                 request.request_id, [], True, RequestStatus.FINISHED_ERROR, error=res.error
             )
         generated = res.sampled_token_ids
         drafts = step.spec_token_ids.get(request.request_id)
+        all_token_ids = request.all_token_ids
         # Judged before this step's tokens land: a chunk that did not reach the end of the known
         # tokens produces no output and must not receive drafts.
-        was_prefill_chunk = request.is_prefill_chunk
-        max_generated = 0 if was_prefill_chunk else 1 + len(drafts or ())
+        was_prefill_chunk = request.num_computed_tokens < len(all_token_ids)
+        max_generated = 0 if was_prefill_chunk else 1 + (len(drafts) if drafts else 0)
         if len(generated) > max_generated:
-            self.running.remove(request)
             self._finish(request, RequestStatus.FINISHED_ERROR)
             error = (
                 f"worker returned {len(generated)} tokens for a step that allows at most "
@@ -404,27 +380,44 @@ class Scheduler:
             num_accepted = max(len(generated) - 1, 0)
             request.num_computed_tokens -= len(drafts) - num_accepted
             self.spec_stats.observe(len(drafts), num_accepted)
-        new_tokens: list[int] = []
-        for token in generated:
-            request.all_token_ids.append(token)
-            new_tokens.append(token)
-            status = self._check_stop(request, token)
-            if status is not None:
-                self._finish(request, status)
-                break
-        if not request.status.finished:
+        finished = False
+        if self._no_stop_possible(request, generated):
+            new_tokens = list(generated)
+            all_token_ids.extend(new_tokens)
+        else:
+            new_tokens = []
+            for token in generated:
+                all_token_ids.append(token)
+                new_tokens.append(token)
+                status = self._check_stop(request, token)
+                if status is not None:
+                    self._finish(request, status)
+                    finished = True
+                    break
+        if not finished:
             self.kv.hash_request(request)
             if res.draft_token_ids and not was_prefill_chunk:
                 request.spec_token_ids = list(res.draft_token_ids)
-        if not new_tokens and not request.status.finished:
-            return None
+            if not new_tokens:
+                return None
         return RequestUpdate(
             request.request_id,
             new_tokens,
-            request.status.finished,
+            finished,
             request.status,
             request.stop_reason,
             res.logprobs,
+        )
+
+    def _no_stop_possible(self, request: Request, generated: Sequence[int]) -> bool:
+        """True when no stop rule can fire on any of `generated` (then they land in one go)."""
+        sampling = request.sampling
+        n = len(generated)
+        return (
+            request.num_tokens + n < self.config.max_model_len
+            and request.num_output_tokens + n < sampling.max_tokens
+            and (sampling.ignore_eos or request.eos_token_id not in generated)
+            and not (sampling.stop_token_ids and set(generated) & set(sampling.stop_token_ids))
         )
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
@@ -443,6 +436,8 @@ class Scheduler:
         return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self._running_has_finished = True
         request.status = status
         request.spec_token_ids = []
         self.kv.free(request)

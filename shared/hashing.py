@@ -28,22 +28,18 @@ def _sha256(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-def _xxh3_128(data: bytes) -> bytes:
-    try:
-        import xxhash
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ValueError(
-            "hash algorithm 'xxh3_128' needs the xxhash package: pip install 'specserve[fast-hash]'"
-        ) from exc
-    return xxhash.xxh3_128_digest(data)
-
-
 def _digest_fn(algo: str) -> Callable[[bytes], bytes]:
     if algo == "sha256":
         return _sha256
     if algo == "xxh3_128":
-        _xxh3_128(b"")  # fail at construction, not on the first request
-        return _xxh3_128
+        try:
+            import xxhash
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ValueError(
+                "hash algorithm 'xxh3_128' needs the xxhash package: "
+                "pip install 'specserve[fast-hash]'"
+            ) from exc
+        return xxhash.xxh3_128_digest
     raise ValueError(f"unknown block hash algorithm {algo!r}; choose one of {HASH_ALGORITHMS}")
 
 
@@ -105,13 +101,11 @@ def extend_block_hashes(
     start_block = len(block_hashes)
     num_full = len(token_ids) // block_size
     parent = block_hashes[-1] if block_hashes else None
+    has_extra_keys = bool(cache_salt or adapter)
     for i in range(start_block, num_full):
         begin = i * block_size
-        parent = hasher.hash_block(
-            parent,
-            token_ids[begin : begin + block_size],
-            block_extra_keys(i, cache_salt, adapter),
-        )
+        extra = block_extra_keys(i, cache_salt, adapter) if has_extra_keys else None
+        parent = hasher.hash_block(parent, token_ids[begin : begin + block_size], extra)
         block_hashes.append(parent)
 
 

@@ -1,0 +1,90 @@
+"""The Python API: `LLM(model).generate(prompts, params)`, served in-process."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from specserve.control.request import Request, RequestStatus
+from specserve.engine import EngineArgs, InProcessEngine
+from specserve.shared.protocol import SamplingParams, TokenLogprobs
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class GenerationOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None  # None when the model has no tokenizer
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs]
+    error: str | None = None
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2-135m", **engine_args) -> None:
+        self.engine = InProcessEngine(EngineArgs(model=model, **engine_args))
+        self.tokenizer = self.engine.loaded.tokenizer
+        self._ids = itertools.count()
+
+    def encode_prompt(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass token ids instead of text")
+        if chat:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True
+            )
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(prompt)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat: bool = False,
+    ) -> list[GenerationOutput]:
+        """Generate for every prompt (text or token ids), batched together; results in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        engine = self.engine
+        eos = engine.eos_token_ids
+        outputs: dict[str, GenerationOutput] = {}
+        for prompt, sampling in zip(prompts, params, strict=True):
+            token_ids = self.encode_prompt(prompt, chat)
+            request_id = f"llm-{next(self._ids)}"
+            if not sampling.ignore_eos and len(eos) > 1:  # every EOS id stops, not just the first
+                extra = tuple(t for t in eos[1:] if t not in sampling.stop_token_ids)
+                sampling = replace(sampling, stop_token_ids=sampling.stop_token_ids + extra)
+            engine.add_request(
+                Request(request_id, token_ids, sampling, eos_token_id=eos[0] if eos else None)
+            )
+            outputs[request_id] = GenerationOutput(request_id, token_ids, [], None, None, [])
+        while engine.has_unfinished_requests():
+            for update in engine.step():
+                out = outputs[update.request_id]
+                out.token_ids.extend(update.new_token_ids)
+                if update.logprobs is not None:
+                    out.logprobs.append(update.logprobs)
+                if update.finished:
+                    out.finish_reason = FINISH_REASONS.get(update.status)
+                    out.error = update.error
+        if self.tokenizer is not None:
+            for out in outputs.values():
+                out.text = self.tokenizer.decode(out.token_ids)
+        return list(outputs.values())

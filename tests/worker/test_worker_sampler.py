@@ -1,0 +1,131 @@
+"""Sampler: seeded determinism across batch compositions, exact filters, logprobs, validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specserve.shared.protocol import SamplingParams
+from specserve.worker.sampler import (
+    RowSampling,
+    filtered_probs,
+    make_generator,
+    sample,
+    validate_sampling,
+)
+
+V = 50
+
+
+def _draw(
+    logits: torch.Tensor, rows: list[RowSampling], seeds: list[int | None], steps: int
+) -> list[list[int]]:
+    """`steps` successive samples per row, each row keeping its own generator."""
+    gens = [make_generator(s) if s is not None else None for s in seeds]
+    out = [sample(logits, rows, gens).token_ids.tolist() for _ in range(steps)]
+    return [list(col) for col in zip(*out, strict=True)]
+
+
+def test_same_seed_same_tokens_whatever_the_batch() -> None:
+    torch.manual_seed(0)
+    target_logits = torch.randn(V)
+    target = RowSampling(temperature=0.9, top_k=20, top_p=0.95, min_p=0.01)
+    alone = _draw(target_logits[None], [target], [1234], 30)[0]
+
+    others = torch.randn(5, V)
+    batch = torch.cat([others[:2], target_logits[None], others[2:]])
+    rows = [
+        RowSampling(temperature=1.3),
+        RowSampling(temperature=0.0),
+        target,
+        RowSampling(temperature=0.7, top_p=0.5),
+        RowSampling(temperature=1.0, min_p=0.2),
+        RowSampling(temperature=2.0, top_k=3),
+    ]
+    mixed = _draw(batch, rows, [99, None, 1234, None, 7, 5], 30)
+    assert mixed[2] == alone
+    assert len(set(alone)) > 3  # really random, not collapsed to greedy
+    different_seed = _draw(target_logits[None], [target], [4321], 30)[0]
+    assert different_seed != alone
+
+
+def test_greedy_rows_take_argmax_and_accept_shared_params() -> None:
+    logits = torch.randn(4, V)
+    params = [SamplingParams(temperature=0.0) for _ in range(4)]
+    assert torch.equal(sample(logits, params).token_ids, logits.argmax(-1))
+
+
+def _probs_logits(probs: list[float]) -> torch.Tensor:
+    return torch.tensor(probs, dtype=torch.float32).log()[None]
+
+
+P = [0.10, 0.50, 0.15, 0.25]
+
+
+@pytest.mark.parametrize(
+    ("row", "expected"),
+    [
+        (RowSampling(top_k=2), [0.0, 0.5 / 0.75, 0.0, 0.25 / 0.75]),
+        (RowSampling(top_k=1), [0.0, 1.0, 0.0, 0.0]),
+        (RowSampling(top_k=10), P),
+        (RowSampling(top_p=0.7), [0.0, 0.5 / 0.75, 0.0, 0.25 / 0.75]),  # .5 < .7 <= .75
+        (RowSampling(top_p=0.8), [0.0, 0.5 / 0.9, 0.15 / 0.9, 0.25 / 0.9]),
+        (RowSampling(top_p=0.3), [0.0, 1.0, 0.0, 0.0]),
+        (RowSampling(min_p=0.4), [0.0, 0.5 / 0.75, 0.0, 0.25 / 0.75]),  # keep p >= 0.2
+        (RowSampling(min_p=0.25), [0.0, 0.5 / 0.9, 0.15 / 0.9, 0.25 / 0.9]),  # keep p >= .125
+        (RowSampling(top_k=3, top_p=0.6), [0.0, 0.5 / 0.75, 0.0, 0.25 / 0.75]),  # p over top-3
+        (RowSampling(temperature=0.5), [p**2 / sum(x**2 for x in P) for p in P]),
+    ],
+)
+def test_filters_exact(row: RowSampling, expected: list[float]) -> None:
+    got = filtered_probs(_probs_logits(P), [row])[0]
+    torch.testing.assert_close(got, torch.tensor(expected), atol=1e-6, rtol=0)
+
+
+def test_samples_follow_filtered_distribution() -> None:
+    n = 20000
+    logits = _probs_logits(P).expand(n, -1)
+    rows = [RowSampling(top_p=0.8)] * n
+    counts = torch.bincount(sample(logits, rows).token_ids, minlength=4).float() / n
+    expected = torch.tensor([0.0, 0.5 / 0.9, 0.15 / 0.9, 0.25 / 0.9])
+    assert counts[0] == 0
+    torch.testing.assert_close(counts, expected, atol=0.02, rtol=0)
+
+
+def test_logprobs_chosen_and_top_n() -> None:
+    logits = torch.randn(3, V)
+    rows = [RowSampling(0.0, logprobs=2), RowSampling(0.0), RowSampling(0.0, logprobs=5)]
+    out = sample(logits, rows)
+    ref = logits.log_softmax(-1)
+    assert out.logprobs is not None and out.top_logprobs is not None
+    assert out.top_token_ids is not None
+    torch.testing.assert_close(out.logprobs, ref.gather(-1, out.token_ids[:, None])[:, 0])
+    assert out.num_top_logprobs == [2, 0, 5]
+    assert out.top_token_ids.shape == (3, 5)
+    top = ref.topk(5, dim=-1)
+    torch.testing.assert_close(out.top_logprobs, top.values)
+    assert torch.equal(out.top_token_ids, top.indices)
+    assert sample(logits, [RowSampling()] * 3).logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=math.nan), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+        (dict(min_p=-0.1), "min_p"),
+        (dict(min_p=1.1), "min_p"),
+        (dict(logprobs=-1), "logprobs"),
+    ],
+)
+def test_invalid_params_raise(kwargs: dict[str, float], message: str) -> None:
+    args: dict = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0) | kwargs
+    with pytest.raises(ValueError, match=message):
+        validate_sampling(**args)
+    with pytest.raises(ValueError, match=message):
+        sample(torch.randn(1, V), [RowSampling(**args)])

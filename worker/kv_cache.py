@@ -1,0 +1,117 @@
+"""Paged KV cache: one `[num_blocks, 2, block_size, num_kv_heads, head_dim]` tensor per layer.
+
+The layout is FlashInfer's NHD paged layout (index 0 of dim 1 is K, 1 is V), so a later GPU
+backend can use the same storage. A token's slot is `block_id * block_size + offset`. Block 0 is
+the null block: the scheduler never hands it out, so writes to it (padding, tables whose
+out-of-window entries point at it) are harmless and it is never read as real context.
+
+Layers are split into KV groups by attention type (`ModelConfig.kv_groups`); each group has its
+own block table per request, and every group is given the same number of blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specserve.worker.config import KVLayerGroup
+
+NULL_BLOCK = 0
+
+
+def bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes one block index costs across all layers (K and V)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return num_layers * 2 * block_size * num_kv_heads * head_dim * itemsize
+
+
+def num_blocks_for_budget(
+    budget_bytes: int,
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> int:
+    """Largest block count whose cache fits in `budget_bytes`.
+
+    Every layer holds `num_blocks` blocks (all KV groups get the same count), so the total size
+    is `num_blocks * bytes_per_block(...)`. Raises ValueError if the budget cannot hold the null
+    block plus one usable block.
+    """
+    per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+    num_blocks = budget_bytes // per_block
+    if num_blocks < 2:
+        raise ValueError(
+            f"KV budget of {budget_bytes} bytes holds {num_blocks} blocks of {per_block} bytes; "
+            "need at least 2 (block 0 is the null block)"
+        )
+    return num_blocks
+
+
+class PagedKVCache:
+    """Per-layer paged K/V storage plus the layer -> KV group map."""
+
+    def __init__(
+        self,
+        groups: Sequence[KVLayerGroup],
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if num_blocks < 2:
+            raise ValueError("num_blocks must be at least 2 (block 0 is the null block)")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.groups = tuple(groups)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.group_of_layer: dict[int, int] = {
+            layer: g for g, group in enumerate(self.groups) for layer in group.layer_ids
+        }
+        shape = (num_blocks, 2, block_size, num_kv_heads, head_dim)
+        self.layers: dict[int, torch.Tensor] = {
+            layer: torch.zeros(shape, dtype=dtype, device=device)
+            for layer in sorted(self.group_of_layer)
+        }
+
+    @classmethod
+    def from_budget(
+        cls,
+        groups: Sequence[KVLayerGroup],
+        budget_bytes: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> PagedKVCache:
+        num_layers = sum(len(g.layer_ids) for g in groups)
+        num_blocks = num_blocks_for_budget(
+            budget_bytes, num_layers, block_size, num_kv_heads, head_dim, dtype
+        )
+        return cls(groups, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+
+    def layer(self, layer: int) -> torch.Tensor:
+        return self.layers[layer]
+
+    def write(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Store `k`, `v` (`[T, num_kv_heads, head_dim]`) at `slot_mapping` (`[T]`, int64).
+
+        Negative slots (padding) are sent to the null block, which is harmless and keeps the
+        write free of host-device synchronisation.
+        """
+        cache = self.layers[layer]
+        slot_mapping = slot_mapping.clamp(min=NULL_BLOCK * self.block_size)
+        blocks = slot_mapping // self.block_size
+        offsets = slot_mapping % self.block_size
+        cache[blocks, 0, offsets] = k.to(cache.dtype)
+        cache[blocks, 1, offsets] = v.to(cache.dtype)

@@ -1,0 +1,253 @@
+"""One decoder for Llama, Qwen2 and Qwen3 over a flattened ragged batch and a paged KV cache.
+
+The three architectures differ only in flags read from `ModelConfig`: q/k/v (and o_proj)
+biases, per-head q/k RMSNorm (Qwen3), Llama-3 RoPE scaling, sliding-window layers and tied
+embeddings. q/k/v and gate/up projections are fused into single matmuls; the loader
+concatenates the checkpoint's separate weights.
+
+Hidden-state convention: "hidden state of layer i" is the output of decoder layer i, i.e. the
+residual stream after its attention and MLP blocks and before the final norm. It equals
+transformers' `output_hidden_states=True` entry `hidden_states[i + 1]` (whose last entry is
+instead taken after the final norm).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.worker.attention.base import AttentionBackend, AttentionMetadata
+from specserve.worker.config import ModelConfig, RopeScaling
+from specserve.worker.kv_cache import PagedKVCache
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, then scaled in the model dtype (as transformers does)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Per-pair inverse frequencies in float32 (the precision the reference models use)."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    if config.rope_scaling is not None:
+        inv_freq = _llama3_scale(inv_freq, config.rope_scaling)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama-3 scaling: long wavelengths slowed by `factor`, short kept, a smooth ramp between."""
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[T, head_dim]` cos/sin for the half-split ("rotate_half") RoPE layout."""
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x [T, heads, head_dim]`; cos/sin are `[T, head_dim]`."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        super().__init__()
+        self.layer_id = layer_id
+        self.backend = backend
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        q_size = config.num_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, sum(self.split), config.attention_bias, device, dtype
+        )
+        self.o_proj = nn.Linear(q_size, config.hidden_size, config.o_proj_bias, device, dtype)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        group: int,
+        metadata: AttentionMetadata,
+        kv_cache: PagedKVCache,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        group_meta = metadata.groups[group]
+        kv_cache.write(self.layer_id, k, v, group_meta.slot_mapping)
+        out = self.backend.forward(q, kv_cache.layer(self.layer_id), group_meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: `down(silu(gate(x)) * up(x))` with gate and up fused."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, config.mlp_bias, device, dtype)
+        self.down_proj = nn.Linear(inter, config.hidden_size, config.mlp_bias, device, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        group: int,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        super().__init__()
+        self.group = group  # index of this layer's KV group
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.attn = Attention(config, layer_id, backend, dtype, device)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype, device
+        )
+        self.mlp = MLP(config, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_cache: PagedKVCache,
+    ) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        x = x + self.attn(h, cos, sin, self.group, metadata, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, decoder layers, final norm and LM head (absent when tied to embeddings)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        super().__init__()
+        self.config = config
+        self.backend = backend
+        group_of_layer = {i: g for g, grp in enumerate(config.kv_groups) for i in grp.layer_ids}
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, device=device, dtype=dtype
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, group_of_layer[i], backend, dtype, device)
+            for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, False, device, dtype)
+        # Not a buffer: the model may be built on the meta device and loaded with `assign=True`.
+        self.inv_freq = rope_inv_freq(config)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_cache: PagedKVCache,
+    ) -> torch.Tensor:
+        """Final (normed) hidden states `[T, hidden]`; K/V of all T tokens land in `kv_cache`."""
+        hidden, _ = self.forward_with_aux(input_ids, positions, attn_metadata, kv_cache, ())
+        return hidden
+
+    @torch.no_grad()
+    def forward_with_aux(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_cache: PagedKVCache,
+        aux_layers: Sequence[int],
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Like `forward`, plus the hidden states of `aux_layers` (module docstring convention)."""
+        bad = [i for i in aux_layers if not 0 <= i < self.config.num_layers]
+        if bad:
+            raise ValueError(f"aux layers {bad} out of range for {self.config.num_layers} layers")
+        if input_ids.shape[0] != attn_metadata.num_tokens:
+            raise ValueError(
+                f"{input_ids.shape[0]} input tokens but metadata for {attn_metadata.num_tokens}"
+            )
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
+        x = self.embed_tokens(input_ids)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, attn_metadata, kv_cache)
+            if i in aux_layers:
+                captured[i] = x
+        return self.norm(x), [captured[i] for i in aux_layers]
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[N, hidden]` final hidden states -> `[N, vocab]` logits."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)

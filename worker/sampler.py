@@ -1,0 +1,177 @@
+"""Sampling from `[N, V]` logits with per-row parameters and per-request generators.
+
+Order of operations per row: temperature, then top-k, then top-p on the renormalised top-k
+distribution, then min-p (relative to the most likely token). Rows with temperature 0 are
+greedy. Sampling uses the exponential-race trick (`argmax(p / E)`, `E ~ Exp(1)`), with each
+row's noise drawn from that row's own generator, so a seeded request gets the same tokens
+whatever else shares its batch. Reported logprobs are of the raw model distribution
+(`log_softmax(logits)`), before temperature and filtering.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class SamplingLike(Protocol):
+    """The fields the sampler reads (`specserve.shared.protocol.SamplingParams` has them)."""
+
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def min_p(self) -> float: ...
+    @property
+    def logprobs(self) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """Per-row sampling parameters (`logprobs`: None = none, N = chosen plus top N)."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    top_p: float = 1.0
+    min_p: float = 0.0
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N] int64
+    logprobs: torch.Tensor | None  # [N] logprob of each chosen token; None if no row asked
+    top_token_ids: torch.Tensor | None  # [N, K] with K the largest N asked for
+    top_logprobs: torch.Tensor | None  # [N, K]
+    num_top_logprobs: list[int]  # per row, how many of the K columns it asked for
+
+
+def validate_sampling(
+    temperature: float, top_p: float, top_k: int, min_p: float, logprobs: int | None = None
+) -> None:
+    """Raise ValueError naming the first parameter the sampler cannot honour."""
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
+    if not 0.0 <= min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+    if logprobs is not None and logprobs < 0:
+        raise ValueError(f"logprobs must be >= 0, got {logprobs}")
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A request's own generator; keep it with the request so its draws never interleave."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingLike],
+    generators: Sequence[torch.Generator | None] | None = None,
+) -> SamplerOutput:
+    """Sample one token per row of `logits [N, V]`.
+
+    `generators[i]` is row i's generator (None: unseeded, uses the global RNG). Several rows of
+    one request (e.g. verified positions) may share a generator; they draw in row order.
+    """
+    n = logits.shape[0]
+    if len(params) != n:
+        raise ValueError(f"{len(params)} sampling params for {n} logit rows")
+    generators = generators if generators is not None else [None] * n
+    for p in params:
+        validate_sampling(p.temperature, p.top_p, p.top_k, p.min_p, p.logprobs)
+
+    logits = logits.float()
+    token_ids = logits.argmax(dim=-1)
+    random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    if random_rows:
+        rows = torch.tensor(random_rows, device=logits.device)
+        probs = filtered_probs(logits[rows], [params[i] for i in random_rows])
+        noise = _exponential_noise(probs, [generators[i] for i in random_rows])
+        token_ids[rows] = (probs / noise).argmax(dim=-1)
+    return _with_logprobs(logits, token_ids, params)
+
+
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingLike]) -> torch.Tensor:
+    """`[N, V]` renormalised probabilities after temperature, top-k, top-p and min-p."""
+    device = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=device)[:, None]
+    logits = logits / temps
+    if any(p.top_k > 0 for p in params):
+        logits = _apply_top_k(logits, [p.top_k for p in params])
+    probs = torch.softmax(logits, dim=-1)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        probs = _apply_top_p(probs, top_p)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+        threshold = min_p * probs.max(dim=-1, keepdim=True).values
+        probs = torch.where(probs >= threshold, probs, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """Keep logits >= each row's k-th largest (ties at the k-th value are all kept)."""
+    vocab = logits.shape[-1]
+    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=logits.device)
+    sorted_logits = logits.sort(dim=-1, descending=True).values
+    kth = sorted_logits.gather(-1, (ks - 1)[:, None])
+    return torch.where(logits >= kth, logits, -math.inf)
+
+
+def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p, then renormalise.
+
+    A token is dropped when the mass of the tokens sorted before it already reaches top_p, so
+    the most likely token always survives.
+    """
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep_sorted = mass_before < top_p[:, None]
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    kept = torch.where(keep, probs, 0.0)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def _exponential_noise(
+    probs: torch.Tensor, generators: Sequence[torch.Generator | None]
+) -> torch.Tensor:
+    """One Exp(1) draw per vocabulary entry per row, each row from its own generator."""
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        noise[unseeded] = torch.empty(
+            len(unseeded), probs.shape[-1], device=probs.device
+        ).exponential_()
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            noise[i].exponential_(generator=generator)
+    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # p / 0 would win every race
+
+
+def _with_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingLike]
+) -> SamplerOutput:
+    counts = [p.logprobs if p.logprobs is not None else 0 for p in params]
+    if all(p.logprobs is None for p in params):
+        return SamplerOutput(token_ids, None, None, None, counts)
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
+    k = max(counts)
+    top_ids, top_values = None, None
+    if k > 0:
+        top_values, top_ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+    return SamplerOutput(token_ids, chosen, top_ids, top_values, counts)
