@@ -24,6 +24,34 @@ class RequestStatus(enum.IntEnum):
         return self >= RequestStatus.FINISHED_STOPPED
 
 
+@dataclass
+class SpecDecodingStats:
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft_tokens:
+            self.accepted_per_position.extend(
+                [0] * (num_draft_tokens - len(self.accepted_per_position))
+            )
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """1 + accepted/drafts: tokens emitted per draft round, the bonus token included."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        return [n / self.num_drafts for n in self.accepted_per_position] if self.num_drafts else []
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -45,6 +73,7 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     handle: int = -1  # the integer id the worker knows this request by
+    spec_stats: SpecDecodingStats = field(default_factory=SpecDecodingStats)
     prefix_stats_recorded: bool = False
 
     def __post_init__(self) -> None:

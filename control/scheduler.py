@@ -10,10 +10,10 @@ that preempted nothing. Draft tokens are scheduled for verification optimistical
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from specserve.control.kv_cache_manager import CacheHit, KVCacheManager
-from specserve.control.request import Request, RequestStatus
+from specserve.control.request import Request, RequestStatus, SpecDecodingStats
 from specserve.control.request_queue import make_queue
 from specserve.shared.config import CacheConfig, SchedulerConfig, SchedulingPolicy
 from specserve.shared.kv_events import KVEvent
@@ -26,34 +26,6 @@ from specserve.shared.protocol import (
     StepResult,
     TokenLogprobs,
 )
-
-
-@dataclass
-class SpecDecodingStats:
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-
-    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted
-        if len(self.accepted_per_position) < num_draft_tokens:
-            self.accepted_per_position.extend(
-                [0] * (num_draft_tokens - len(self.accepted_per_position))
-            )
-        for i in range(num_accepted):
-            self.accepted_per_position[i] += 1
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """1 + accepted/drafts: tokens emitted per draft round, the bonus token included."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
-
-    @property
-    def acceptance_rate_per_position(self) -> list[float]:
-        return [n / self.num_drafts for n in self.accepted_per_position] if self.num_drafts else []
 
 
 @dataclass
@@ -81,6 +53,7 @@ class RequestUpdate:
     stop_reason: int | str | None = None
     logprobs: TokenLogprobs | None = None
     error: str | None = None
+    spec_stats: SpecDecodingStats | None = None  # the request's own, once it finished
 
 
 class Scheduler:
@@ -380,6 +353,7 @@ class Scheduler:
             num_accepted = max(len(generated) - 1, 0)
             request.num_computed_tokens -= len(drafts) - num_accepted
             self.spec_stats.observe(len(drafts), num_accepted)
+            request.spec_stats.observe(len(drafts), num_accepted)
         finished = False
         if self._no_stop_possible(request, generated):
             new_tokens = list(generated)
@@ -407,6 +381,7 @@ class Scheduler:
             request.status,
             request.stop_reason,
             res.logprobs,
+            spec_stats=request.spec_stats if finished else None,
         )
 
     def _no_stop_possible(self, request: Request, generated: Sequence[int]) -> bool:

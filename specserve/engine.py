@@ -14,10 +14,18 @@ import torch
 from specserve.control.request import Request
 from specserve.control.scheduler import RequestUpdate, Scheduler
 from specserve.shared import protocol
-from specserve.shared.config import CacheConfig, SchedulerConfig
-from specserve.worker.kv_cache import PagedKVCache
+from specserve.shared.config import CacheConfig, SchedulerConfig, SpecConfig, SpecMethod
+from specserve.worker.drafters import draft_kv_bytes_per_block
+from specserve.worker.kv_cache import PagedKVCache, bytes_per_block
 from specserve.worker.model_registry import LoadedModel, load_target
 from specserve.worker.model_runner import ModelRunner
+from specserve.worker.models import DecoderModel
+from specserve.worker.speculators import (
+    Drafter,
+    drafter_max_model_len,
+    load_drafter,
+    make_speculator,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -34,26 +42,20 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
+    spec_method: str = "none"  # none | ngram | eagle3 | dflash
+    drafter: str | None = None  # drafter checkpoint dir (eagle3, dflash)
+    num_spec_tokens: int = 0
+    drafter_max_model_len: int | None = None  # None: the drafter checkpoint's limit
 
 
 class InProcessEngine:
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
         self.args = args
+        method = SpecMethod(args.spec_method)
+        SpecConfig(method, args.num_spec_tokens)  # validate before loading anything
         self.loaded = loaded or load_target(args.model, args.dtype, args.device)
         model = self.loaded.model
         config = model.config
-        dtype = model.dtype
-        groups = config.kv_groups
-        if args.num_blocks is not None:
-            kv_cache = PagedKVCache(
-                groups, args.num_blocks, args.block_size, config.num_kv_heads,
-                config.head_dim, dtype, args.device,
-            )  # fmt: skip
-        else:
-            kv_cache = PagedKVCache.from_budget(
-                groups, args.kv_cache_memory_mb << 20, args.block_size, config.num_kv_heads,
-                config.head_dim, dtype, args.device,
-            )  # fmt: skip
         max_model_len = args.max_model_len or config.max_position_embeddings
         if max_model_len > config.max_position_embeddings:
             raise ValueError(
@@ -61,26 +63,59 @@ class InProcessEngine:
                 f"{config.max_position_embeddings}"
             )
         self.max_model_len = max_model_len
+        drafter = load_drafter(method, args.drafter, model)
+        num_blocks = args.num_blocks or self._blocks_for_budget(model, drafter)
+        kv_cache = PagedKVCache(
+            config.kv_groups, num_blocks, args.block_size, config.num_kv_heads,
+            config.head_dim, model.dtype, args.device,
+        )  # fmt: skip
+        draft_len = None
+        if method != SpecMethod.NONE:
+            draft_len = drafter_max_model_len(drafter, args.drafter_max_model_len, max_model_len)
+        spec = SpecConfig(method, args.num_spec_tokens, draft_len)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_model_len=max_model_len,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_num_seqs=args.max_num_seqs,
+                spec=spec,
             ),
             CacheConfig(
-                num_blocks=kv_cache.num_blocks,
+                num_blocks=num_blocks,
                 kv_groups=config.kv_group_specs(args.block_size),
                 enable_prefix_caching=args.enable_prefix_caching,
             ),
         )
-        self.runner = ModelRunner(model, kv_cache, args.device)
+        speculator = make_speculator(
+            method, args.num_spec_tokens, drafter, model, num_blocks, args.block_size,
+            draft_len, args.device,
+        )  # fmt: skip
+        self.runner = ModelRunner(model, kv_cache, args.device, speculator)
         log.info(
             "engine.ready",
             model=self.loaded.name,
-            kv_blocks=kv_cache.num_blocks,
+            kv_blocks=num_blocks,
             block_size=args.block_size,
             max_model_len=max_model_len,
+            spec_method=method.value,
+            num_spec_tokens=args.num_spec_tokens,
         )
+
+    def _blocks_for_budget(self, model: DecoderModel, drafter: Drafter | None) -> int:
+        """Blocks that fit the KV budget, counting the drafter's layers (same block ids)."""
+        config, bs = model.config, self.args.block_size
+        per_block = bytes_per_block(
+            config.num_layers, bs, config.num_kv_heads, config.head_dim, model.dtype
+        )
+        if drafter is not None:
+            per_block += draft_kv_bytes_per_block(drafter.config.layer, bs, drafter.dtype)
+        num_blocks = (self.args.kv_cache_memory_mb << 20) // per_block
+        if num_blocks < 2:
+            raise ValueError(
+                f"a KV budget of {self.args.kv_cache_memory_mb} MiB holds {num_blocks} blocks "
+                f"of {per_block} bytes; raise --kv-cache-memory-mb"
+            )
+        return num_blocks
 
     @property
     def vocab_size(self) -> int:

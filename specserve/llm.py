@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from specserve.control.request import Request, RequestStatus
+from specserve.control.request import Request, RequestStatus, SpecDecodingStats
 from specserve.engine import EngineArgs, InProcessEngine
 from specserve.shared.protocol import SamplingParams, TokenLogprobs
 
@@ -29,6 +29,7 @@ class GenerationOutput:
     finish_reason: str | None
     logprobs: list[TokenLogprobs]
     error: str | None = None
+    spec_stats: SpecDecodingStats | None = None
 
 
 class LLM:
@@ -36,6 +37,11 @@ class LLM:
         self.engine = InProcessEngine(EngineArgs(model=model, **engine_args))
         self.tokenizer = self.engine.loaded.tokenizer
         self._ids = itertools.count()
+
+    @property
+    def spec_stats(self) -> SpecDecodingStats:
+        """Speculative-decoding statistics over every request this LLM served."""
+        return self.engine.scheduler.spec_stats
 
     def encode_prompt(self, prompt: Prompt, chat: bool = False) -> list[int]:
         if not isinstance(prompt, str):
@@ -84,6 +90,7 @@ class LLM:
                 if update.finished:
                     out.finish_reason = FINISH_REASONS.get(update.status)
                     out.error = update.error
+                    out.spec_stats = update.spec_stats
         if self.tokenizer is not None:
             for out in outputs.values():
                 out.text = self.tokenizer.decode(out.token_ids)

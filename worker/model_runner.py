@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specserve.shared.config import AttentionType
 from specserve.shared.protocol import (
     PROTOCOL_VERSION,
     NewRequest,
@@ -24,7 +25,9 @@ from specserve.shared.protocol import (
 from specserve.worker.attention.base import SequenceStep
 from specserve.worker.kv_cache import PagedKVCache
 from specserve.worker.models import DecoderModel
+from specserve.worker.rejection_sampler import rejection_sample
 from specserve.worker.sampler import SamplerOutput, make_generator, sample
+from specserve.worker.speculators import DraftInput, Speculator
 
 
 @dataclass
@@ -48,17 +51,31 @@ class _Scheduled:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, kv_cache: PagedKVCache, device: torch.device | str):
+    def __init__(
+        self,
+        model: DecoderModel,
+        kv_cache: PagedKVCache,
+        device: torch.device | str,
+        speculator: Speculator | None = None,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = torch.device(device)
         self.config = model.config
+        self.speculator = speculator
         self.requests: dict[int, RequestState] = {}
+        groups = self.config.kv_groups
+        if (
+            speculator is not None
+            and speculator.aux_layer_ids
+            and (groups[0].attention != AttentionType.FULL)
+        ):
+            raise ValueError("a hidden-state drafter needs a target with full-attention layers")
 
     def execute(self, batch: StepBatch) -> StepResult:
         """Run one step. A request with bad input fails alone; the rest of the batch runs."""
         for handle in (*batch.preempted, *batch.finished):
-            self.requests.pop(handle, None)
+            self._drop(handle)
         failed: list[RequestResult] = []
         scheduled: list[_Scheduled] = []
         for new in batch.new_requests:
@@ -68,24 +85,31 @@ class ModelRunner:
                 failed.append(RequestResult(new.handle, [], error=str(exc)))
         for delta in batch.running:
             state = self.requests.get(delta.handle)
+            error = None
             if state is None:
-                failed.append(
-                    RequestResult(delta.handle, [], error=f"unknown request handle {delta.handle}")
+                error = f"unknown request handle {delta.handle}"
+            elif delta.num_spec_tokens > len(state.draft_token_ids):
+                error = (
+                    f"{delta.num_spec_tokens} drafts scheduled but only "
+                    f"{len(state.draft_token_ids)} were proposed"
                 )
+            if error is not None:
+                self._drop(delta.handle)
+                failed.append(RequestResult(delta.handle, [], error=error))
                 continue
+            assert state is not None
             if delta.new_block_ids:
                 for table, new_ids in zip(state.block_tables, delta.new_block_ids, strict=True):
                     table.extend(new_ids)
             state.num_computed_tokens = delta.num_computed_tokens
-            if delta.num_spec_tokens:
-                self.requests.pop(delta.handle)
-                failed.append(
-                    RequestResult(delta.handle, [], error="this worker has no drafter to verify")
-                )
-                continue
-            scheduled.append(_Scheduled(state, delta.num_scheduled_tokens, 0))
+            scheduled.append(_Scheduled(state, delta.num_scheduled_tokens, delta.num_spec_tokens))
         results = self._run(scheduled) if scheduled else []
         return StepResult(PROTOCOL_VERSION, batch.step_id, results + failed)
+
+    def _drop(self, handle: int) -> None:
+        self.requests.pop(handle, None)
+        if self.speculator is not None:
+            self.speculator.forget(handle)
 
     def _add_request(self, new: NewRequest) -> RequestState:
         vocab = self.config.vocab_size
@@ -114,59 +138,132 @@ class ModelRunner:
         return state
 
     def _run(self, scheduled: Sequence[_Scheduled]) -> list[RequestResult]:
+        """One target forward for the whole batch, then verification, then drafting."""
         input_ids: list[int] = []
         positions: list[int] = []
         steps: list[SequenceStep] = []
-        sample_rows: list[int] = []
-        sampling_requests: list[RequestState] = []
+        row_starts: list[int] = []
         for item in scheduled:
-            state, n = item.state, item.num_tokens
+            state, n, k = item.state, item.num_tokens, item.num_spec
             start = state.num_computed_tokens
-            tokens = state.token_ids[start : start + n]
-            if len(tokens) != n:
+            known = state.token_ids[start : start + n - k]
+            if len(known) != n - k:
                 raise ValueError(
                     f"request {state.request_id}: {n} tokens scheduled from position {start} "
                     f"but only {len(state.token_ids)} are known"
                 )
-            row0 = len(input_ids)
-            input_ids.extend(tokens)
+            row_starts.append(len(input_ids))
+            input_ids.extend(known)
+            input_ids.extend(state.draft_token_ids[:k])
             positions.extend(range(start, start + n))
             steps.append(SequenceStep(n, start + n, state.block_tables))
-            if start + n == len(state.token_ids):  # the prompt (or decode) is done: sample
-                sample_rows.append(row0 + n - 1)
-                sampling_requests.append(state)
 
         metadata = self.model.backend.build_metadata(
             steps, self.config.kv_groups, self.kv_cache.block_size, self.device
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, pos, metadata, self.kv_cache)
-        for item in scheduled:
-            item.state.num_computed_tokens += item.num_tokens
+        aux_layers = self.speculator.aux_layer_ids if self.speculator else ()
+        hidden, aux = self.model.forward_with_aux(ids, pos, metadata, self.kv_cache, aux_layers)
 
-        sampled: dict[int, tuple[int, TokenLogprobs | None]] = {}
-        if sample_rows:
-            rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-            logits = self.model.compute_logits(hidden[rows])
-            out = sample(
-                logits,
-                [s.sampling for s in sampling_requests],
-                [s.generator for s in sampling_requests],
-            )
-            token_ids = out.token_ids.tolist()
-            for i, state in enumerate(sampling_requests):
-                state.token_ids.append(token_ids[i])
-                sampled[state.handle] = (token_ids[i], _row_logprobs(out, i, state.sampling))
+        emitted, logprobs = self._sample(scheduled, row_starts, hidden)
         results = []
-        for item in scheduled:
-            handle = item.state.handle
-            if handle in sampled:
-                token, logprobs = sampled[handle]
-                results.append(RequestResult(handle, [token], logprobs=logprobs))
-            else:
-                results.append(RequestResult(handle, []))
+        draft_inputs: list[DraftInput] = []
+        for item, row_start in zip(scheduled, row_starts, strict=True):
+            state, n, k = item.state, item.num_tokens, item.num_spec
+            start = state.num_computed_tokens
+            tokens = emitted.get(state.handle, [])
+            num_valid = n - k + max(len(tokens) - 1, 0)  # known tokens plus accepted drafts
+            state.num_computed_tokens = start + num_valid
+            state.token_ids.extend(tokens)
+            state.draft_token_ids = []
+            results.append(RequestResult(state.handle, tokens, logprobs=logprobs.get(state.handle)))
+            if self.speculator is not None:
+                draft_inputs.append(
+                    DraftInput(
+                        handle=state.handle,
+                        token_ids=state.token_ids,
+                        block_table=state.block_tables[0],
+                        row_start=row_start,
+                        start=start,
+                        num_valid=num_valid,
+                        propose=bool(tokens)
+                        and self.speculator.window_allows(len(state.token_ids)),
+                    )
+                )
+        if self.speculator is None:
+            return results
+        aux_hidden = torch.cat(aux, dim=-1) if aux else None
+        drafts = self.speculator.propose(draft_inputs, aux_hidden)
+        for i, result in enumerate(results):
+            proposed = drafts.get(result.handle)
+            if proposed:
+                self.requests[result.handle].draft_token_ids = proposed
+                results[i] = RequestResult(
+                    result.handle, result.sampled_token_ids, proposed, result.logprobs
+                )
         return results
+
+    def _sample(
+        self, scheduled: Sequence[_Scheduled], row_starts: Sequence[int], hidden: torch.Tensor
+    ) -> tuple[dict[int, list[int]], dict[int, TokenLogprobs]]:
+        """Tokens per request that reached the end of its known tokens (plus their logprobs).
+
+        A request verifying k drafts samples from its last k+1 rows through the rejection
+        sampler; a batch with no drafts at all takes the plain sampler.
+        """
+        rows: list[int] = []
+        sampling: list[RequestState] = []
+        drafts: list[list[int]] = []
+        for item, row_start in zip(scheduled, row_starts, strict=True):
+            state, n, k = item.state, item.num_tokens, item.num_spec
+            if state.num_computed_tokens + n - k < len(state.token_ids):
+                continue  # a prefill chunk: nothing to sample yet
+            rows.extend(range(row_start + n - k - 1, row_start + n))
+            sampling.append(state)
+            drafts.append(state.draft_token_ids[:k])
+        if not rows:
+            return {}, {}
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        params = [s.sampling for s in sampling]
+        generators = [s.generator for s in sampling]
+        if not any(drafts):
+            out = sample(logits, params, generators)
+            token_ids = out.token_ids.tolist()
+            emitted = {s.handle: [token_ids[i]] for i, s in enumerate(sampling)}
+            logprobs = {
+                s.handle: lp
+                for i, s in enumerate(sampling)
+                if (lp := _row_logprobs(out, i, s.sampling)) is not None
+            }
+            return emitted, logprobs
+        per_request = rejection_sample(logits, drafts, params, generators)
+        emitted = {s.handle: tokens for s, tokens in zip(sampling, per_request, strict=True)}
+        return emitted, self._verified_logprobs(logits, sampling, drafts, per_request)
+
+    def _verified_logprobs(
+        self,
+        logits: torch.Tensor,
+        sampling: Sequence[RequestState],
+        drafts: Sequence[Sequence[int]],
+        per_request: Sequence[Sequence[int]],
+    ) -> dict[int, TokenLogprobs]:
+        """Logprobs of each emitted token at the row that produced it (raw model distribution)."""
+        out: dict[int, TokenLogprobs] = {}
+        row = 0
+        for state, k_drafts, tokens in zip(sampling, drafts, per_request, strict=True):
+            n_top = state.sampling.logprobs
+            if n_top is not None:
+                lps = torch.log_softmax(logits[row : row + len(tokens)].float(), dim=-1)
+                chosen = lps.gather(-1, torch.tensor(tokens, device=lps.device)[:, None])
+                top = lps.topk(n_top, dim=-1) if n_top else None
+                out[state.handle] = TokenLogprobs(
+                    chosen.squeeze(-1).tolist(),
+                    top.indices.tolist() if top else [[] for _ in tokens],
+                    top.values.tolist() if top else [[] for _ in tokens],
+                )
+            row += len(k_drafts) + 1
+        return out
 
 
 def _row_logprobs(out: SamplerOutput, row: int, sampling: SamplingParams) -> TokenLogprobs | None:

@@ -1,0 +1,727 @@
+"""EAGLE-3 and DFlash drafters against dense reference implementations written here.
+
+The references are plain torch over whole sequences (no paging, no fused projections) and
+read the weights straight from the checkpoint files `checkpoints.py` writes, so they check the
+tensor-name mapping as well as the math. Our paged forwards run a ragged batch of two requests
+whose block tables are non-contiguous and out of order, across several steps (so stale K/V
+from earlier draft blocks sits in the cache and must be overwritten, never read).
+
+Tolerance: float32 everywhere, `ATOL` 2e-5 absolute on hidden states of unit scale (the two
+sides differ only in fused matmuls, SDPA versus explicit softmax, and summation order).
+Target hidden states are compared with transformers at 1e-4, as the target model tests do.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from specserve.worker.attention.base import SequenceStep
+from specserve.worker.drafters import LayerAttention
+from specserve.worker.drafters.checkpoints import write_random_dflash, write_random_eagle3
+from specserve.worker.drafters.dflash import (
+    DFlashConfig,
+    DFlashDrafter,
+    default_target_layer_ids,
+    load_dflash,
+    resolve_layer_attention,
+)
+from specserve.worker.drafters.eagle3 import Eagle3Config, Eagle3Drafter, load_eagle3
+from specserve.worker.kv_cache import PagedKVCache
+from specserve.worker.loader import load_model
+from specserve.worker.models import DecoderModel
+
+transformers = pytest.importorskip("transformers")
+torch.set_num_threads(1)
+
+ATOL = 2e-5
+ATOL_TARGET = 1e-4
+BLOCK = 4
+NUM_BLOCKS = 40
+# Two requests, tables deliberately non-contiguous and descending/interleaved.
+TABLES = ([31, 7, 22, 3, 15], [12, 38, 5, 27, 9])
+
+Weights = Mapping[str, torch.Tensor]
+
+
+# --------------------------------------------------------------------------- targets
+
+
+@dataclass(frozen=True)
+class Target:
+    path: Path
+    config: dict[str, Any]
+    model: DecoderModel
+    hf: torch.nn.Module
+
+
+def _target(tmp_path_factory: pytest.TempPathFactory, kind: str) -> Target:
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=4,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    if kind == "llama":
+        config, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    else:
+        config, cls = transformers.Qwen3Config(**common, head_dim=32), transformers.Qwen3ForCausalLM
+    torch.manual_seed(0)
+    hf = cls(config).eval()
+    path = tmp_path_factory.mktemp(f"target_{kind}")
+    hf.save_pretrained(path)
+    return Target(path, json.loads((path / "config.json").read_text()), load_model(path), hf)
+
+
+@pytest.fixture(scope="module")
+def llama_target(tmp_path_factory: pytest.TempPathFactory) -> Target:
+    return _target(tmp_path_factory, "llama")
+
+
+@pytest.fixture(scope="module")
+def qwen3_target(tmp_path_factory: pytest.TempPathFactory) -> Target:
+    return _target(tmp_path_factory, "qwen3")
+
+
+@pytest.fixture
+def target(request: pytest.FixtureRequest) -> Target:
+    return request.getfixturevalue(f"{request.param}_target")
+
+
+# --------------------------------------------------------------------------- dense reference
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Half-split RoPE on `[T, heads, head_dim]`."""
+    dim = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, dim, 2).float() / dim)
+    angles = positions.float()[:, None] * inv[None, :]
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    a, b = x[..., : dim // 2], x[..., dim // 2 :]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`q [Tq, h, d]`, `k/v [Tk, kvh, d]`, `mask [Tq, Tk]` (True = visible) -> `[Tq, h*d]`."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).flatten(1)
+
+
+def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, kind: LayerAttention) -> torch.Tensor:
+    mask = torch.ones(len(q_pos), len(k_pos), dtype=torch.bool)
+    if kind.causal:
+        mask &= k_pos[None, :] <= q_pos[:, None]
+    if kind.sliding_window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - kind.sliding_window
+    return mask
+
+
+@dataclass(frozen=True)
+class Dims:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    theta: float
+
+    @classmethod
+    def of(cls, layer: Mapping[str, Any]) -> Dims:
+        return cls(
+            layer["num_attention_heads"],
+            layer["num_key_value_heads"],
+            layer["head_dim"],
+            layer["rms_norm_eps"],
+            layer.get("rope_theta") or layer["rope_parameters"]["rope_theta"],
+        )
+
+
+def _heads(x: torch.Tensor, n: int, d: Dims) -> torch.Tensor:
+    return x.view(x.shape[0], n, d.head_dim)
+
+
+def _qk_norm(w: Weights, p: str, name: str, x: torch.Tensor, d: Dims) -> torch.Tensor:
+    key = f"{p}self_attn.{name}_norm.weight"
+    return _rms(x, w[key], d.eps) if key in w else x
+
+
+def _mlp_block(w: Weights, p: str, h: torch.Tensor, d: Dims) -> torch.Tensor:
+    x = _rms(h, w[p + "post_attention_layernorm.weight"], d.eps)
+    gate, up = x @ w[p + "mlp.gate_proj.weight"].T, x @ w[p + "mlp.up_proj.weight"].T
+    return h + (F.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+
+
+def _self_attn(
+    w: Weights, p: str, x: torch.Tensor, pos: torch.Tensor, kind: LayerAttention, d: Dims
+) -> torch.Tensor:
+    """Ordinary attention of rows `x` (already input-normed) over themselves."""
+    a = p + "self_attn."
+    q = _rope(
+        _qk_norm(w, p, "q", _heads(x @ w[a + "q_proj.weight"].T, d.heads, d), d), pos, d.theta
+    )
+    k = _rope(
+        _qk_norm(w, p, "k", _heads(x @ w[a + "k_proj.weight"].T, d.kv_heads, d), d), pos, d.theta
+    )
+    v = _heads(x @ w[a + "v_proj.weight"].T, d.kv_heads, d)
+    return _attend(q, k, v, _mask(pos, pos, kind)) @ w[a + "o_proj.weight"].T
+
+
+def eagle3_dense(
+    w: Weights,
+    num_layers: int,
+    norm_before_residual: bool,
+    embed: torch.Tensor,
+    ids: torch.Tensor,
+    hidden: torch.Tensor,
+    d: Dims,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request, positions 0..T-1, causal: `(norm(h), h)` per the EAGLE-3 semantics."""
+    pos = torch.arange(len(ids))
+    p0 = "midlayer." if "midlayer.hidden_norm.weight" in w else "layers.0."
+    normed_hidden = _rms(hidden, w[p0 + "hidden_norm.weight"], d.eps)
+    residual = normed_hidden if norm_before_residual else hidden
+    x = torch.cat([_rms(embed[ids], w[p0 + "input_layernorm.weight"], d.eps), normed_hidden], -1)
+    h = residual + _self_attn(w, p0, x, pos, LayerAttention(True), d)
+    h = _mlp_block(w, p0, h, d)
+    for i in range(1, num_layers):
+        p = f"layers.{i}."
+        x = _rms(h, w[p + "input_layernorm.weight"], d.eps)
+        h = _mlp_block(w, p, h + _self_attn(w, p, x, pos, LayerAttention(True), d), d)
+    return _rms(h, w["norm.weight"], d.eps), h
+
+
+def dflash_dense(
+    w: Weights,
+    kinds: Sequence[LayerAttention],
+    embed: torch.Tensor,
+    features: torch.Tensor,
+    block_ids: torch.Tensor,
+    d: Dims,
+) -> torch.Tensor:
+    """One request: context = target features of positions 0..N-1, block at N..N+B-1.
+
+    Per layer, queries come from the block only; keys/values are the fused context
+    (fc -> hidden_norm -> k/v proj -> k_norm -> RoPE, no input_layernorm) followed by the
+    block's own, as in the reference model.
+    """
+    n, b = features.shape[0], len(block_ids)
+    ctx = _rms(features @ w["fc.weight"].T, w["hidden_norm.weight"], d.eps)
+    ctx_pos, blk_pos = torch.arange(n), torch.arange(n, n + b)
+    key_pos = torch.cat([ctx_pos, blk_pos])
+    h = embed[block_ids]
+    for i, kind in enumerate(kinds):
+        p, a = f"layers.{i}.", f"layers.{i}.self_attn."
+        x = _rms(h, w[p + "input_layernorm.weight"], d.eps)
+        q = _rope(
+            _qk_norm(w, p, "q", _heads(x @ w[a + "q_proj.weight"].T, d.heads, d), d),
+            blk_pos,
+            d.theta,
+        )
+        both = torch.cat([ctx, x])
+        k = _qk_norm(w, p, "k", _heads(both @ w[a + "k_proj.weight"].T, d.kv_heads, d), d)
+        k = _rope(k, key_pos, d.theta)
+        v = _heads(both @ w[a + "v_proj.weight"].T, d.kv_heads, d)
+        out = _attend(q, k, v, _mask(blk_pos, key_pos, kind)) @ w[a + "o_proj.weight"].T
+        h = _mlp_block(w, p, h + out, d)
+    return _rms(h, w["norm.weight"], d.eps)
+
+
+# --------------------------------------------------------------------------- paged helpers
+
+
+def _slots(table: Sequence[int], positions: Sequence[int]) -> list[int]:
+    return [table[p // BLOCK] * BLOCK + p % BLOCK for p in positions]
+
+
+def _step(query_len: int, seq_len: int, r: int) -> SequenceStep:
+    return SequenceStep(query_len, seq_len, [TABLES[r]])
+
+
+def _dims(path: Path) -> tuple[dict[str, torch.Tensor], Dims, dict[str, Any]]:
+    config = json.loads((path / "config.json").read_text())
+    layer = config.get("transformer_layer_config", config)
+    return load_file(path / "model.safetensors"), Dims.of(layer), config
+
+
+# --------------------------------------------------------------------------- EAGLE-3
+
+EAGLE_CASES = {
+    # style, target, draft vocab, norm_before_residual, layers, lm_head, own embeddings
+    "yuhuili-d2t": ("eagle3", "llama", 100, False, 1, True, False),
+    "speculators-shared-head": ("speculators", "llama", None, True, 2, False, True),
+    "speculators-qwen3-d2t": ("speculators", "qwen3", 64, False, 1, True, False),
+}
+
+
+@pytest.mark.parametrize("case", list(EAGLE_CASES))
+def test_eagle3_matches_dense_reference(
+    case: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    style, target_name, draft_vocab, nbr, layers, lm_head, own_embed = EAGLE_CASES[case]
+    target: Target = request.getfixturevalue(f"{target_name}_target")
+    path = write_random_eagle3(
+        tmp_path, target.config, style, draft_vocab, seed=1, num_layers=layers,
+        aux_layer_ids=[1, 2, 4], norm_before_residual=nbr, with_lm_head=lm_head,
+        with_embed_tokens=own_embed,
+    )  # fmt: skip
+    drafter = load_eagle3(path, target.model)
+    w, d, _ = _dims(path)
+    embed = w["embed_tokens.weight"] if own_embed else target.model.embed_tokens.weight
+    assert (drafter.embed_tokens is not None) == own_embed
+    assert drafter.aux_layer_ids() == [0, 1, 3]
+
+    gen = torch.Generator().manual_seed(2)
+    lens = [7, 5]
+    ids = [torch.randint(0, 256, (n,), generator=gen) for n in lens]
+    aux = [torch.randn(n, 3 * 64, generator=gen) for n in lens]
+    cache = drafter.make_kv_cache(NUM_BLOCKS, BLOCK)
+
+    # First pass over all rows, as after a target step (positions 0..T-1).
+    meta = drafter.build_attn_metadata([_step(n, n, r) for r, n in enumerate(lens)], BLOCK, "cpu")
+    hidden = drafter.combine_hidden_states(torch.cat(aux))
+    positions = torch.cat([torch.arange(n) for n in lens])
+    normed, prenorm = drafter(torch.cat(ids), hidden, positions, meta, cache)
+    fc = [a @ w["fc.weight"].T for a in aux]
+    torch.testing.assert_close(hidden, torch.cat(fc), atol=ATOL, rtol=0)
+    refs = [eagle3_dense(w, layers, nbr, embed, i, f, d) for i, f in zip(ids, fc, strict=True)]
+    torch.testing.assert_close(normed, torch.cat([r[0] for r in refs]), atol=ATOL, rtol=0)
+    torch.testing.assert_close(prenorm, torch.cat([r[1] for r in refs]), atol=ATOL, rtol=0)
+    _check_eagle3_logits(drafter, normed, w, target)
+
+    # Two autoregressive steps: one token each, fed its own prenorm output.
+    last = torch.tensor([lens[0] - 1, sum(lens) - 1])
+    feed = prenorm[last]
+    for _ in range(2):
+        new = torch.randint(0, 256, (2,), generator=gen)
+        pos = torch.tensor([len(i) for i in ids])
+        meta = drafter.build_attn_metadata(
+            [_step(1, int(p) + 1, r) for r, p in enumerate(pos)], BLOCK, "cpu"
+        )
+        normed, feed_next = drafter(new, feed, pos, meta, cache)
+        for r in range(2):
+            ids[r] = torch.cat([ids[r], new[r : r + 1]])
+            fc[r] = torch.cat([fc[r], feed[r : r + 1]])
+            ref_normed, ref_pre = eagle3_dense(w, layers, nbr, embed, ids[r], fc[r], d)
+            torch.testing.assert_close(normed[r], ref_normed[-1], atol=ATOL, rtol=0)
+            torch.testing.assert_close(feed_next[r], ref_pre[-1], atol=ATOL, rtol=0)
+        feed = feed_next
+
+
+def _check_eagle3_logits(
+    drafter: Eagle3Drafter, normed: torch.Tensor, w: Weights, target: Target
+) -> None:
+    logits = drafter.compute_logits(normed)
+    assert logits.shape == (normed.shape[0], 256)
+    if "lm_head.weight" not in w:  # shared with the target
+        torch.testing.assert_close(logits, target.model.compute_logits(normed))
+        return
+    draft_logits = normed @ w["lm_head.weight"].T
+    if "d2t" not in w:
+        torch.testing.assert_close(logits, draft_logits, atol=ATOL, rtol=0)
+        return
+    # target id = draft id + d2t[draft id]; every other target id is impossible.
+    mapped = torch.arange(len(w["d2t"])) + w["d2t"]
+    assert torch.equal(drafter.draft_to_target, mapped)
+    assert torch.equal(mapped, w["t2d"].nonzero().flatten())
+    torch.testing.assert_close(logits[:, mapped], draft_logits, atol=ATOL, rtol=0)
+    others = torch.ones(256, dtype=torch.bool)
+    others[mapped] = False
+    assert bool(torch.isneginf(logits[:, others]).all())
+    assert torch.equal(logits.argmax(-1), mapped[draft_logits.argmax(-1)])
+
+
+def test_eagle3_config_formats(llama_target: Target, tmp_path: Path) -> None:
+    """Both formats parse to the same drafter description."""
+    configs = {}
+    for style in ("eagle3", "speculators"):
+        path = write_random_eagle3(
+            tmp_path / style, llama_target.config, style, 100, aux_layer_ids=[1, 2, 4],
+            norm_before_residual=True,
+        )  # fmt: skip
+        configs[style] = Eagle3Config.from_hf(json.loads((path / "config.json").read_text()))
+    a, b = configs["eagle3"], configs["speculators"]
+    assert (a.style, b.style) == ("eagle3", "speculators")
+    for c in (a, b):
+        assert c.draft_vocab_size == 100
+        assert c.norm_before_residual is True
+        assert c.checkpoint_aux_layer_ids == (1, 2, 4)
+        assert c.layer.hidden_size == 64 and c.layer.num_layers == 1
+        assert c.layer.num_kv_heads == 2 and not c.layer.qk_norm
+    # Aux ids may also sit at the top level of the yuhuili format, or use the short
+    # speculators spelling.
+    top = {**json.loads((tmp_path / "eagle3" / "config.json").read_text())}
+    top.pop("eagle_config")
+    top["eagle_aux_hidden_state_layer_ids"] = [3, 4, 1]
+    assert Eagle3Config.from_hf(top).checkpoint_aux_layer_ids == (3, 4, 1)
+    spec = json.loads((tmp_path / "speculators" / "config.json").read_text())
+    spec["aux_hidden_state_layer_ids"] = spec.pop("eagle_aux_hidden_state_layer_ids")
+    assert Eagle3Config.from_hf(spec).checkpoint_aux_layer_ids == (1, 2, 4)
+
+
+def test_eagle3_aux_layer_id_convention() -> None:
+    """Checkpoint ids mean "input of layer i"; ours mean "output of layer i": ours = id - 1."""
+    config = Eagle3Config.from_hf(
+        {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 1,
+            "vocab_size": 256,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 16, 32]},
+        }
+    )
+    assert config.aux_layer_ids(32) == [0, 15, 31]
+    default = replace(config, checkpoint_aux_layer_ids=None)
+    assert default.aux_layer_ids(32) == [1, 15, 28]  # checkpoint default (2, L//2, L-3)
+    assert default.aux_layer_ids(36) == [1, 17, 32]
+    with pytest.raises(ValueError, match=r"\[0\].*out of range 1\.\.4"):
+        replace(config, checkpoint_aux_layer_ids=(0, 1, 2)).aux_layer_ids(4)
+    with pytest.raises(ValueError, match="out of range"):
+        config.aux_layer_ids(31)
+
+
+def test_aux_layer_ids_select_the_documented_hidden_states(llama_target: Target) -> None:
+    """HF `hidden_states[i]` is the input of layer i (EAGLE-3 checkpoint id i) and the output
+    of layer i-1 (DFlash id i-1); our `forward_with_aux` ids are the latter for both."""
+    model = llama_target.model
+    ids = torch.randint(0, 256, (9,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        hf = llama_target.hf(ids[None], output_hidden_states=True).hidden_states
+    eagle = Eagle3Config.from_hf(
+        {"architectures": ["LlamaForCausalLMEagle3"], **_llama_layer(), "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}
+    )  # fmt: skip
+    dflash = DFlashConfig.from_hf(
+        {"architectures": ["DFlashDraftModel"], **_llama_layer(), "head_dim": 16,
+         "dflash_config": {"mask_token_id": 0, "target_layer_ids": [0, 2]}}
+    )  # fmt: skip
+    cache = PagedKVCache(model.config.kv_groups, 8, BLOCK, 2, 16, torch.float32, "cpu")
+    steps = [SequenceStep(9, 9, [[1, 2, 3]])]
+    for ckpt_ids, ours in (
+        (eagle.checkpoint_aux_layer_ids, eagle.aux_layer_ids(4)),
+        ([i + 1 for i in dflash.target_layer_ids], list(dflash.target_layer_ids)),
+    ):
+        meta = model.backend.build_metadata(steps, model.config.kv_groups, BLOCK, "cpu")
+        _, aux = model.forward_with_aux(ids, torch.arange(9), meta, cache, ours)
+        for hf_index, captured in zip(ckpt_ids, aux, strict=True):
+            torch.testing.assert_close(captured, hf[hf_index][0], atol=ATOL_TARGET, rtol=0)
+
+
+def _llama_layer() -> dict[str, Any]:
+    return {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 1,
+        "vocab_size": 256,
+    }
+
+
+def test_eagle3_accepts_both_layer_prefixes_and_model_prefix(
+    llama_target: Target, tmp_path: Path
+) -> None:
+    path = write_random_eagle3(tmp_path / "a", llama_target.config, "eagle3", 100, seed=4)
+    tensors = load_file(path / "model.safetensors")
+    assert any(n.startswith("midlayer.") for n in tensors)
+    renamed = {"model." + n.replace("midlayer.", "layers.0."): t for n, t in tensors.items()}
+    other = tmp_path / "b"
+    other.mkdir()
+    (other / "config.json").write_text((path / "config.json").read_text())
+    save_file(renamed, other / "model.safetensors")
+    a, b = load_eagle3(path, llama_target.model), load_eagle3(other, llama_target.model)
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(x, y), name
+
+
+def test_eagle3_shares_a_saved_copy_of_target_embeddings(
+    llama_target: Target, tmp_path: Path
+) -> None:
+    path = write_random_eagle3(tmp_path, llama_target.config, "speculators", with_embed_tokens=True)
+    tensors = load_file(path / "model.safetensors")
+    tensors["embed_tokens.weight"] = llama_target.model.embed_tokens.weight.clone()
+    save_file(tensors, path / "model.safetensors")
+    drafter = load_eagle3(path, llama_target.model)
+    assert drafter.embed_tokens is None
+    assert "embed_tokens.weight" not in drafter.state_dict()
+
+
+def _edit(path: Path, drop: Sequence[str] = (), add: Mapping[str, torch.Tensor] = {}) -> None:
+    tensors = load_file(path / "model.safetensors")
+    for name in drop:
+        del tensors[name]
+    tensors.update(add)
+    save_file(tensors, path / "model.safetensors")
+
+
+def _edit_config(path: Path, **changes: Any) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_eagle3_load_errors(llama_target: Target, tmp_path: Path) -> None:
+    model = llama_target.model
+
+    def fresh(name: str, **kw: Any) -> Path:
+        return write_random_eagle3(tmp_path / name, llama_target.config, "eagle3", **kw)
+
+    path = fresh("missing", draft_vocab_size=100)
+    _edit(path, drop=["midlayer.self_attn.k_proj.weight"])
+    with pytest.raises(ValueError, match=r"missing tensor 'layers\.0\.self_attn\.k_proj.*midlayer"):
+        load_eagle3(path, model)
+
+    path = fresh("no_d2t", draft_vocab_size=100)
+    _edit(path, drop=["d2t"])
+    with pytest.raises(ValueError, match="needs a 'd2t'"):
+        load_eagle3(path, model)
+
+    path = fresh("bad_d2t", draft_vocab_size=100)
+    _edit(path, add={"d2t": torch.full((100,), 200)})
+    with pytest.raises(ValueError, match="outside the target vocab"):
+        load_eagle3(path, model)
+
+    path = fresh("no_head", draft_vocab_size=100)
+    _edit(path, drop=["lm_head.weight"])
+    with pytest.raises(ValueError, match=r"missing tensor 'lm_head\.weight'"):
+        load_eagle3(path, model)
+
+    path = fresh("extra")
+    _edit(path, add={"midlayer.self_attn.rotary.weird": torch.zeros(2)})
+    with pytest.raises(ValueError, match=r"unexpected tensors: midlayer\.self_attn\.rotary"):
+        load_eagle3(path, model)
+
+    path = fresh("bad_shape")
+    _edit(path, add={"fc.weight": torch.zeros(64, 128)})
+    with pytest.raises(ValueError, match=r"'fc.weight' has shape \(64, 128\).*\(64, 192\)"):
+        load_eagle3(path, model)
+
+    path = fresh("bad_ids", aux_layer_ids=[1, 2, 9])
+    with pytest.raises(ValueError, match=r"\[9\].*out of range 1\.\.4"):
+        load_eagle3(path, model)
+
+    path = fresh("bad_arch")
+    _edit_config(path, architectures=["LlamaForCausalLM"])
+    with pytest.raises(ValueError, match="not an EAGLE-3 config"):
+        load_eagle3(path, model)
+
+    path = fresh("bad_hidden")
+    _edit_config(path, target_hidden_size=128)
+    with pytest.raises(ValueError, match="target_hidden_size 128"):
+        load_eagle3(path, model)
+
+
+# --------------------------------------------------------------------------- DFlash
+
+NC, C = LayerAttention(False), LayerAttention(True)
+DFLASH_CASES = {
+    # target, layer_types, sliding_window, is_causal override, expected per-layer attention
+    "all-non-causal": ("qwen3", None, None, None, [NC, NC, NC]),
+    "mixed-causal": (
+        "qwen3",
+        ["sliding_attention", "full_attention", "sliding_attention"],
+        None,
+        None,
+        [C, NC, C],
+    ),
+    "mixed-windowed": (
+        "llama",
+        ["full_attention", "sliding_attention", "sliding_attention"],
+        5,
+        None,
+        [NC, LayerAttention(True, 5), LayerAttention(True, 5)],
+    ),
+    "is-causal-override": ("llama", ["full_attention"] * 3, None, True, [C, C, C]),
+}
+
+
+@pytest.mark.parametrize("case", list(DFLASH_CASES))
+def test_dflash_matches_dense_reference(
+    case: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    target_name, layer_types, window, is_causal, kinds = DFLASH_CASES[case]
+    target: Target = request.getfixturevalue(f"{target_name}_target")
+    mask_id, k = 255, 3
+    path = write_random_dflash(
+        tmp_path, target.config, num_layers=3, target_layer_ids=[0, 2, 3],
+        mask_token_id=mask_id, block_size=k + 1, seed=5, layer_types=layer_types,
+        sliding_window=window, is_causal=is_causal,
+    )  # fmt: skip
+    drafter = load_dflash(path, target.model)
+    w, d, _ = _dims(path)
+    assert list(drafter.config.layer_attention) == kinds
+    embed = target.model.embed_tokens.weight
+    assert drafter.aux_layer_ids() == [0, 2, 3]
+    assert drafter.mask_token_id == mask_id
+
+    gen = torch.Generator().manual_seed(6)
+    cache = drafter.make_kv_cache(NUM_BLOCKS, BLOCK)
+    features: list[torch.Tensor] = [torch.empty(0, 3 * 64), torch.empty(0, 3 * 64)]
+    # Step 1: prompts of 6 and 9 tokens become context; step 2: 3 and 1 rows accepted.
+    for new_rows in ([6, 9], [3, 1]):
+        ctx_feats, ctx_pos, ctx_slots = [], [], []
+        for r, n in enumerate(new_rows):
+            rows = torch.randn(n, 3 * 64, generator=gen)
+            start = len(features[r])
+            features[r] = torch.cat([features[r], rows])
+            ctx_feats.append(rows)
+            ctx_pos += range(start, start + n)
+            ctx_slots += _slots(TABLES[r], range(start, start + n))
+        drafter.write_context_kv(
+            drafter.combine_hidden_states(torch.cat(ctx_feats)),
+            torch.tensor(ctx_pos),
+            torch.tensor(ctx_slots),
+            cache,
+        )
+        blocks = [
+            torch.cat([torch.randint(0, 255, (1,), generator=gen), torch.full((k,), mask_id)])
+            for _ in range(2)
+        ]
+        ctx_lens = [len(f) for f in features]
+        steps = [_step(k + 1, n + k + 1, r) for r, n in enumerate(ctx_lens)]
+        positions = torch.cat([torch.arange(n, n + k + 1) for n in ctx_lens])
+        meta = drafter.build_attn_metadata(steps, BLOCK, "cpu")
+        out = drafter(torch.cat(blocks), positions, meta, cache)
+        ref = torch.cat(
+            [dflash_dense(w, kinds, embed, f, b, d) for f, b in zip(features, blocks, strict=True)]
+        )
+        torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        drafter.compute_logits(out), target.model.compute_logits(out), atol=0, rtol=0
+    )
+
+
+def test_dflash_non_causal_layers_see_the_whole_block(qwen3_target: Target, tmp_path: Path) -> None:
+    """Changing the last mask token changes earlier rows only through non-causal layers."""
+    outs = {}
+    for name, causal in (("nc", None), ("c", True)):
+        path = write_random_dflash(
+            tmp_path / name, qwen3_target.config, 2, [1, 3], 255, 4, seed=7, is_causal=causal
+        )
+        drafter = load_dflash(path, qwen3_target.model)
+        rows = []
+        for last in (255, 17):
+            cache = drafter.make_kv_cache(NUM_BLOCKS, BLOCK)
+            ctx = drafter.combine_hidden_states(torch.ones(5, 128))
+            drafter.write_context_kv(
+                ctx, torch.arange(5), torch.tensor(_slots(TABLES[0], range(5))), cache
+            )
+            meta = drafter.build_attn_metadata([_step(4, 9, 0)], BLOCK, "cpu")
+            rows.append(drafter(torch.tensor([3, 255, 255, last]), torch.arange(5, 9), meta, cache))
+        outs[name] = rows
+    assert not torch.allclose(outs["nc"][0][0], outs["nc"][1][0])
+    torch.testing.assert_close(outs["c"][0][:3], outs["c"][1][:3], atol=0, rtol=0)
+
+
+def test_dflash_layer_attention_resolution() -> None:
+    types = ["sliding_attention", "full_attention"]
+
+    def kinds(**hf: Any) -> list[tuple[bool, int | None]]:
+        return [(a.causal, a.sliding_window) for a in resolve_layer_attention(hf, 2)]
+
+    assert kinds() == [(False, None), (False, None)]  # no layer_types: non-causal
+    assert kinds(layer_types=types) == [(True, None), (False, None)]
+    assert kinds(layer_types=types, sliding_window=8) == [(True, 8), (False, None)]
+    assert kinds(layer_types=["sliding_attention"] * 2) == [(True, None), (True, None)]
+    assert kinds(layer_types=types, dflash_config={"causal": False}) == [(False, None)] * 2
+    assert kinds(dflash_config={"causal": True}) == [(True, None)] * 2
+    # The top-level override wins over dflash_config.causal.
+    assert (
+        kinds(layer_types=types, is_causal=False, dflash_config={"causal": True})
+        == [(False, None)] * 2
+    )
+    assert kinds(dflash_config={"use_swa": True, "swa_window_size": 6}) == [(False, 6)] * 2
+    with pytest.raises(ValueError, match="2 layers"):
+        kinds(layer_types=types[:1])
+    with pytest.raises(ValueError, match="unsupported layer types"):
+        kinds(layer_types=["linear_attention"] * 2)
+
+
+def test_dflash_target_layer_id_convention() -> None:
+    """DFlash ids already mean "output of layer i" (HF hidden_states[i+1]): used unchanged,
+    while a vLLM-style target (capturing layer inputs) would need id + 1."""
+    base = {"architectures": ["DFlashDraftModel"], **_llama_layer(), "num_hidden_layers": 5}
+    config = DFlashConfig.from_hf(
+        {**base, "dflash_config": {"mask_token_id": 7, "target_layer_ids": [1, 9, 17, 25, 33]}}
+    )
+    assert config.target_layer_ids == (1, 9, 17, 25, 33)
+    # Missing ids: the reference default, spread over 1..L-3 (or L//2 for one layer).
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(36, 1) == [18]
+    derived = DFlashConfig.from_hf(
+        {**base, "num_target_layers": 36, "dflash_config": {"mask_token_id": 7}}
+    )
+    assert derived.target_layer_ids == (1, 9, 17, 25, 33)
+    with pytest.raises(ValueError, match="mask_token_id"):
+        DFlashConfig.from_hf({**base, "dflash_config": {"target_layer_ids": [1]}})
+
+
+def test_dflash_load_errors(qwen3_target: Target, tmp_path: Path) -> None:
+    model = qwen3_target.model
+
+    def fresh(name: str, ids: Sequence[int] = (0, 2), mask: int = 255) -> Path:
+        return write_random_dflash(tmp_path / name, qwen3_target.config, 2, ids, mask, 4)
+
+    path = fresh("missing")
+    _edit(path, drop=["hidden_norm.weight"])
+    with pytest.raises(
+        ValueError, match=r"DFlash checkpoint is missing tensor 'hidden_norm\.weight'"
+    ):
+        load_dflash(path, model)
+
+    path = fresh("missing_qnorm")
+    _edit(path, drop=["layers.1.self_attn.q_norm.weight"])
+    with pytest.raises(ValueError, match=r"missing tensor 'layers\.1\.self_attn\.q_norm\.weight'"):
+        load_dflash(path, model)
+
+    path = fresh("extra")
+    _edit(path, add={"d2t": torch.zeros(10, dtype=torch.int64)})
+    with pytest.raises(ValueError, match="unexpected tensors: d2t"):
+        load_dflash(path, model)
+
+    with pytest.raises(ValueError, match=r"\[4\].*out of range 0\.\.3"):
+        load_dflash(fresh("bad_ids", ids=(0, 4)), model)
+    with pytest.raises(ValueError, match="mask_token_id 300"):
+        load_dflash(fresh("bad_mask", mask=300), model)
+
+    path = fresh("other_target")
+    _edit_config(path, num_target_layers=36)
+    with pytest.raises(ValueError, match="36-layer target"):
+        load_dflash(path, model)
+
+    path = fresh("bad_arch")
+    _edit_config(path, architectures=["Qwen3ForCausalLM"])
+    with pytest.raises(ValueError, match="not a DFlash config"):
+        load_dflash(path, model)
+
+
+def test_dflash_combine_rejects_wrong_width(qwen3_target: Target, tmp_path: Path) -> None:
+    path = write_random_dflash(tmp_path, qwen3_target.config, 1, [1, 2], 255, 4)
+    drafter: DFlashDrafter = load_dflash(path, qwen3_target.model)
+    with pytest.raises(ValueError, match="expects 128 features"):
+        drafter.combine_hidden_states(torch.zeros(3, 192))
+    with pytest.raises(ValueError, match="one block table"):
+        drafter.build_attn_metadata([SequenceStep(4, 8, [[1, 2], [3, 4]])], BLOCK, "cpu")

@@ -1,0 +1,248 @@
+"""Speculative decoding end to end, through the real scheduler, runner and drafters.
+
+Greedy decoding with speculation must equal decoding without it (and transformers) token for
+token; random drafters are almost never accepted, so a test double that proposes the target's
+own continuation with a controlled error rate drives the accept/reject paths.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+
+import pytest
+import torch
+from hf_reference import hf_greedy, prompts
+
+from specserve.control.scheduler import Scheduler
+from specserve.llm import LLM
+from specserve.shared.config import SpecMethod
+from specserve.shared.protocol import SamplingParams, StepResult
+from specserve.worker.drafters.checkpoints import write_random_dflash, write_random_eagle3
+from specserve.worker.speculators import DraftInput, DraftSlotError, Speculator
+
+K = 3
+MASK_TOKEN = 255
+TARGETS = ["llama_ckpt", "qwen3_ckpt", "qwen3_hybrid_ckpt"]
+
+
+def _target_config(ckpt) -> dict:
+    return json.loads((ckpt.path / "config.json").read_text())
+
+
+def _drafter(ckpt, method: str, tmp_path) -> str:
+    config = _target_config(ckpt)
+    layers = config["num_hidden_layers"]
+    if method == "eagle3":
+        aux = [1, max(1, layers // 2), layers]  # checkpoint convention: input of layer i
+        return str(
+            write_random_eagle3(tmp_path / "eagle3", config, "eagle3", seed=1, aux_layer_ids=aux)
+        )
+    return str(
+        write_random_dflash(
+            tmp_path / "dflash", config, 2, [0, layers - 1], MASK_TOKEN, K + 1, seed=1
+        )
+    )
+
+
+def _shared_prefix_prompts(n: int, seed: int) -> list[list[int]]:
+    """n prompts in 4 families; each family shares a 13-token prefix."""
+    heads = prompts([13] * 4, seed=seed)
+    tails = prompts([2 + (i % 5) * 3 for i in range(n)], seed=seed + 1)
+    return [heads[i % 4] + tails[i] for i in range(n)]
+
+
+@pytest.mark.parametrize("pool", ["roomy", "tight"])
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+@pytest.mark.parametrize("target", TARGETS)
+def test_greedy_is_lossless_with_random_drafters(request, tmp_path, target, method, pool):
+    """16 concurrent requests in 4 prefix-sharing families, chunked prefill beside decodes.
+
+    A roomy pool must serve prefix hits; a tight one must preempt (sliding-window blocks that
+    left the window are evicted there before a sharer comes, so it need not hit).
+    """
+    ckpt = request.getfixturevalue(target)
+    batch = _shared_prefix_prompts(16, seed=5)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    llm = LLM(
+        str(ckpt.path),
+        spec_method=method,
+        drafter=_drafter(ckpt, method, tmp_path),
+        num_spec_tokens=K,
+        block_size=4,
+        num_blocks=400 if pool == "roomy" else 48,
+        max_num_batched_tokens=40,
+    )
+    outs = llm.generate(batch, params)
+    for prompt, out in zip(batch, outs, strict=True):
+        assert out.token_ids == hf_greedy(ckpt.hf_model, prompt, 24)
+    scheduler = llm.engine.scheduler
+    assert llm.spec_stats.num_drafts > 0
+    if pool == "roomy":
+        assert scheduler.kv.stats.hits > 0
+    else:
+        assert scheduler.num_preemptions > 0
+
+
+class OracleDrafter(Speculator):
+    """Test double: proposes the target's own greedy continuation (from transformers),
+    corrupting each draft token with probability `error_rate`."""
+
+    def __init__(
+        self, method: SpecMethod, continuations: dict[tuple[int, ...], list[int]], error_rate: float
+    ) -> None:
+        self.method = method
+        self.num_spec_tokens = K
+        self.continuations = continuations
+        self.error_rate = error_rate
+        self.rng = random.Random(0)
+
+    def propose(
+        self, inputs: Sequence[DraftInput], aux_hidden: torch.Tensor | None
+    ) -> dict[int, list[int]]:
+        drafts = {}
+        for inp in inputs:
+            if not inp.propose:
+                continue
+            for prompt, continuation in self.continuations.items():
+                if tuple(inp.token_ids[: len(prompt)]) == prompt:
+                    done = len(inp.token_ids) - len(prompt)
+                    truth = continuation[done : done + K]
+                    drafts[inp.handle] = [
+                        (t + 1) % 256 if self.rng.random() < self.error_rate else t for t in truth
+                    ]
+        return drafts
+
+
+@pytest.mark.parametrize("method", [SpecMethod.EAGLE3, SpecMethod.DFLASH])
+def test_oracle_drafter_hits_every_acceptance_length_and_stays_lossless(qwen3_hybrid_ckpt, method):
+    batch = _shared_prefix_prompts(8, seed=7)
+    truth = {tuple(p): hf_greedy(qwen3_hybrid_ckpt.hf_model, p, 48) for p in batch}
+    llm = LLM(
+        str(qwen3_hybrid_ckpt.path),
+        spec_method="ngram",  # the scheduler side; the runner's drafter is replaced below
+        num_spec_tokens=K,
+        block_size=4,
+        num_blocks=200,
+    )
+    llm.engine.runner.speculator = OracleDrafter(method, truth, error_rate=0.2)
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(batch, params)
+    for prompt, out in zip(batch, outs, strict=True):
+        assert out.token_ids == truth[tuple(prompt)]
+    stats = llm.spec_stats
+    per_pos = [*stats.accepted_per_position, 0]
+    histogram = [stats.num_drafts - per_pos[0]] + [
+        per_pos[a - 1] - per_pos[a] for a in range(1, K + 1)
+    ]
+    assert all(count > 0 for count in histogram), histogram  # 0..K accepted all occur
+    assert 1.0 < stats.mean_acceptance_length < K + 1
+    request_stats = [o.spec_stats for o in outs]
+    assert sum(s.num_accepted_tokens for s in request_stats) == stats.num_accepted_tokens
+
+
+def _record_drafts(llm: LLM) -> dict[str, list[list[int]]]:
+    """Wrap the runner so every proposed draft list is recorded per request id."""
+    recorded: dict[str, list[list[int]]] = {}
+    runner = llm.engine.runner
+    execute = runner.execute
+
+    def recording(batch):
+        result: StepResult = execute(batch)
+        for res in result.results:
+            if res.draft_token_ids:
+                rid = runner.requests[res.handle].request_id
+                recorded.setdefault(rid, []).append(list(res.draft_token_ids))
+        return result
+
+    runner.execute = recording
+    return recorded
+
+
+def test_dflash_drafts_do_not_depend_on_prefix_sharing(qwen3_ckpt, tmp_path):
+    """The seed bug: DFlash writes K+1 positions past the verified tokens in the same step as
+    the first prefill; without lookahead blocks those writes corrupt shared prefix blocks."""
+    drafter = _drafter(qwen3_ckpt, "dflash", tmp_path)
+    (subject,) = prompts([22], seed=11)
+    others = [subject[:16] + tail for tail in prompts([3, 5, 7, 9, 4], seed=12)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+    def run(batch: list[list[int]]) -> tuple[list[list[int]], int]:
+        llm = LLM(
+            str(qwen3_ckpt.path), spec_method="dflash", drafter=drafter, num_spec_tokens=K,
+            block_size=4, num_blocks=256, dtype="float64",
+        )  # fmt: skip
+        recorded = _record_drafts(llm)
+        if len(batch) > 1:
+            llm.generate(batch[1:], params)  # cache their prefix first, then share it
+        llm.generate(batch, params)  # all at once: the subject shares blocks concurrently
+        subject_id = f"llm-{len(batch) - 1 if len(batch) > 1 else 0}"
+        return recorded[subject_id], llm.engine.scheduler.kv.stats.hits
+
+    alone, _ = run([subject])
+    shared, hits = run([subject, *others])
+    assert hits >= 16
+    assert alone == shared
+
+
+def test_removing_the_first_prefill_lookahead_makes_dflash_fail(qwen3_ckpt, tmp_path, monkeypatch):
+    monkeypatch.setattr(Scheduler, "admission_lookahead", lambda self, request: 0)
+    drafter = _drafter(qwen3_ckpt, "dflash", tmp_path)
+    llm = LLM(
+        str(qwen3_ckpt.path), spec_method="dflash", drafter=drafter, num_spec_tokens=K,
+        block_size=4, num_blocks=64,
+    )  # fmt: skip
+    with pytest.raises(DraftSlotError, match="lookahead is too small"):
+        llm.generate(prompts([16], seed=3)[0], SamplingParams(max_tokens=4, temperature=0.0))
+
+
+@pytest.mark.parametrize(("method", "last_drafting_len"), [("dflash", 96), ("eagle3", 97)])
+def test_drafter_window(qwen3_ckpt, tmp_path, method, last_drafting_len):
+    """K=3, drafter max length 100: DFlash drafts at sequence length 96 and not 97 (it counts
+    the bonus position); EAGLE-3 still drafts at 97. No stale draft is ever scheduled."""
+    llm = LLM(
+        str(qwen3_ckpt.path), spec_method=method, drafter=_drafter(qwen3_ckpt, method, tmp_path),
+        num_spec_tokens=K, block_size=4, num_blocks=128, drafter_max_model_len=100,
+    )  # fmt: skip
+    runner = llm.engine.runner
+    execute = runner.execute
+    seen: list[tuple[int, bool, int]] = []  # (sequence length, drafted, drafts scheduled)
+
+    def recording(batch):
+        scheduled = sum(d.num_spec_tokens for d in batch.running)
+        result = execute(batch)
+        for res in result.results:
+            seen.append((len(runner.requests[res.handle].token_ids), bool(res.draft_token_ids),
+                         scheduled))  # fmt: skip
+        return result
+
+    runner.execute = recording
+    (prompt,) = prompts([90], seed=4)
+    llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    drafted = {length: flag for length, flag, _ in seen}
+    assert drafted[last_drafting_len] is True
+    assert drafted[last_drafting_len + 1] is False
+    assert all(not flag for length, flag in drafted.items() if length > last_drafting_len)
+    later = [s for length, _, s in seen if length > last_drafting_len + 1]
+    assert later and all(s == 0 for s in later)  # nothing stale reaches verification
+
+
+def test_ngram_speculation_is_lossless_and_accepts_on_repetitive_text(llama_ckpt):
+    motif = prompts([6], seed=9)[0]
+    prompt = motif * 5
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(llama_ckpt.path), spec_method="ngram", num_spec_tokens=4, block_size=4,
+              num_blocks=128)  # fmt: skip
+    (out,) = llm.generate(prompt, params)
+    assert out.token_ids == hf_greedy(llama_ckpt.hf_model, prompt, 40)
+    assert llm.spec_stats.num_drafts > 0
+
+
+def test_spec_options_are_validated(llama_ckpt, tmp_path):
+    with pytest.raises(ValueError, match="needs --drafter"):
+        LLM(str(llama_ckpt.path), spec_method="dflash", num_spec_tokens=2, num_blocks=16)
+    with pytest.raises(ValueError, match="needs num_spec_tokens >= 1"):
+        LLM(str(llama_ckpt.path), spec_method="ngram", num_blocks=16)
+    with pytest.raises(ValueError, match="'bogus' is not a valid SpecMethod"):
+        LLM(str(llama_ckpt.path), spec_method="bogus", num_blocks=16)

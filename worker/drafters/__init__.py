@@ -1,0 +1,313 @@
+"""Speculative-decoding drafters that run on the target's own hidden states.
+
+* `eagle3`: EAGLE-3 (one autoregressive decoder layer fed with fused target features).
+* `dflash`: DFlash (a multi-layer block drafter; target features are injected as K/V).
+* `checkpoints`: writes small random drafter checkpoints in the real formats (tests, dev).
+
+This module holds what both drafters share:
+
+KV cache. A drafter's layers get their own `PagedKVCache` (layer ids 0..n-1) with the same
+`num_blocks` and `block_size` as the target's, indexed by the same block ids: the runner
+passes the target's full-attention block tables, so no separate allocation is needed and a
+request's draft K/V lives in the same logical blocks as its target K/V.
+
+Attention metadata. Each drafter layer has its own attention kind (causal or not, sliding
+window or not; DFlash mixes them), which our backends bake into the metadata at build time.
+`DraftAttentionMetadata` therefore carries one `AttentionMetadata` per drafter layer, built by
+`build_draft_metadata` from the caller's steps (one block table each; their `causal` flag is
+ignored, each layer decides).
+
+Checkpoint tensors. `TensorSource` looks names up after normalising prefixes and reports
+missing, misshapen and unexpected tensors by their checkpoint names.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specserve.shared.config import AttentionType
+from specserve.worker.attention.base import AttentionBackend, AttentionMetadata, SequenceStep
+from specserve.worker.config import KVLayerGroup, ModelConfig
+from specserve.worker.kv_cache import PagedKVCache, bytes_per_block
+from specserve.worker.loader import read_safetensors
+from specserve.worker.models import DecoderModel
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one drafter layer attends: causal or bidirectional, optional sliding window."""
+
+    causal: bool
+    sliding_window: int | None = None
+
+
+@dataclass(frozen=True)
+class DraftAttentionMetadata:
+    """Per-layer metadata for one drafter forward (layers with equal kinds share an entry).
+
+    Each entry has a single KV group (index 0), matching `DecoderLayer.group == 0` for every
+    drafter layer.
+    """
+
+    num_tokens: int
+    per_layer: tuple[AttentionMetadata, ...]
+
+
+def draft_kv_groups(num_layers: int) -> tuple[KVLayerGroup, ...]:
+    """One full-attention group over all drafter layers: they share the target's full table."""
+    return (KVLayerGroup(AttentionType.FULL, None, tuple(range(num_layers))),)
+
+
+def make_draft_kv_cache(
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> PagedKVCache:
+    """The drafter's own K/V storage, same geometry (`num_blocks`, `block_size`) as the target."""
+    return PagedKVCache(
+        draft_kv_groups(config.num_layers),
+        num_blocks,
+        block_size,
+        config.num_kv_heads,
+        config.head_dim,
+        dtype,
+        device,
+    )
+
+
+def draft_kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Extra bytes per block index the drafter costs; add to the target's when budgeting."""
+    return bytes_per_block(
+        config.num_layers, block_size, config.num_kv_heads, config.head_dim, dtype
+    )
+
+
+def build_draft_metadata(
+    backend: AttentionBackend,
+    steps: Sequence[SequenceStep],
+    layers: Sequence[LayerAttention],
+    block_size: int,
+    device: torch.device | str,
+) -> DraftAttentionMetadata:
+    """Metadata for every drafter layer, built once per distinct `LayerAttention`.
+
+    `steps` carry exactly one block table each: the target's full-attention table. Sliding
+    layers read that full table and apply the window in the mask, so no table entry needs to
+    be dropped for them.
+    """
+    for i, step in enumerate(steps):
+        if len(step.block_tables) != 1:
+            raise ValueError(
+                f"request {i}: drafter steps take one block table (the target's full-attention "
+                f"table), got {len(step.block_tables)}"
+            )
+    built: dict[LayerAttention, AttentionMetadata] = {}
+    for kind in dict.fromkeys(layers):
+        kind_steps = [replace(s, causal=kind.causal) for s in steps]
+        attention = AttentionType.FULL if kind.sliding_window is None else AttentionType.SLIDING
+        group = KVLayerGroup(attention, kind.sliding_window, tuple(range(len(layers))))
+        built[kind] = backend.build_metadata(kind_steps, (group,), block_size, device)
+    num_tokens = sum(s.query_len for s in steps)
+    return DraftAttentionMetadata(num_tokens, tuple(built[kind] for kind in layers))
+
+
+@dataclass(frozen=True)
+class TargetParts:
+    """What a drafter borrows from its target, kept outside the drafter's module tree.
+
+    Holding the target's modules in a plain dataclass (not as submodules) keeps the drafter's
+    `state_dict` to its own weights and stops `drafter.to(...)` from moving the target.
+    """
+
+    embed_tokens: torch.nn.Embedding
+    compute_logits: Callable[[torch.Tensor], torch.Tensor]
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, target: DecoderModel) -> TargetParts:
+        cfg = target.config
+        return cls(
+            target.embed_tokens,
+            target.compute_logits,
+            cfg.num_layers,
+            cfg.hidden_size,
+            cfg.vocab_size,
+        )
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"no config.json in drafter checkpoint {path}")
+    return json.loads(config_path.read_text())
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Safetensors (single or sharded), else a `pytorch_model.bin` (older EAGLE-3 releases)."""
+    bin_file = path / "pytorch_model.bin"
+    if not any(path.glob("*.safetensors*")) and bin_file.is_file():
+        return torch.load(bin_file, map_location="cpu", weights_only=True)
+    return read_safetensors(path)
+
+
+# Tensors recomputed from the config or only used in training; safe to drop when loading.
+_IGNORED = re.compile(
+    r"(^|\.)rotary_emb\.(inv_freq|original_inv_freq)$|^t2d$|^verifier_(norm|lm_head)\.weight$"
+)
+
+
+class TensorSource:
+    """Checkpoint tensors under normalised names, with errors that name the checkpoint.
+
+    `renames` maps a checkpoint prefix to ours (e.g. `midlayer.` -> `layers.0.`); a leading
+    `model.` is always stripped. Lookups record what was used so `check_all_used` can reject
+    tensors the drafter does not understand instead of silently ignoring them.
+    """
+
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        what: str,
+        renames: Mapping[str, str] | None = None,
+    ):
+        self.what = what
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.original: dict[str, str] = {}
+        for name, tensor in tensors.items():
+            ours = name.removeprefix("model.")
+            for old, new in (renames or {}).items():
+                if ours.startswith(old):
+                    ours = new + ours[len(old) :]
+            if ours in self.tensors:
+                raise ValueError(
+                    f"{what}: checkpoint has both {self.original[ours]!r} and {name!r}"
+                )
+            self.tensors[ours] = tensor
+            self.original[ours] = name
+        self.used: set[str] = set()
+        renamed = ", ".join(f"{old!r} -> {new!r}" for old, new in (renames or {}).items())
+        self.hint = f" (names read with 'model.' stripped{', ' + renamed if renamed else ''})"
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def take(self, name: str, *shape: int) -> torch.Tensor:
+        if name not in self.tensors:
+            raise ValueError(f"{self.what} checkpoint is missing tensor {name!r}{self.hint}")
+        tensor = self.tensors[name]
+        if tuple(tensor.shape) != shape:
+            raise ValueError(
+                f"{self.what} tensor {self.original[name]!r} has shape {tuple(tensor.shape)}, "
+                f"config expects {shape}"
+            )
+        self.used.add(name)
+        return tensor
+
+    def check_all_used(self) -> None:
+        unknown = sorted(
+            self.original[n] for n in set(self.tensors) - self.used if not _IGNORED.search(n)
+        )
+        if unknown:
+            shown = ", ".join(unknown[:8]) + (", ..." if len(unknown) > 8 else "")
+            raise ValueError(
+                f"{self.what} checkpoint has {len(unknown)} unexpected tensors: {shown}"
+            )
+
+
+def map_decoder_layer(
+    config: ModelConfig,
+    take: Callable[..., torch.Tensor],
+    src: str,
+    dst: str,
+    qkv_in: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """HF-named tensors of one decoder layer (`{src}self_attn.q_proj.weight`, ...) -> ours.
+
+    Like the target loader's layer mapping, but with a free source prefix and a q/k/v input
+    width (`qkv_in`, 2H for EAGLE-3's first layer). The EAGLE-3 extra `hidden_norm` is taken
+    by the caller.
+    """
+    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
+    qkv_in = hidden if qkv_in is None else qkv_in
+    q_out, kv_out = config.num_heads * head_dim, config.num_kv_heads * head_dim
+    qkv_out = {"q": q_out, "k": kv_out, "v": kv_out}
+    attn, mlp = src + "self_attn.", src + "mlp."
+    out = {
+        dst + "input_layernorm.weight": take(src + "input_layernorm.weight", hidden),
+        dst + "post_attention_layernorm.weight": take(
+            src + "post_attention_layernorm.weight", hidden
+        ),
+        dst + "attn.qkv_proj.weight": torch.cat(
+            [take(f"{attn}{p}_proj.weight", n, qkv_in) for p, n in qkv_out.items()]
+        ),
+        dst + "attn.o_proj.weight": take(attn + "o_proj.weight", hidden, q_out),
+        dst + "mlp.gate_up_proj.weight": torch.cat(
+            [
+                take(mlp + "gate_proj.weight", inter, hidden),
+                take(mlp + "up_proj.weight", inter, hidden),
+            ]
+        ),
+        dst + "mlp.down_proj.weight": take(mlp + "down_proj.weight", hidden, inter),
+    }
+    if config.attention_bias:
+        out[dst + "attn.qkv_proj.bias"] = torch.cat(
+            [take(f"{attn}{p}_proj.bias", n) for p, n in qkv_out.items()]
+        )
+    if config.o_proj_bias:
+        out[dst + "attn.o_proj.bias"] = take(attn + "o_proj.bias", hidden)
+    if config.mlp_bias:
+        out[dst + "mlp.gate_up_proj.bias"] = torch.cat(
+            [take(mlp + "gate_proj.bias", inter), take(mlp + "up_proj.bias", inter)]
+        )
+        out[dst + "mlp.down_proj.bias"] = take(mlp + "down_proj.bias", hidden)
+    if config.qk_norm:
+        out[dst + "attn.q_norm.weight"] = take(attn + "q_norm.weight", head_dim)
+        out[dst + "attn.k_norm.weight"] = take(attn + "k_norm.weight", head_dim)
+    return out
+
+
+def layer_config(fields: Mapping[str, Any], architecture: str | None, what: str) -> ModelConfig:
+    """A `ModelConfig` for a drafter's decoder layers, from Llama/Qwen3-style fields.
+
+    `architecture` None lets `model_type` (default "llama") pick the layer flavour. Per-layer
+    attention kinds are the drafter's business (DFlash resolves causality and windows itself),
+    so `layer_types` and sliding-window switches are dropped here. A missing `vocab_size` does
+    not matter: drafter layers never use it.
+    """
+    hf = {k: v for k, v in fields.items() if k not in _LAYER_KIND_FIELDS}
+    if architecture is None:
+        hf.pop("architectures", None)
+        hf.setdefault("model_type", "llama")
+    else:
+        hf["architectures"] = [architecture]
+    hf.setdefault("vocab_size", 0)
+    try:
+        return ModelConfig.from_hf(hf)
+    except (KeyError, TypeError, ValueError) as e:
+        detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+        raise ValueError(f"{what} config: {detail}") from e
+
+
+_LAYER_KIND_FIELDS = ("layer_types", "use_sliding_window", "sliding_window", "max_window_layers")
+
+
+def int_tuple(values: Iterable[Any], field: str) -> tuple[int, ...]:
+    """A non-empty tuple of ints from a config list, or a ValueError naming the field."""
+    try:
+        out = tuple(int(v) for v in values)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{field} must be a list of integers, got {values!r}") from e
+    if not out:
+        raise ValueError(f"{field} is empty")
+    return out

@@ -1,0 +1,310 @@
+"""Draft proposal after each target step: n-gram, EAGLE-3 and DFlash behind one interface.
+
+After the target verified a step, each request has `num_valid` rows (positions `start ..
+start + num_valid - 1`) whose tokens are now final, and one newly sampled token at position
+`start + num_valid`. Hidden-state drafters consume those rows (EAGLE-3 writes its own KV at the
+same positions; DFlash writes the rows' fused features as context K/V), then propose K tokens
+for requests that sampled. Every slot a drafter writes is checked against the request's block
+table: a write past the lookahead the scheduler reserved would land in someone else's block.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specserve.shared.config import SpecMethod
+from specserve.worker.attention.base import SequenceStep
+from specserve.worker.drafters.dflash import DFlashDrafter, load_dflash
+from specserve.worker.drafters.eagle3 import Eagle3Drafter, load_eagle3
+from specserve.worker.kv_cache import PagedKVCache
+from specserve.worker.models import DecoderModel
+from specserve.worker.ngram import NgramProposer
+
+
+class DraftSlotError(RuntimeError):
+    """A drafter would write outside the blocks allocated to its request."""
+
+
+@dataclass(frozen=True)
+class DraftInput:
+    """One request's share of a verified step, as the drafters see it."""
+
+    handle: int
+    token_ids: list[int]  # every verified token, the newly sampled one included
+    block_table: list[int]  # the target's full-attention table (drafter KV uses the same ids)
+    row_start: int  # first row of the request in the step's flattened batch
+    start: int  # first position processed this step
+    num_valid: int  # rows whose tokens are verified: the drafter's new context
+    propose: bool  # sampled this step and passes the drafter-window check
+
+
+def draft_slots(
+    table: Sequence[int], positions: Sequence[int], block_size: int, handle: int
+) -> list[int]:
+    """Slots of `positions` in `table`, refusing any outside the request's allocated blocks."""
+    slots = []
+    for pos in positions:
+        index = pos // block_size
+        if index >= len(table) or table[index] == 0:
+            raise DraftSlotError(
+                f"request {handle}: drafter writes position {pos}, outside its {len(table)} "
+                f"allocated blocks of {block_size}; the scheduler's lookahead is too small"
+            )
+        slots.append(table[index] * block_size + pos % block_size)
+    return slots
+
+
+class Speculator(ABC):
+    method: SpecMethod
+    num_spec_tokens: int
+    aux_layer_ids: tuple[int, ...] = ()  # target layers whose outputs the drafter reads
+    max_model_len: int | None = None  # the drafter's own position limit, if any
+
+    def window_allows(self, seq_len: int) -> bool:
+        """Draft only if one round stays inside the drafter's window (DFlash counts the bonus)."""
+        if self.max_model_len is None:
+            return True
+        extra = self.num_spec_tokens + (1 if self.method == SpecMethod.DFLASH else 0)
+        return seq_len + extra <= self.max_model_len
+
+    @abstractmethod
+    def propose(
+        self, inputs: Sequence[DraftInput], aux_hidden: torch.Tensor | None
+    ) -> dict[int, list[int]]:
+        """Drafts per handle for the inputs with `propose`; may update drafter KV for all."""
+
+    def forget(self, handle: int) -> None:  # noqa: B027 - most speculators keep no state
+        """The request left this worker (finished or preempted): drop any per-request state."""
+
+
+class NgramSpeculator(Speculator):
+    """Prompt lookup over each request's own tokens, with an incremental per-request index."""
+
+    method = SpecMethod.NGRAM
+
+    def __init__(self, num_spec_tokens: int, min_n: int = 1, max_n: int = 4) -> None:
+        self.num_spec_tokens = num_spec_tokens
+        self.proposer = NgramProposer(num_spec_tokens, min_n, max_n)
+
+    def propose(
+        self, inputs: Sequence[DraftInput], aux_hidden: torch.Tensor | None
+    ) -> dict[int, list[int]]:
+        drafts = {}
+        for inp in inputs:
+            if inp.handle not in self.proposer:
+                self.proposer.add_request(inp.handle, inp.token_ids)
+            else:
+                seen = len(self.proposer.indexes[inp.handle].tokens)
+                self.proposer.extend(inp.handle, inp.token_ids[seen:])
+            if inp.propose:
+                drafts[inp.handle] = self.proposer.propose(inp.handle)
+        return drafts
+
+    def forget(self, handle: int) -> None:
+        self.proposer.remove(handle)
+
+
+class Eagle3Speculator(Speculator):
+    """First pass over the verified rows with shifted tokens, then K-1 one-token steps."""
+
+    method = SpecMethod.EAGLE3
+
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        kv_cache: PagedKVCache,
+        num_spec_tokens: int,
+        num_target_layers: int,
+        max_model_len: int | None,
+        device: torch.device,
+    ) -> None:
+        self.drafter = drafter
+        self.kv_cache = kv_cache
+        self.num_spec_tokens = num_spec_tokens
+        self.aux_layer_ids = tuple(drafter.aux_layer_ids(num_target_layers))
+        self.max_model_len = max_model_len
+        self.device = device
+
+    def propose(
+        self, inputs: Sequence[DraftInput], aux_hidden: torch.Tensor | None
+    ) -> dict[int, list[int]]:
+        assert aux_hidden is not None
+        drafter, bs = self.drafter, self.kv_cache.block_size
+        rows: list[int] = []
+        ids: list[int] = []
+        positions: list[int] = []
+        steps: list[SequenceStep] = []
+        last_rows: list[int] = []
+        proposing: list[DraftInput] = []
+        for inp in inputs:
+            if not inp.num_valid:
+                continue
+            end = inp.start + inp.num_valid
+            draft_slots(inp.block_table, [end - 1], bs, inp.handle)
+            rows.extend(range(inp.row_start, inp.row_start + inp.num_valid))
+            # Row p reads (token p+1, target hidden at p): the token ids shift left by one.
+            ids.extend(inp.token_ids[inp.start + 1 : end + 1])
+            positions.extend(range(inp.start, end))
+            steps.append(SequenceStep(inp.num_valid, end, [inp.block_table]))
+            if inp.propose:
+                last_rows.append(len(ids) - 1)
+                proposing.append(inp)
+        if not steps:
+            return {}
+        hidden = drafter.combine_hidden_states(aux_hidden[torch.tensor(rows, device=self.device)])
+        normed, prenorm = drafter(
+            self._tensor(ids),
+            hidden,
+            self._tensor(positions),
+            drafter.build_attn_metadata(steps, bs, self.device),
+            self.kv_cache,
+        )
+        if not proposing:
+            return {}
+        last = self._tensor(last_rows)
+        tokens = drafter.compute_logits(normed[last]).argmax(dim=-1)
+        hidden = prenorm[last]
+        drafts = [tokens]
+        pos = [inp.start + inp.num_valid - 1 for inp in proposing]
+        for _ in range(self.num_spec_tokens - 1):
+            pos = [p + 1 for p in pos]
+            for inp, p in zip(proposing, pos, strict=True):
+                draft_slots(inp.block_table, [p], bs, inp.handle)
+            steps = [
+                SequenceStep(1, p + 1, [inp.block_table])
+                for inp, p in zip(proposing, pos, strict=True)
+            ]
+            normed, hidden = drafter(
+                tokens,
+                hidden,
+                self._tensor(pos),
+                drafter.build_attn_metadata(steps, bs, self.device),
+                self.kv_cache,
+            )
+            tokens = drafter.compute_logits(normed).argmax(dim=-1)
+            drafts.append(tokens)
+        per_request = torch.stack(drafts, dim=1).tolist()
+        return {inp.handle: d for inp, d in zip(proposing, per_request, strict=True)}
+
+    def _tensor(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+
+class DFlashSpeculator(Speculator):
+    """Context K/V for the verified rows, then one non-causal pass over [next, MASK x K]."""
+
+    method = SpecMethod.DFLASH
+
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        kv_cache: PagedKVCache,
+        num_spec_tokens: int,
+        max_model_len: int | None,
+        device: torch.device,
+    ) -> None:
+        self.drafter = drafter
+        self.kv_cache = kv_cache
+        self.num_spec_tokens = num_spec_tokens
+        self.aux_layer_ids = tuple(drafter.aux_layer_ids())
+        self.max_model_len = max_model_len
+        self.device = device
+
+    def propose(
+        self, inputs: Sequence[DraftInput], aux_hidden: torch.Tensor | None
+    ) -> dict[int, list[int]]:
+        assert aux_hidden is not None
+        drafter, bs, k = self.drafter, self.kv_cache.block_size, self.num_spec_tokens
+        rows: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for inp in inputs:
+            span = range(inp.start, inp.start + inp.num_valid)
+            rows.extend(range(inp.row_start, inp.row_start + inp.num_valid))
+            positions.extend(span)
+            slots.extend(draft_slots(inp.block_table, span, bs, inp.handle))
+        if rows:
+            drafter.write_context_kv(
+                drafter.combine_hidden_states(aux_hidden[self._tensor(rows)]),
+                self._tensor(positions),
+                self._tensor(slots),
+                self.kv_cache,
+            )
+        proposing = [inp for inp in inputs if inp.propose]
+        if not proposing:
+            return {}
+        ids: list[int] = []
+        positions = []
+        steps = []
+        for inp in proposing:
+            first = inp.start + inp.num_valid  # the newly sampled token's position
+            draft_slots(inp.block_table, [first + k], bs, inp.handle)
+            ids.extend([inp.token_ids[first], *[drafter.mask_token_id] * k])
+            positions.extend(range(first, first + k + 1))
+            steps.append(SequenceStep(k + 1, first + k + 1, [inp.block_table], causal=False))
+        hidden = drafter(
+            self._tensor(ids),
+            self._tensor(positions),
+            drafter.build_attn_metadata(steps, bs, self.device),
+            self.kv_cache,
+        )
+        # Each MASK row predicts the token at its own position; the first row is not sampled.
+        mask_rows = [r * (k + 1) + j for r in range(len(proposing)) for j in range(1, k + 1)]
+        tokens = drafter.compute_logits(hidden[self._tensor(mask_rows)]).argmax(dim=-1)
+        per_request = tokens.view(len(proposing), k).tolist()
+        return {inp.handle: d for inp, d in zip(proposing, per_request, strict=True)}
+
+    def _tensor(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+
+Drafter = Eagle3Drafter | DFlashDrafter
+
+
+def load_drafter(method: SpecMethod, path: str | None, target: DecoderModel) -> Drafter | None:
+    """The drafter model for hidden-state methods (None for n-gram and no speculation)."""
+    if method in (SpecMethod.NONE, SpecMethod.NGRAM):
+        if path is not None:
+            raise ValueError(f"--drafter is not used with spec method {method.value!r}")
+        return None
+    if path is None:
+        raise ValueError(f"spec method {method.value!r} needs --drafter PATH (a checkpoint dir)")
+    if method == SpecMethod.EAGLE3:
+        return load_eagle3(path, target)
+    return load_dflash(path, target)
+
+
+def drafter_max_model_len(drafter: Drafter | None, explicit: int | None, target_len: int) -> int:
+    """The drafter's window: an explicit limit, else its checkpoint's, never above the target's."""
+    limit = explicit if explicit is not None else target_len
+    if drafter is not None:
+        limit = min(limit, drafter.config.layer.max_position_embeddings)
+    return min(limit, target_len)
+
+
+def make_speculator(
+    method: SpecMethod,
+    num_spec_tokens: int,
+    drafter: Drafter | None,
+    target: DecoderModel,
+    num_blocks: int,
+    block_size: int,
+    max_model_len: int | None,
+    device: torch.device | str,
+) -> Speculator | None:
+    device = torch.device(device)
+    if method == SpecMethod.NONE:
+        return None
+    if method == SpecMethod.NGRAM:
+        return NgramSpeculator(num_spec_tokens)
+    assert drafter is not None
+    kv_cache = drafter.make_kv_cache(num_blocks, block_size, device)
+    if isinstance(drafter, Eagle3Drafter):
+        return Eagle3Speculator(
+            drafter, kv_cache, num_spec_tokens, target.config.num_layers, max_model_len, device
+        )
+    return DFlashSpeculator(drafter, kv_cache, num_spec_tokens, max_model_len, device)
