@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from specserve.control.request import SpecDecodingStats
 from specserve.shared.logging import configure_logging
 
 
@@ -38,7 +39,21 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--no-prefix-caching", action="store_true")  # fmt: skip
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--spec-method",
+        default="none",
+        choices=["none", "ngram", "eagle3", "dflash"],
+        help="speculative decoding method",
+    )
+    p.add_argument("--drafter", default=None, help="drafter checkpoint dir (eagle3, dflash)")
+    p.add_argument("--num-spec-tokens", type=int, default=0, help="drafts per step (K)")
+    p.add_argument("--drafter-max-model-len", type=int, default=None)
+    p.add_argument(
+        "--sample-drafts",
+        action="store_true",
+        help="sample drafts, verified with their probabilities (default: greedy)",
+    )
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -52,6 +67,11 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=not args.no_prefix_caching,
+        spec_method=args.spec_method,
+        drafter=args.drafter,
+        num_spec_tokens=args.num_spec_tokens,
+        drafter_max_model_len=args.drafter_max_model_len,
+        sample_drafts=args.sample_drafts,
     )
 
 
@@ -101,15 +121,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"error: {out.error}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps({
+        result = {
             "prompt_token_ids": out.prompt_token_ids,
             "token_ids": out.token_ids,
             "text": out.text,
             "finish_reason": out.finish_reason,
-        }))  # fmt: skip
+        }
+        if out.spec_stats is not None and args.spec_method != "none":
+            result["spec"] = spec_summary(out.spec_stats)
+        print(json.dumps(result))
     else:
         print(out.text if out.text is not None else ",".join(map(str, out.token_ids)))
+        if out.spec_stats is not None and args.spec_method != "none":
+            print(f"[spec] {json.dumps(spec_summary(out.spec_stats))}", file=sys.stderr)
     return 0
+
+
+def spec_summary(stats: SpecDecodingStats) -> dict:
+    return {
+        "mean_acceptance_length": round(stats.mean_acceptance_length, 3),
+        "acceptance_rate_per_position": [round(r, 3) for r in stats.acceptance_rate_per_position],
+        "drafts": stats.num_drafts,
+        "draft_tokens": stats.num_draft_tokens,
+        "accepted_tokens": stats.num_accepted_tokens,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -46,6 +46,7 @@ class EngineArgs:
     drafter: str | None = None  # drafter checkpoint dir (eagle3, dflash)
     num_spec_tokens: int = 0
     drafter_max_model_len: int | None = None  # None: the drafter checkpoint's limit
+    sample_drafts: bool = False  # sample drafts (verified with their probabilities), not argmax
 
 
 class InProcessEngine:
@@ -88,7 +89,7 @@ class InProcessEngine:
         )
         speculator = make_speculator(
             method, args.num_spec_tokens, drafter, model, num_blocks, args.block_size,
-            draft_len, args.device,
+            draft_len, args.device, args.sample_drafts,
         )  # fmt: skip
         self.runner = ModelRunner(model, kv_cache, args.device, speculator)
         log.info(

@@ -11,10 +11,11 @@ import logging
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
 from specserve.worker.attention.base import AttentionBackend
 from specserve.worker.attention.torch_backend import TorchAttentionBackend
@@ -22,6 +23,7 @@ from specserve.worker.config import ModelConfig
 from specserve.worker.models import DecoderModel
 
 logger = logging.getLogger(__name__)
+_M = TypeVar("_M", bound=nn.Module)
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -94,7 +96,19 @@ def build_model(
     config = ModelConfig.from_hf(config_dict)
     ours = map_hf_state_dict(config, state_dict)
     model = DecoderModel(config, backend or TorchAttentionBackend(), dtype, device="meta")
-    converted = {name: t.to(device=device, dtype=dtype) for name, t in ours.items()}
+    return assign_weights(model, ours, dtype, device)
+
+
+def assign_weights(
+    model: _M,
+    weights: Mapping[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> _M:
+    """Fill a model built on the meta device with our-named `weights` (cast to `dtype`, moved
+    to `device`, assigned without copies), move its `inv_freq` along, and return it frozen in
+    eval mode. Shared by the target and the drafters, which all keep `inv_freq` unbuffered."""
+    converted = {name: t.to(device=device, dtype=dtype) for name, t in weights.items()}
     model.load_state_dict(converted, strict=True, assign=True)
     model.inv_freq = model.inv_freq.to(device)
     model.requires_grad_(False)
@@ -129,7 +143,7 @@ def map_hf_state_dict(
     elif "lm_head.weight" in hf:
         used.add("lm_head.weight")  # a saved copy of the tied embedding
     for i in range(config.num_layers):
-        ours.update(_map_layer(config, i, take))
+        ours.update(map_decoder_layer(config, take, f"model.layers.{i}.", f"layers.{i}."))
 
     extra = sorted(set(hf) - used)
     harmless = [n for n in extra if _HARMLESS.search(n)]
@@ -142,21 +156,34 @@ def map_hf_state_dict(
     return ours
 
 
-def _map_layer(
-    config: ModelConfig, i: int, take: Callable[..., torch.Tensor]
+def map_decoder_layer(
+    config: ModelConfig,
+    take: Callable[..., torch.Tensor],
+    src: str,
+    dst: str,
+    in_features: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    src, dst = f"model.layers.{i}.", f"layers.{i}."
-    attn, mlp = src + "self_attn.", src + "mlp."
+    """HF-named tensors of one decoder layer (`{src}self_attn.q_proj.weight`, ...) -> ours
+    (`{dst}attn.qkv_proj.weight`, ...), fusing q/k/v and gate/up.
+
+    `take(name, *shape)` returns a checked checkpoint tensor (the caller's error messages and
+    bookkeeping). `in_features` is the q/k/v input width (default `hidden_size`; 2H for
+    EAGLE-3's first layer, see `Attention`). The target loader passes `model.layers.{i}.`;
+    drafters pass their own prefixes and take any extra tensors (e.g. EAGLE-3's
+    `hidden_norm`) themselves.
+    """
     hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
+    in_features = hidden if in_features is None else in_features
     q_out, kv_out = config.num_heads * head_dim, config.num_kv_heads * head_dim
     qkv_out = {"q": q_out, "k": kv_out, "v": kv_out}
+    attn, mlp = src + "self_attn.", src + "mlp."
     out = {
         dst + "input_layernorm.weight": take(src + "input_layernorm.weight", hidden),
         dst + "post_attention_layernorm.weight": take(
             src + "post_attention_layernorm.weight", hidden
         ),
         dst + "attn.qkv_proj.weight": torch.cat(
-            [take(f"{attn}{p}_proj.weight", n, hidden) for p, n in qkv_out.items()]
+            [take(f"{attn}{p}_proj.weight", n, in_features) for p, n in qkv_out.items()]
         ),
         dst + "attn.o_proj.weight": take(attn + "o_proj.weight", hidden, q_out),
         dst + "mlp.gate_up_proj.weight": torch.cat(

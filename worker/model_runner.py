@@ -41,6 +41,7 @@ class RequestState:
     num_computed_tokens: int
     generator: torch.Generator | None = None
     draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None  # [len(draft_token_ids), vocab] when sampled
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,7 @@ class ModelRunner:
             state.num_computed_tokens = start + num_valid
             state.token_ids.extend(tokens)
             state.draft_token_ids = []
+            state.draft_probs = None
             results.append(RequestResult(state.handle, tokens, logprobs=logprobs.get(state.handle)))
             if self.speculator is not None:
                 draft_inputs.append(
@@ -189,6 +191,8 @@ class ModelRunner:
                         num_valid=num_valid,
                         propose=bool(tokens)
                         and self.speculator.window_allows(len(state.token_ids)),
+                        temperature=state.sampling.temperature,
+                        generator=state.generator,
                     )
                 )
         if self.speculator is None:
@@ -197,10 +201,12 @@ class ModelRunner:
         drafts = self.speculator.propose(draft_inputs, aux_hidden)
         for i, result in enumerate(results):
             proposed = drafts.get(result.handle)
-            if proposed:
-                self.requests[result.handle].draft_token_ids = proposed
+            if proposed is not None and proposed.tokens:
+                state = self.requests[result.handle]
+                state.draft_token_ids = proposed.tokens
+                state.draft_probs = proposed.probs
                 results[i] = RequestResult(
-                    result.handle, result.sampled_token_ids, proposed, result.logprobs
+                    result.handle, result.sampled_token_ids, proposed.tokens, result.logprobs
                 )
         return results
 
@@ -237,9 +243,32 @@ class ModelRunner:
                 if (lp := _row_logprobs(out, i, s.sampling)) is not None
             }
             return emitted, logprobs
-        per_request = rejection_sample(logits, drafts, params, generators)
+        per_request = rejection_sample(
+            logits, drafts, params, generators, self._draft_probs(sampling, drafts, logits)
+        )
         emitted = {s.handle: tokens for s, tokens in zip(sampling, per_request, strict=True)}
         return emitted, self._verified_logprobs(logits, sampling, drafts, per_request)
+
+    def _draft_probs(
+        self,
+        sampling: Sequence[RequestState],
+        drafts: Sequence[Sequence[int]],
+        logits: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """q for every scheduled draft when any was sampled (one-hot rows for the others)."""
+        if all(s.draft_probs is None for s in sampling):
+            return None
+        rows = []
+        for state, scheduled in zip(sampling, drafts, strict=True):
+            k = len(scheduled)
+            if not k:
+                continue
+            if state.draft_probs is not None:
+                rows.append(state.draft_probs[:k].to(logits.device, torch.float32))
+            else:
+                ids = torch.tensor(scheduled, device=logits.device)
+                rows.append(torch.nn.functional.one_hot(ids, logits.shape[-1]).float())
+        return torch.cat(rows)
 
     def _verified_logprobs(
         self,

@@ -80,6 +80,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    """Fused-q/k/v attention over the paged cache; `in_features` (default `hidden_size`) is the
+    width q/k/v read, e.g. 2H for EAGLE-3's first layer."""
+
     def __init__(
         self,
         config: ModelConfig,
@@ -87,6 +90,8 @@ class Attention(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         device: torch.device | str,
+        *,
+        in_features: int | None = None,
     ):
         super().__init__()
         self.layer_id = layer_id
@@ -98,8 +103,9 @@ class Attention(nn.Module):
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
         self.split = (q_size, kv_size, kv_size)
+        in_features = config.hidden_size if in_features is None else in_features
         self.qkv_proj = nn.Linear(
-            config.hidden_size, sum(self.split), config.attention_bias, device, dtype
+            in_features, sum(self.split), config.attention_bias, device, dtype
         )
         self.o_proj = nn.Linear(q_size, config.hidden_size, config.o_proj_bias, device, dtype)
         self.q_norm: RMSNorm | None = None
@@ -145,6 +151,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks; `attn_in_features` is `Attention`'s `in_features`."""
+
     def __init__(
         self,
         config: ModelConfig,
@@ -153,11 +161,15 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         device: torch.device | str,
+        *,
+        attn_in_features: int | None = None,
     ):
         super().__init__()
         self.group = group  # index of this layer's KV group
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.attn = Attention(config, layer_id, backend, dtype, device)
+        self.attn = Attention(
+            config, layer_id, backend, dtype, device, in_features=attn_in_features
+        )
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype, device
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 
@@ -30,6 +31,15 @@ class DraftSlotError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class Draft:
+    """Proposed tokens, with the distributions they were sampled from (None: chosen greedily
+    or deterministically, which verification treats as one-hot)."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None  # [len(tokens), vocab]
+
+
+@dataclass(frozen=True)
 class DraftInput:
     """One request's share of a verified step, as the drafters see it."""
 
@@ -40,6 +50,28 @@ class DraftInput:
     start: int  # first position processed this step
     num_valid: int  # rows whose tokens are verified: the drafter's new context
     propose: bool  # sampled this step and passes the drafter-window check
+    temperature: float = 0.0  # the request's; used when drafts are sampled
+    generator: torch.Generator | None = None
+
+
+def choose_drafts(
+    logits: torch.Tensor, inputs: Sequence[DraftInput], sample: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft token per row of `logits` (row i belongs to `inputs[i]`).
+
+    Greedy by default. With `sample`, a row of a request with temperature > 0 is drawn from
+    softmax(logits / temperature) with the request's generator, and the distributions come back
+    for exact verification; greedy requests keep argmax (their verification ignores q).
+    """
+    tokens = logits.argmax(dim=-1)
+    if not sample or all(inp.temperature == 0 for inp in inputs):
+        return tokens, None
+    probs = torch.nn.functional.one_hot(tokens, logits.shape[-1]).float()
+    for i, inp in enumerate(inputs):
+        if inp.temperature > 0:
+            probs[i] = torch.softmax(logits[i].float() / inp.temperature, dim=-1)
+            tokens[i] = torch.multinomial(probs[i], 1, generator=inp.generator)[0]
+    return tokens, probs
 
 
 def draft_slots(
@@ -74,7 +106,7 @@ class Speculator(ABC):
     @abstractmethod
     def propose(
         self, inputs: Sequence[DraftInput], aux_hidden: torch.Tensor | None
-    ) -> dict[int, list[int]]:
+    ) -> dict[int, Draft]:
         """Drafts per handle for the inputs with `propose`; may update drafter KV for all."""
 
     def forget(self, handle: int) -> None:  # noqa: B027 - most speculators keep no state
@@ -92,7 +124,7 @@ class NgramSpeculator(Speculator):
 
     def propose(
         self, inputs: Sequence[DraftInput], aux_hidden: torch.Tensor | None
-    ) -> dict[int, list[int]]:
+    ) -> dict[int, Draft]:
         drafts = {}
         for inp in inputs:
             if inp.handle not in self.proposer:
@@ -101,14 +133,42 @@ class NgramSpeculator(Speculator):
                 seen = len(self.proposer.indexes[inp.handle].tokens)
                 self.proposer.extend(inp.handle, inp.token_ids[seen:])
             if inp.propose:
-                drafts[inp.handle] = self.proposer.propose(inp.handle)
+                drafts[inp.handle] = Draft(self.proposer.propose(inp.handle))
         return drafts
 
     def forget(self, handle: int) -> None:
         self.proposer.remove(handle)
 
 
-class Eagle3Speculator(Speculator):
+_D = TypeVar("_D", Eagle3Drafter, DFlashDrafter)
+
+
+class _DrafterSpeculator(Speculator, Generic[_D]):
+    """What the hidden-state speculators share: a drafter, its own KV cache, a device."""
+
+    def __init__(
+        self,
+        drafter: _D,
+        kv_cache: PagedKVCache,
+        num_spec_tokens: int,
+        aux_layer_ids: Sequence[int],
+        max_model_len: int | None,
+        device: torch.device,
+        sample_drafts: bool = False,
+    ) -> None:
+        self.drafter = drafter
+        self.kv_cache = kv_cache
+        self.num_spec_tokens = num_spec_tokens
+        self.aux_layer_ids = tuple(aux_layer_ids)
+        self.max_model_len = max_model_len
+        self.device = device
+        self.sample_drafts = sample_drafts
+
+    def _tensor(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+
+class Eagle3Speculator(_DrafterSpeculator[Eagle3Drafter]):
     """First pass over the verified rows with shifted tokens, then K-1 one-token steps."""
 
     method = SpecMethod.EAGLE3
@@ -121,17 +181,16 @@ class Eagle3Speculator(Speculator):
         num_target_layers: int,
         max_model_len: int | None,
         device: torch.device,
+        sample_drafts: bool = False,
     ) -> None:
-        self.drafter = drafter
-        self.kv_cache = kv_cache
-        self.num_spec_tokens = num_spec_tokens
-        self.aux_layer_ids = tuple(drafter.aux_layer_ids(num_target_layers))
-        self.max_model_len = max_model_len
-        self.device = device
+        aux_layer_ids = drafter.aux_layer_ids(num_target_layers)
+        super().__init__(
+            drafter, kv_cache, num_spec_tokens, aux_layer_ids, max_model_len, device, sample_drafts
+        )
 
     def propose(
         self, inputs: Sequence[DraftInput], aux_hidden: torch.Tensor | None
-    ) -> dict[int, list[int]]:
+    ) -> dict[int, Draft]:
         assert aux_hidden is not None
         drafter, bs = self.drafter, self.kv_cache.block_size
         rows: list[int] = []
@@ -166,7 +225,10 @@ class Eagle3Speculator(Speculator):
         if not proposing:
             return {}
         last = self._tensor(last_rows)
-        tokens = drafter.compute_logits(normed[last]).argmax(dim=-1)
+        tokens, probs = choose_drafts(
+            drafter.compute_logits(normed[last]), proposing, self.sample_drafts
+        )
+        draft_probs = [probs]
         hidden = prenorm[last]
         drafts = [tokens]
         pos = [inp.start + inp.num_valid - 1 for inp in proposing]
@@ -185,16 +247,20 @@ class Eagle3Speculator(Speculator):
                 drafter.build_attn_metadata(steps, bs, self.device),
                 self.kv_cache,
             )
-            tokens = drafter.compute_logits(normed).argmax(dim=-1)
+            tokens, probs = choose_drafts(
+                drafter.compute_logits(normed), proposing, self.sample_drafts
+            )
+            draft_probs.append(probs)
             drafts.append(tokens)
         per_request = torch.stack(drafts, dim=1).tolist()
-        return {inp.handle: d for inp, d in zip(proposing, per_request, strict=True)}
+        stacked = None if draft_probs[0] is None else torch.stack(draft_probs, dim=1)
+        return {
+            inp.handle: Draft(d, None if stacked is None else stacked[i])
+            for i, (inp, d) in enumerate(zip(proposing, per_request, strict=True))
+        }
 
-    def _tensor(self, values: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
 
-
-class DFlashSpeculator(Speculator):
+class DFlashSpeculator(_DrafterSpeculator[DFlashDrafter]):
     """Context K/V for the verified rows, then one non-causal pass over [next, MASK x K]."""
 
     method = SpecMethod.DFLASH
@@ -206,17 +272,16 @@ class DFlashSpeculator(Speculator):
         num_spec_tokens: int,
         max_model_len: int | None,
         device: torch.device,
+        sample_drafts: bool = False,
     ) -> None:
-        self.drafter = drafter
-        self.kv_cache = kv_cache
-        self.num_spec_tokens = num_spec_tokens
-        self.aux_layer_ids = tuple(drafter.aux_layer_ids())
-        self.max_model_len = max_model_len
-        self.device = device
+        aux_layer_ids = drafter.aux_layer_ids()
+        super().__init__(
+            drafter, kv_cache, num_spec_tokens, aux_layer_ids, max_model_len, device, sample_drafts
+        )
 
     def propose(
         self, inputs: Sequence[DraftInput], aux_hidden: torch.Tensor | None
-    ) -> dict[int, list[int]]:
+    ) -> dict[int, Draft]:
         assert aux_hidden is not None
         drafter, bs, k = self.drafter, self.kv_cache.block_size, self.num_spec_tokens
         rows: list[int] = []
@@ -254,12 +319,14 @@ class DFlashSpeculator(Speculator):
         )
         # Each MASK row predicts the token at its own position; the first row is not sampled.
         mask_rows = [r * (k + 1) + j for r in range(len(proposing)) for j in range(1, k + 1)]
-        tokens = drafter.compute_logits(hidden[self._tensor(mask_rows)]).argmax(dim=-1)
+        row_inputs = [inp for inp in proposing for _ in range(k)]
+        logits = drafter.compute_logits(hidden[self._tensor(mask_rows)])
+        tokens, probs = choose_drafts(logits, row_inputs, self.sample_drafts)
         per_request = tokens.view(len(proposing), k).tolist()
-        return {inp.handle: d for inp, d in zip(proposing, per_request, strict=True)}
-
-    def _tensor(self, values: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        return {
+            inp.handle: Draft(d, None if probs is None else probs[i * k : (i + 1) * k])
+            for i, (inp, d) in enumerate(zip(proposing, per_request, strict=True))
+        }
 
 
 Drafter = Eagle3Drafter | DFlashDrafter
@@ -295,6 +362,7 @@ def make_speculator(
     block_size: int,
     max_model_len: int | None,
     device: torch.device | str,
+    sample_drafts: bool = False,
 ) -> Speculator | None:
     device = torch.device(device)
     if method == SpecMethod.NONE:
@@ -305,6 +373,9 @@ def make_speculator(
     kv_cache = drafter.make_kv_cache(num_blocks, block_size, device)
     if isinstance(drafter, Eagle3Drafter):
         return Eagle3Speculator(
-            drafter, kv_cache, num_spec_tokens, target.config.num_layers, max_model_len, device
-        )
-    return DFlashSpeculator(drafter, kv_cache, num_spec_tokens, max_model_len, device)
+            drafter, kv_cache, num_spec_tokens, target.config.num_layers, max_model_len, device,
+            sample_drafts,
+        )  # fmt: skip
+    return DFlashSpeculator(
+        drafter, kv_cache, num_spec_tokens, max_model_len, device, sample_drafts
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,17 @@ def _seeded(cls: type, config: object) -> torch.nn.Module:
     return cls(config)
 
 
+def _reinit(
+    model: torch.nn.Module, suffix: str, init: Callable[[torch.nn.Parameter], object]
+) -> None:
+    """Re-draw in place (from the global RNG, in parameter order) every parameter whose name
+    ends with `suffix`."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(suffix):
+                init(param)
+
+
 @pytest.fixture(scope="session")
 def llama_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
     """Llama with Llama-3 RoPE scaling whose thresholds fall inside the head's frequency range."""
@@ -77,10 +89,8 @@ def qwen2_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
     """Qwen2: q/k/v biases and tied embeddings."""
     config = transformers.Qwen2Config(**COMMON, num_hidden_layers=2, tie_word_embeddings=True)
     model = _seeded(transformers.Qwen2ForCausalLM, config)
-    with torch.no_grad():  # biases start at zero; make them matter
-        for name, param in model.named_parameters():
-            if name.endswith("proj.bias"):
-                param.normal_(0, 0.5)
+    # Biases start at zero; make them matter.
+    _reinit(model, "proj.bias", lambda param: param.normal_(0, 0.5))
     return _save(tmp_path_factory, "qwen2", model)
 
 
@@ -89,10 +99,8 @@ def qwen3_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
     """Qwen3: explicit head_dim (not hidden / heads) and q/k norms."""
     config = transformers.Qwen3Config(**COMMON, num_hidden_layers=2, head_dim=32)
     model = _seeded(transformers.Qwen3ForCausalLM, config)
-    with torch.no_grad():  # norm weights start at one; make them matter
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
+    # Norm weights start at one; make them matter.
+    _reinit(model, "norm.weight", lambda param: param.uniform_(0.5, 1.5))
     return _save(tmp_path_factory, "qwen3", model)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,7 +21,13 @@ from specserve.llm import LLM
 from specserve.shared.config import SpecMethod
 from specserve.shared.protocol import SamplingParams, StepResult
 from specserve.worker.drafters.checkpoints import write_random_dflash, write_random_eagle3
-from specserve.worker.speculators import DraftInput, DraftSlotError, Speculator
+from specserve.worker.speculators import (
+    Draft,
+    DraftInput,
+    DraftSlotError,
+    Speculator,
+    choose_drafts,
+)
 
 K = 3
 MASK_TOKEN = 255
@@ -100,7 +107,7 @@ class OracleDrafter(Speculator):
 
     def propose(
         self, inputs: Sequence[DraftInput], aux_hidden: torch.Tensor | None
-    ) -> dict[int, list[int]]:
+    ) -> dict[int, Draft]:
         drafts = {}
         for inp in inputs:
             if not inp.propose:
@@ -109,9 +116,9 @@ class OracleDrafter(Speculator):
                 if tuple(inp.token_ids[: len(prompt)]) == prompt:
                     done = len(inp.token_ids) - len(prompt)
                     truth = continuation[done : done + K]
-                    drafts[inp.handle] = [
-                        (t + 1) % 256 if self.rng.random() < self.error_rate else t for t in truth
-                    ]
+                    drafts[inp.handle] = Draft(
+                        [(t + 1) % 256 if self.rng.random() < self.error_rate else t for t in truth]
+                    )
         return drafts
 
 
@@ -246,3 +253,44 @@ def test_spec_options_are_validated(llama_ckpt, tmp_path):
         LLM(str(llama_ckpt.path), spec_method="ngram", num_blocks=16)
     with pytest.raises(ValueError, match="'bogus' is not a valid SpecMethod"):
         LLM(str(llama_ckpt.path), spec_method="bogus", num_blocks=16)
+
+
+def test_choose_drafts_samples_from_the_tempered_drafter_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 0.0, 0.0]])
+    inputs = [
+        DraftInput(0, [], [], 0, 0, 1, True, temperature=0.5,
+                   generator=torch.Generator().manual_seed(3)),
+        DraftInput(1, [], [], 0, 0, 1, True, temperature=0.0),
+    ]  # fmt: skip
+    tokens, probs = choose_drafts(logits, inputs, sample=True)
+    torch.testing.assert_close(probs[0], torch.softmax(logits[0] / 0.5, dim=-1))
+    assert probs[1].tolist() == [0.0, 1.0, 0.0, 0.0] and tokens[1] == 1  # greedy: one-hot argmax
+    greedy_tokens, no_probs = choose_drafts(logits, inputs, sample=False)
+    assert greedy_tokens.tolist() == [0, 1] and no_probs is None
+    draws = [
+        choose_drafts(logits[:1], [replace(inputs[0], generator=torch.Generator().manual_seed(s))],
+                      sample=True)[0].item()
+        for s in range(2000)
+    ]  # fmt: skip
+    freq = torch.bincount(torch.tensor(draws), minlength=4).float() / len(draws)
+    torch.testing.assert_close(freq, probs[0], atol=0.04, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_sampled_drafts_are_verified_with_their_probabilities(qwen3_ckpt, tmp_path, method):
+    drafter = _drafter(qwen3_ckpt, method, tmp_path)
+    batch = prompts([9, 14, 6], seed=21)
+
+    def run(params: SamplingParams) -> tuple[list[list[int]], LLM]:
+        llm = LLM(str(qwen3_ckpt.path), spec_method=method, drafter=drafter, num_spec_tokens=K,
+                  block_size=4, num_blocks=128, sample_drafts=True)  # fmt: skip
+        return [o.token_ids for o in llm.generate(batch, params)], llm
+
+    seeded = [SamplingParams(max_tokens=16, temperature=0.8, seed=s) for s in (1, 2, 3)]
+    first, llm = run(seeded)
+    again, _ = run(seeded)
+    assert first == again  # seeded sampling with sampled drafts is reproducible
+    assert llm.spec_stats.num_drafts > 0
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outs, _ = run(greedy)
+    assert outs == [hf_greedy(qwen3_ckpt.hf_model, p, 16) for p in batch]

@@ -18,7 +18,12 @@ window or not; DFlash mixes them), which our backends bake into the metadata at 
 ignored, each layer decides).
 
 Checkpoint tensors. `TensorSource` looks names up after normalising prefixes and reports
-missing, misshapen and unexpected tensors by their checkpoint names.
+missing, misshapen and unexpected tensors by their checkpoint names. Decoder layers map with
+the target loader's `map_decoder_layer`, and built drafters are filled by its `assign_weights`.
+
+Module base. `HiddenStateDrafter` holds the config, `TargetParts` and backend, and gives
+both drafters `dtype`, `num_layers` and `make_kv_cache`; `placement` defaults a drafter's
+dtype and device to the target's.
 """
 
 from __future__ import annotations
@@ -28,16 +33,17 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
+from torch import nn
 
 from specserve.shared.config import AttentionType
 from specserve.worker.attention.base import AttentionBackend, AttentionMetadata, SequenceStep
 from specserve.worker.config import KVLayerGroup, ModelConfig
 from specserve.worker.kv_cache import PagedKVCache, bytes_per_block
-from specserve.worker.loader import read_safetensors
-from specserve.worker.models import DecoderModel
+from specserve.worker.loader import read_safetensors, resolve_dtype
+from specserve.worker.models import DecoderModel, RMSNorm
 
 
 @dataclass(frozen=True)
@@ -146,6 +152,55 @@ class TargetParts:
         )
 
 
+class _DrafterConfig(Protocol):
+    @property
+    def layer(self) -> ModelConfig: ...
+
+
+_C = TypeVar("_C", bound=_DrafterConfig)
+
+
+class HiddenStateDrafter(nn.Module, Generic[_C]):
+    """Base of the drafter modules: their config (whose `layer` describes the decoder layers),
+    the borrowed `TargetParts`, the attention backend and the drafter's own KV cache.
+
+    Subclasses register their modules after `__init__`, including a final `norm` (whose weight
+    gives the drafter's dtype and device).
+    """
+
+    norm: RMSNorm
+
+    def __init__(self, config: _C, target: TargetParts, backend: AttentionBackend):
+        super().__init__()
+        self.config = config
+        self.target = target
+        self.backend = backend
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.layer.num_layers
+
+    def make_kv_cache(
+        self, num_blocks: int, block_size: int, device: torch.device | str | None = None
+    ) -> PagedKVCache:
+        """The drafter's K/V: same `num_blocks`/`block_size` and block ids as the target's."""
+        device = self.norm.weight.device if device is None else device
+        return make_draft_kv_cache(self.config.layer, num_blocks, block_size, self.dtype, device)
+
+
+def placement(
+    target: DecoderModel, dtype: torch.dtype | str | None, device: torch.device | str | None
+) -> tuple[torch.dtype, torch.device]:
+    """A drafter's dtype and device: the given ones, else the target's."""
+    dtype = target.dtype if dtype is None else resolve_dtype(dtype)
+    device = target.embed_tokens.weight.device if device is None else torch.device(device)
+    return dtype, device
+
+
 def read_config(path: Path) -> dict[str, Any]:
     config_path = path / "config.json"
     if not config_path.is_file():
@@ -223,58 +278,6 @@ class TensorSource:
             raise ValueError(
                 f"{self.what} checkpoint has {len(unknown)} unexpected tensors: {shown}"
             )
-
-
-def map_decoder_layer(
-    config: ModelConfig,
-    take: Callable[..., torch.Tensor],
-    src: str,
-    dst: str,
-    qkv_in: int | None = None,
-) -> dict[str, torch.Tensor]:
-    """HF-named tensors of one decoder layer (`{src}self_attn.q_proj.weight`, ...) -> ours.
-
-    Like the target loader's layer mapping, but with a free source prefix and a q/k/v input
-    width (`qkv_in`, 2H for EAGLE-3's first layer). The EAGLE-3 extra `hidden_norm` is taken
-    by the caller.
-    """
-    hidden, inter, head_dim = config.hidden_size, config.intermediate_size, config.head_dim
-    qkv_in = hidden if qkv_in is None else qkv_in
-    q_out, kv_out = config.num_heads * head_dim, config.num_kv_heads * head_dim
-    qkv_out = {"q": q_out, "k": kv_out, "v": kv_out}
-    attn, mlp = src + "self_attn.", src + "mlp."
-    out = {
-        dst + "input_layernorm.weight": take(src + "input_layernorm.weight", hidden),
-        dst + "post_attention_layernorm.weight": take(
-            src + "post_attention_layernorm.weight", hidden
-        ),
-        dst + "attn.qkv_proj.weight": torch.cat(
-            [take(f"{attn}{p}_proj.weight", n, qkv_in) for p, n in qkv_out.items()]
-        ),
-        dst + "attn.o_proj.weight": take(attn + "o_proj.weight", hidden, q_out),
-        dst + "mlp.gate_up_proj.weight": torch.cat(
-            [
-                take(mlp + "gate_proj.weight", inter, hidden),
-                take(mlp + "up_proj.weight", inter, hidden),
-            ]
-        ),
-        dst + "mlp.down_proj.weight": take(mlp + "down_proj.weight", hidden, inter),
-    }
-    if config.attention_bias:
-        out[dst + "attn.qkv_proj.bias"] = torch.cat(
-            [take(f"{attn}{p}_proj.bias", n) for p, n in qkv_out.items()]
-        )
-    if config.o_proj_bias:
-        out[dst + "attn.o_proj.bias"] = take(attn + "o_proj.bias", hidden)
-    if config.mlp_bias:
-        out[dst + "mlp.gate_up_proj.bias"] = torch.cat(
-            [take(mlp + "gate_proj.bias", inter), take(mlp + "up_proj.bias", inter)]
-        )
-        out[dst + "mlp.down_proj.bias"] = take(mlp + "down_proj.bias", hidden)
-    if config.qk_norm:
-        out[dst + "attn.q_norm.weight"] = take(attn + "q_norm.weight", head_dim)
-        out[dst + "attn.k_norm.weight"] = take(attn + "k_norm.weight", head_dim)
-    return out
 
 
 def layer_config(fields: Mapping[str, Any], architecture: str | None, what: str) -> ModelConfig:

@@ -42,19 +42,19 @@ from specserve.worker.attention.base import AttentionBackend, SequenceStep
 from specserve.worker.config import ModelConfig
 from specserve.worker.drafters import (
     DraftAttentionMetadata,
+    HiddenStateDrafter,
     LayerAttention,
     TargetParts,
     TensorSource,
     build_draft_metadata,
     int_tuple,
     layer_config,
-    make_draft_kv_cache,
-    map_decoder_layer,
+    placement,
     read_config,
     read_tensors,
 )
 from specserve.worker.kv_cache import PagedKVCache
-from specserve.worker.loader import resolve_dtype
+from specserve.worker.loader import assign_weights, map_decoder_layer
 from specserve.worker.models import (
     DecoderLayer,
     DecoderModel,
@@ -171,7 +171,7 @@ class DFlashConfig:
         return not all(a.causal for a in self.layer_attention)
 
 
-class DFlashDrafter(nn.Module):
+class DFlashDrafter(HiddenStateDrafter[DFlashConfig]):
     """Built by `load_dflash`; holds only the drafter's own weights (see `TargetParts`)."""
 
     def __init__(
@@ -182,12 +182,9 @@ class DFlashDrafter(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
     ):
-        super().__init__()
+        super().__init__(config, target, backend)
         layer = config.layer
         hidden = layer.hidden_size
-        self.config = config
-        self.target = target
-        self.backend = backend
         fc_in = len(config.target_layer_ids) * target.hidden_size
         self.fc = nn.Linear(fc_in, hidden, False, device, dtype)
         self.hidden_norm = RMSNorm(hidden, layer.rms_norm_eps, dtype, device)
@@ -199,27 +196,12 @@ class DFlashDrafter(nn.Module):
         self.inv_freq = rope_inv_freq(layer)
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.norm.weight.dtype
-
-    @property
     def mask_token_id(self) -> int:
         return self.config.mask_token_id
-
-    @property
-    def num_layers(self) -> int:
-        return self.config.layer.num_layers
 
     def aux_layer_ids(self) -> list[int]:
         """Target layers to capture: `target_layer_ids` as is (both mean output of layer i)."""
         return list(self.config.target_layer_ids)
-
-    def make_kv_cache(
-        self, num_blocks: int, block_size: int, device: torch.device | str | None = None
-    ) -> PagedKVCache:
-        """The drafter's K/V: same `num_blocks`/`block_size` and block ids as the target's."""
-        device = self.norm.weight.device if device is None else device
-        return make_draft_kv_cache(self.config.layer, num_blocks, block_size, self.dtype, device)
 
     def build_attn_metadata(
         self, steps: Sequence[SequenceStep], block_size: int, device: torch.device | str
@@ -325,8 +307,7 @@ def build_dflash(
     backend: AttentionBackend | None = None,
 ) -> DFlashDrafter:
     """Check the checkpoint against the config and the target, then build the drafter."""
-    dtype = target.dtype if dtype is None else resolve_dtype(dtype)
-    device = target.embed_tokens.weight.device if device is None else torch.device(device)
+    dtype, device = placement(target, dtype, device)
     parts = TargetParts.of(target)
     _check_target(config, parts)
     layer = config.layer
@@ -343,11 +324,7 @@ def build_dflash(
     tensors.check_all_used()
 
     model = DFlashDrafter(config, parts, backend or target.backend, dtype, device="meta")
-    converted = {name: t.to(device=device, dtype=dtype) for name, t in weights.items()}
-    model.load_state_dict(converted, strict=True, assign=True)
-    model.inv_freq = model.inv_freq.to(device)
-    model.requires_grad_(False)
-    return model.eval()
+    return assign_weights(model, weights, dtype, device)
 
 
 def _check_target(config: DFlashConfig, target: TargetParts) -> None:

@@ -50,19 +50,19 @@ from specserve.worker.attention.base import AttentionBackend, AttentionMetadata,
 from specserve.worker.config import ModelConfig
 from specserve.worker.drafters import (
     DraftAttentionMetadata,
+    HiddenStateDrafter,
     LayerAttention,
     TargetParts,
     TensorSource,
     build_draft_metadata,
     int_tuple,
     layer_config,
-    make_draft_kv_cache,
-    map_decoder_layer,
+    placement,
     read_config,
     read_tensors,
 )
 from specserve.worker.kv_cache import PagedKVCache
-from specserve.worker.loader import resolve_dtype
+from specserve.worker.loader import assign_weights, map_decoder_layer
 from specserve.worker.models import (
     DecoderLayer,
     DecoderModel,
@@ -162,14 +162,11 @@ class Eagle3FirstLayer(DecoderLayer):
         dtype: torch.dtype,
         device: torch.device | str,
     ):
-        super().__init__(config, 0, 0, backend, dtype, device)
+        # q/k/v read 2H features (embeds ++ hidden); the MLP and the residual stay H wide.
         hidden = config.hidden_size
+        super().__init__(config, 0, 0, backend, dtype, device, attn_in_features=2 * hidden)
         self.norm_before_residual = norm_before_residual
         self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps, dtype, device)
-        # Our Attention sizes q/k/v for H-wide inputs; this layer reads 2H (embeds ++ hidden).
-        self.attn.qkv_proj = nn.Linear(
-            2 * hidden, sum(self.attn.split), config.attention_bias, device, dtype
-        )
 
     def forward(  # type: ignore[override]
         self,
@@ -187,7 +184,7 @@ class Eagle3FirstLayer(DecoderLayer):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Eagle3Drafter(nn.Module):
+class Eagle3Drafter(HiddenStateDrafter[Eagle3Config]):
     """Built by `load_eagle3`; holds only the drafter's own weights (see `TargetParts`)."""
 
     def __init__(
@@ -203,12 +200,9 @@ class Eagle3Drafter(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
     ):
-        super().__init__()
+        super().__init__(config, target, backend)
         layer = config.layer
         hidden = layer.hidden_size
-        self.config = config
-        self.target = target
-        self.backend = backend
         self.fc = nn.Linear(fc_in_features, hidden, fc_bias, device, dtype)
         self.layers = nn.ModuleList(
             [Eagle3FirstLayer(layer, config.norm_before_residual, backend, dtype, device)]
@@ -228,24 +222,9 @@ class Eagle3Drafter(nn.Module):
         self.inv_freq = rope_inv_freq(layer)
         self.draft_to_target: torch.Tensor | None = None  # [draft_vocab] target ids
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.norm.weight.dtype
-
-    @property
-    def num_layers(self) -> int:
-        return self.config.layer.num_layers
-
     def aux_layer_ids(self, num_target_layers: int | None = None) -> list[int]:
         """Target layers to capture (output of layer i); see `Eagle3Config.aux_layer_ids`."""
         return self.config.aux_layer_ids(num_target_layers or self.target.num_layers)
-
-    def make_kv_cache(
-        self, num_blocks: int, block_size: int, device: torch.device | str | None = None
-    ) -> PagedKVCache:
-        """The drafter's K/V: same `num_blocks`/`block_size` and block ids as the target's."""
-        device = self.norm.weight.device if device is None else device
-        return make_draft_kv_cache(self.config.layer, num_blocks, block_size, self.dtype, device)
 
     def build_attn_metadata(
         self, steps: Sequence[SequenceStep], block_size: int, device: torch.device | str
@@ -333,8 +312,7 @@ def build_eagle3(
     backend: AttentionBackend | None = None,
 ) -> Eagle3Drafter:
     """Check the checkpoint against the config and the target, then build the drafter."""
-    dtype = target.dtype if dtype is None else resolve_dtype(dtype)
-    device = target.embed_tokens.weight.device if device is None else torch.device(device)
+    dtype, device = placement(target, dtype, device)
     parts = TargetParts.of(target)
     layer = config.layer
     hidden, vocab = layer.hidden_size, parts.vocab_size
@@ -397,13 +375,10 @@ def build_eagle3(
         dtype,
         device="meta",
     )
-    converted = {name: t.to(device=device, dtype=dtype) for name, t in weights.items()}
-    model.load_state_dict(converted, strict=True, assign=True)
-    model.inv_freq = model.inv_freq.to(device)
+    model = assign_weights(model, weights, dtype, device)
     if draft_to_target is not None:
         model.draft_to_target = draft_to_target.to(device)
-    model.requires_grad_(False)
-    return model.eval()
+    return model
 
 
 def _check_sizes(config: Eagle3Config, target: TargetParts) -> None:
