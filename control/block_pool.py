@@ -216,6 +216,11 @@ class BlockPool:
             parent = block_hashes[first - 1] if first > 0 else None
             self._events.append(BlockStored(stored_hashes, stored_ids, parent, group))
 
+    def uncache(self, blocks: Iterable[KVBlock]) -> None:
+        """Forget the hashes of blocks whose KV will not be computed after all."""
+        for block in blocks:
+            self._evict(block)
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return

@@ -158,6 +158,16 @@ class KVCacheManager:
             manager.cache_blocks(req_id, lambda: request.block_hashes, num_cacheable)
         return [[b.block_id for b in new]]
 
+    def uncache_uncomputed(self, request: Request, num_computed: int) -> None:
+        """Undo this step's caching for a request that will not run after all.
+
+        Blocks are hashed when they are scheduled, before their KV exists. A request preempted
+        after it was scheduled in the same step never gets that KV, so blocks that became full
+        only through this step's tokens must not stay findable.
+        """
+        for manager in self.coordinator.managers:
+            manager.uncache_from(request.request_id, num_computed)
+
     def free(self, request: Request) -> None:
         self.coordinator.free(request.request_id)
 

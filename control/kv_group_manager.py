@@ -165,6 +165,15 @@ class KVGroupManager:
         )
         self.num_cached[req_id] = num_full
 
+    def uncache_from(self, req_id: str, num_computed: int) -> None:
+        """Un-hash the blocks this request cached beyond its first `num_computed` tokens."""
+        table = self.req_blocks.get(req_id)
+        if table is None:
+            return
+        first = num_computed // self.block_size
+        self.pool.uncache(b for b in table[first : self.num_cached[req_id]] if not b.is_null)
+        self.num_cached[req_id] = min(self.num_cached[req_id], first)
+
     def remove_skipped_blocks(self, req_id: str, num_computed: int) -> None:
         """Free blocks that left the window, newest first; their table slots become null."""
         num_skipped = self.num_skipped_tokens(num_computed)

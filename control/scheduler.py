@@ -92,6 +92,16 @@ class Scheduler:
                 f"{self.config.max_model_len}, one position kept for output)"
             )
         request.sampling.validate()
+        cfg = self.config
+        if (
+            not cfg.enable_chunked_prefill
+            and request.num_prompt_tokens > cfg.max_num_batched_tokens
+        ):
+            raise ValueError(
+                f"the prompt has {request.num_prompt_tokens} tokens, more than one step's budget "
+                f"({cfg.max_num_batched_tokens}) and chunked prefill is off; enable chunked "
+                "prefill or raise max_num_batched_tokens"
+            )
         # Handles are never reused, so a late result can never be applied to a newer request.
         request.handle = self._next_handle
         self._next_handle += 1
@@ -164,7 +174,8 @@ class Scheduler:
                     given = num_scheduled.pop(victim.request_id)
                     token_budget += given
                     input_budget += given + draft_slots
-                    del deltas[victim.request_id]
+                    victim_computed = deltas.pop(victim.request_id).num_computed_tokens
+                    self.kv.uncache_uncomputed(victim, victim_computed)
                     spec_tokens.pop(victim.request_id, None)
                 self._preempt(victim)
                 preempted.append(victim)

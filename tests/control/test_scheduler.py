@@ -391,3 +391,12 @@ def test_duplicate_request_ids_are_rejected():
     add(s, "x", [1])
     with pytest.raises(ValueError, match="already in use"):
         add(s, "x", [2])
+
+
+def test_a_prompt_that_can_never_fit_one_step_is_refused_without_chunked_prefill():
+    s = make_scheduler(max_num_batched_tokens=8, enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="chunked prefill is off"):
+        add(s, "long", list(range(9)))
+    assert not s.has_unfinished_requests
+    add(s, "fits", list(range(8)))
+    assert s.schedule().num_scheduled_tokens == {"fits": 8}
