@@ -52,6 +52,15 @@ def num_blocks_for_budget(
     return num_blocks
 
 
+def kv_row_index(slots: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Row of each slot's K in a layer cache viewed as `[num_blocks * 2 * block_size, H, D]`.
+
+    The cache is contiguous, so that view is free, and one-index row copies (`index_select`,
+    `index_copy_`) beat indexing the 5-D tensor with two index tensors. V is `block_size` rows on.
+    """
+    return (slots // block_size) * (2 * block_size) + slots % block_size
+
+
 class PagedKVCache:
     """Per-layer paged K/V storage plus the layer -> KV group map."""
 
@@ -111,7 +120,7 @@ class PagedKVCache:
         """
         cache = self.layers[layer]
         slot_mapping = slot_mapping.clamp(min=NULL_BLOCK * self.block_size)
-        blocks = slot_mapping // self.block_size
-        offsets = slot_mapping % self.block_size
-        cache[blocks, 0, offsets] = k.to(cache.dtype)
-        cache[blocks, 1, offsets] = v.to(cache.dtype)
+        rows = cache.view(-1, *cache.shape[3:])
+        k_rows = kv_row_index(slot_mapping, self.block_size)
+        rows.index_copy_(0, k_rows, k.to(cache.dtype))
+        rows.index_copy_(0, k_rows + self.block_size, v.to(cache.dtype))

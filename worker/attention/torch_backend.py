@@ -24,6 +24,7 @@ from specserve.worker.attention.base import (
     validate_steps,
 )
 from specserve.worker.config import KVLayerGroup
+from specserve.worker.kv_cache import kv_row_index
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,7 @@ class PaddedBatch:
     """Requests padded to `[B, Q]` queries and `[B, L]` keys for one SDPA call."""
 
     query_index: torch.Tensor  # [B, Q] rows of the flattened batch (padding points at row 0)
-    kv_blocks: torch.Tensor  # [B, L] block id of each gathered key
-    kv_offsets: torch.Tensor  # [B, L] offset of each gathered key within its block
+    k_rows: torch.Tensor  # [B * L] K row of each gathered key (`kv_row_index`); V is bs rows on
     mask: torch.Tensor  # [B, 1, Q, L] bool, True where the query attends to the key
     out_rows: torch.Tensor  # [N] rows of the flattened batch that this batch computes
     out_select: torch.Tensor  # [N] their index into the flattened `[B * Q]` output
@@ -82,11 +82,13 @@ class TorchAttentionBackend(AttentionBackend):
         assert isinstance(metadata, TorchGroupMetadata)
         out = torch.empty_like(query)
         num_heads, head_dim = query.shape[1], query.shape[2]
+        rows = kv_cache.view(-1, *kv_cache.shape[3:])  # [num_blocks * 2 * bs, Hkv, D]
+        block_size = kv_cache.shape[2]
         for batch in metadata.batches:
             q = query[batch.query_index].transpose(1, 2)  # [B, H, Q, D]
-            kv = kv_cache[batch.kv_blocks, :, batch.kv_offsets]  # [B, L, 2, Hkv, D]
-            k = kv[:, :, 0].transpose(1, 2)
-            v = kv[:, :, 1].transpose(1, 2)
+            shape = (q.shape[0], -1, *kv_cache.shape[3:])  # [B, L, Hkv, D]
+            k = rows.index_select(0, batch.k_rows).view(shape).transpose(1, 2)
+            v = rows.index_select(0, batch.k_rows + block_size).view(shape).transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=batch.mask, scale=scale, enable_gqa=True
             )
@@ -154,12 +156,13 @@ def _padded_batch(
 
     # Padding keys re-read the request's last key: real data, so masked-out scores stay finite.
     gather_pos = torch.minimum(k_pos, seq_lens - 1)
-    kv_blocks = tables[rows].gather(1, gather_pos // block_size)
+    kv_slots = (
+        tables[rows].gather(1, gather_pos // block_size) * block_size + gather_pos % block_size
+    )
     flat_valid = q_valid.flatten()
     return PaddedBatch(
         query_index=torch.where(q_valid, starts + q_idx, 0),
-        kv_blocks=kv_blocks,
-        kv_offsets=gather_pos % block_size,
+        k_rows=kv_row_index(kv_slots, block_size).flatten(),
         mask=mask[:, None],
         out_rows=(starts + q_idx).flatten()[flat_valid],
         out_select=torch.nonzero(flat_valid).flatten(),
