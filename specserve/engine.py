@@ -15,8 +15,10 @@ from specserve.control.request import Request
 from specserve.control.scheduler import RequestUpdate, Scheduler
 from specserve.shared import protocol
 from specserve.shared.config import CacheConfig, SchedulerConfig, SpecConfig, SpecMethod
+from specserve.worker.attention.selection import select_backend
 from specserve.worker.drafters import draft_kv_bytes_per_block
 from specserve.worker.kv_cache import PagedKVCache, bytes_per_block
+from specserve.worker.loader import resolve_dtype
 from specserve.worker.model_registry import LoadedModel, load_target
 from specserve.worker.model_runner import ModelRunner
 from specserve.worker.models import DecoderModel
@@ -46,6 +48,7 @@ class EngineArgs:
     drafter: str | None = None  # drafter checkpoint dir (eagle3, dflash)
     num_spec_tokens: int = 0
     drafter_max_model_len: int | None = None  # None: the drafter checkpoint's limit
+    attention_backend: str = "torch"  # torch | flashinfer | auto (FlashInfer where it can run)
     sample_drafts: bool = False  # sample drafts (verified with their probabilities), not argmax
 
 
@@ -54,7 +57,10 @@ class InProcessEngine:
         self.args = args
         method = SpecMethod(args.spec_method)
         SpecConfig(method, args.num_spec_tokens)  # validate before loading anything
-        self.loaded = loaded or load_target(args.model, args.dtype, args.device)
+        if loaded is None:
+            backend = select_backend(args.attention_backend, args.device, resolve_dtype(args.dtype))
+            loaded = load_target(args.model, args.dtype, args.device, backend)
+        self.loaded = loaded
         model = self.loaded.model
         config = model.config
         max_model_len = args.max_model_len or config.max_position_embeddings

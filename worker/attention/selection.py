@@ -1,0 +1,80 @@
+"""Choose the attention backend for a device: `auto`, `torch` or `flashinfer`."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import structlog
+import torch
+
+from specserve.worker.attention.base import AttentionBackend
+from specserve.worker.attention.flashinfer_backend import (
+    INSTALL_HINT,
+    SUPPORTED_DTYPES,
+    FlashInferBackend,
+)
+from specserve.worker.attention.torch_backend import TorchAttentionBackend
+
+log = structlog.get_logger(__name__)
+
+BACKEND_NAMES = ("auto", "torch", "flashinfer")
+# FlashInfer's kernels need sm75+; bfloat16 needs sm80+ (Ampere).
+MIN_CAPABILITY = (7, 5)
+MIN_CAPABILITY_BF16 = (8, 0)
+
+
+def flashinfer_unavailable_reason(
+    device: torch.device | str, dtype: torch.dtype | None = None
+) -> str | None:
+    """Why FlashInfer cannot serve `device` (and model `dtype`), or None if it can.
+
+    Checks, in order: a CUDA device, a usable CUDA runtime, the GPU's compute capability, the
+    model dtype, and that the `flashinfer` package is installed (without importing it).
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"device {str(device)!r} is not a CUDA device (FlashInfer runs on NVIDIA GPUs only)"
+    if not torch.cuda.is_available():
+        return "no CUDA device is available (torch.cuda.is_available() is False)"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    capability = torch.cuda.get_device_capability(index)
+    name = torch.cuda.get_device_name(index)
+    if capability < MIN_CAPABILITY:
+        return (
+            f"unsupported GPU {name} (compute capability {capability[0]}.{capability[1]}); "
+            f"FlashInfer needs {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or newer"
+        )
+    if dtype is not None and dtype not in SUPPORTED_DTYPES:
+        return f"model dtype {dtype} is not supported by FlashInfer (use bfloat16 or float16)"
+    if dtype == torch.bfloat16 and capability < MIN_CAPABILITY_BF16:
+        return (
+            f"unsupported GPU {name} for bfloat16 (compute capability "
+            f"{capability[0]}.{capability[1]}, needs 8.0 or newer)"
+        )
+    if importlib.util.find_spec("flashinfer") is None:
+        return f"the flashinfer package is not installed ({INSTALL_HINT})"
+    return None
+
+
+def select_backend(
+    name: str = "auto",
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> AttentionBackend:
+    """`torch`: the reference backend. `flashinfer`: FlashInfer, or ValueError saying why it
+    cannot run here. `auto`: FlashInfer where it can run (CUDA, supported GPU, fp16/bf16 model
+    when `dtype` is given, package importable), else torch."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKEND_NAMES}")
+    if name == "torch":
+        return TorchAttentionBackend()
+    reason = flashinfer_unavailable_reason(device, dtype)
+    if reason is None:
+        try:
+            return FlashInferBackend(device)
+        except RuntimeError as exc:  # installed but not importable, or device trouble
+            reason = str(exc)
+    if name == "flashinfer":
+        raise ValueError(f"attention backend 'flashinfer' cannot run here: {reason}")
+    log.debug("attention.backend.auto", chosen="torch", flashinfer_unavailable=reason)
+    return TorchAttentionBackend()
