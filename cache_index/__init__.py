@@ -1,1 +1,54 @@
-"""specserve.cache_index."""
+"""specserve.cache_index: the global prefix-cache index on Redis.
+
+Write-through from the control plane's block pools (`IndexWriter`), one-round-trip lookups for the
+router (`IndexReader`), epoch fencing of dead or restarted workers (`registry`), a background
+janitor (`cleanup`) and operator views (`inspection`). The key schema is in `schema` and
+docs/cache_index.md.
+"""
+
+from specserve.cache_index.cleanup import CleanupResult, cleanup_dead_worker, cleanup_fenced
+from specserve.cache_index.client import connect
+from specserve.cache_index.errors import (
+    CacheIndexError,
+    IndexFenced,
+    IndexOutOfSync,
+    IndexUnavailable,
+)
+from specserve.cache_index.inspection import IndexStats, PromptLookup, lookup_prompt_blocks, stats
+from specserve.cache_index.reader import IndexReader, usable_hit_blocks
+from specserve.cache_index.registry import (
+    WorkerRecord,
+    expire_stale_workers,
+    heartbeat,
+    list_workers,
+    mark_dead,
+    register_worker,
+)
+from specserve.cache_index.schema import Namespace
+from specserve.cache_index.writer import IndexWriter, WriterStats
+
+__all__ = [
+    "CacheIndexError",
+    "CleanupResult",
+    "IndexFenced",
+    "IndexOutOfSync",
+    "IndexReader",
+    "IndexStats",
+    "IndexUnavailable",
+    "IndexWriter",
+    "Namespace",
+    "PromptLookup",
+    "WorkerRecord",
+    "WriterStats",
+    "cleanup_dead_worker",
+    "cleanup_fenced",
+    "connect",
+    "expire_stale_workers",
+    "heartbeat",
+    "list_workers",
+    "lookup_prompt_blocks",
+    "mark_dead",
+    "register_worker",
+    "stats",
+    "usable_hit_blocks",
+]

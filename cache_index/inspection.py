@@ -1,0 +1,121 @@
+"""Read-only views of the index for operators (the `specserve cache` CLI builds on these).
+
+Counts come from SCARD of reverse sets and the registry, never from a keyspace scan, so they are
+safe to run against a production Redis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+from redis import Redis
+
+from specserve.cache_index.cleanup import fenced_epochs
+from specserve.cache_index.errors import unavailable_as_index_error
+from specserve.cache_index.reader import IndexReader, usable_hit_blocks
+from specserve.cache_index.registry import WorkerRecord, list_workers
+from specserve.cache_index.schema import Namespace
+from specserve.shared.hashing import BlockHash, BlockHasher, extend_block_hashes
+
+
+class WorkerBlocks(msgspec.Struct, frozen=True):
+    worker_id: str
+    epoch: int
+    live: bool
+    blocks: int  # entries under the registry's epoch (SCARD of its reverse set)
+
+
+class IndexStats(msgspec.Struct, frozen=True):
+    namespace: str
+    workers: list[WorkerBlocks]
+    live_workers: int
+    live_entries: int  # (worker, block) entries that lookups count
+    fenced_epochs: int  # (worker, epoch) pairs awaiting the janitor
+    fenced_entries: int  # their reverse-set members, still in memory
+    block_keys_upper_bound: int  # distinct block keys are at most all entries (shared blocks)
+    registry_keys: int
+    db_keys: int  # DBSIZE of the whole database, other namespaces included
+
+
+def stats(client: Redis, ns: Namespace) -> IndexStats:
+    """Workers, their block counts and key-count estimates, in three round trips."""
+    workers = list_workers(client, ns)
+    fenced = fenced_epochs(client, ns)
+    with unavailable_as_index_error("stats"):
+        pipe = client.pipeline(transaction=False)
+        for w in workers:
+            pipe.scard(ns.reverse_key(w.worker_id, w.epoch))
+        for worker_id, epoch in fenced:
+            pipe.scard(ns.reverse_key(worker_id, epoch))
+        pipe.dbsize()
+        replies = pipe.execute()
+    counts, fenced_counts, db_keys = (
+        replies[: len(workers)],
+        replies[len(workers) : -1],
+        replies[-1],
+    )
+    rows = [
+        WorkerBlocks(w.worker_id, w.epoch, w.live, int(n))
+        for w, n in zip(workers, counts, strict=True)
+    ]
+    live_entries = sum(r.blocks for r in rows if r.live)
+    fenced_entries = sum(int(n) for n in fenced_counts)
+    reverse_sets = sum(1 for r in rows if r.blocks) + sum(1 for n in fenced_counts if n)
+    # live, epochs, fenced, one record per worker, one reverse set per non-empty epoch
+    registry_keys = 3 + len(workers) + reverse_sets
+    return IndexStats(
+        namespace=ns.base.decode(),
+        workers=rows,
+        live_workers=sum(1 for r in rows if r.live),
+        live_entries=live_entries,
+        fenced_epochs=len(fenced),
+        fenced_entries=fenced_entries,
+        block_keys_upper_bound=live_entries + fenced_entries,
+        registry_keys=registry_keys,
+        db_keys=int(db_keys),
+    )
+
+
+class PromptLookup(msgspec.Struct, frozen=True):
+    num_tokens: int
+    num_full_blocks: int
+    block_hashes: list[str]  # hex of the 16 key bytes, as in the block keys
+    matched_blocks: dict[str, int]  # per live worker: leading blocks held
+    usable_blocks: dict[str, int]  # what the engine could use (last token, EAGLE drop)
+    best_worker: str | None
+
+
+def lookup_prompt_blocks(
+    client: Redis,
+    ns: Namespace,
+    token_ids: Sequence[int],
+    *,
+    cache_salt: str | None = None,
+    adapter: str | None = None,
+    group: int = 0,
+    drop_last_block: bool = False,
+) -> PromptLookup:
+    """Hash a tokenized prompt as the scheduler does and ask the index who holds its prefix."""
+    hasher = BlockHasher(ns.hash_algo, ns.hash_seed)
+    hashes: list[BlockHash] = []
+    extend_block_hashes(hasher, hashes, token_ids, ns.block_size, cache_salt, adapter)
+    matched = IndexReader(client, ns).longest_prefix(hashes, group) if hashes else {}
+    usable = {
+        w: usable_hit_blocks(n, len(token_ids), ns.block_size, drop_last_block)
+        for w, n in matched.items()
+    }
+    best = max(sorted(matched), key=lambda w: matched[w], default=None)
+    return PromptLookup(
+        num_tokens=len(token_ids),
+        num_full_blocks=len(hashes),
+        block_hashes=[h[:16].hex() for h in hashes],
+        matched_blocks=matched,
+        usable_blocks=usable,
+        best_worker=best,
+    )
+
+
+def workers(client: Redis, ns: Namespace) -> list[WorkerRecord]:
+    """The registry, for `specserve cache workers`."""
+    return list_workers(client, ns)

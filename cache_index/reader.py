@@ -1,0 +1,106 @@
+"""Router-side lookups: how many leading blocks of a prompt each live worker holds.
+
+One Lua call per lookup (one round trip): the script walks the chain from block 0 and stops as
+soon as no worker still matches, so a miss costs one key read instead of a pipeline of every
+block, and only (worker, count) pairs cross the network. Because hashes chain over the whole
+prefix, a worker's match is the number of leading blocks it holds contiguously; a later block it
+also holds after a gap cannot be used. Entries count only under the worker's live epoch.
+
+The engine's own lookup stays the authority (it caps the hit at the prompt length minus one
+token, drops a block for EAGLE-style drafters and applies sliding-window rules); this is the
+router's estimate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from redis import Redis
+
+from specserve.cache_index.client import check_client
+from specserve.cache_index.errors import unavailable_as_index_error
+from specserve.cache_index.schema import Namespace
+from specserve.cache_index.scripts import Scripts
+from specserve.shared.hashing import BlockHash
+
+
+@dataclass
+class ReaderStats:
+    lookups: int = 0
+    blocks_queried: int = 0
+    round_trips: int = 0
+
+
+class IndexReader:
+    def __init__(self, client: Redis, namespace: Namespace) -> None:
+        self.client = check_client(client)
+        self.ns = namespace
+        self.stats = ReaderStats()
+        self._script = Scripts(client).longest_prefix
+
+    def longest_prefix(self, block_hashes: Sequence[BlockHash], group: int = 0) -> dict[str, int]:
+        """Per live worker with at least one hit: leading blocks of `block_hashes` it holds."""
+        return self.longest_prefix_by_group({group: block_hashes})[group]
+
+    def longest_prefix_multi(
+        self,
+        hashes_by_group: Mapping[int, Sequence[BlockHash]],
+        block_sizes: Mapping[int, int] | None = None,
+    ) -> dict[str, int]:
+        """Hybrid models: per worker, the minimum over all groups (a hit needs every group).
+
+        Without `block_sizes` the result is in blocks and assumes one block size for all groups;
+        with it, each group's count is converted to tokens before taking the minimum. Workers
+        missing from any group are left out. Sliding-window groups cache only the blocks that can
+        serve a hit, so pass full-attention groups here, or expect an underestimate.
+        """
+        if not hashes_by_group:
+            return {}
+        per_group = self.longest_prefix_by_group(hashes_by_group)
+        out: dict[str, int] | None = None
+        for group, matches in per_group.items():
+            scale = block_sizes[group] if block_sizes is not None else 1
+            scaled = {w: n * scale for w, n in matches.items()}
+            out = (
+                scaled
+                if out is None
+                else {w: min(n, scaled[w]) for w, n in out.items() if w in scaled}
+            )
+        return out or {}
+
+    def longest_prefix_by_group(
+        self, hashes_by_group: Mapping[int, Sequence[BlockHash]]
+    ) -> dict[int, dict[str, int]]:
+        """Per group, per live worker: leading blocks held. All groups in one round trip."""
+        groups = list(hashes_by_group)
+        if not any(hashes_by_group[g] for g in groups):
+            return {g: {} for g in groups}
+        keys = [self.ns.live_key]
+        args: list[int] = [len(groups)]
+        for group in groups:
+            hashes = hashes_by_group[group]
+            keys.extend(self.ns.block_key(group, h) for h in hashes)
+            args.append(len(hashes))
+            self.stats.blocks_queried += len(hashes)
+        with unavailable_as_index_error("prefix lookup"):
+            reply = self._script(keys, args)
+        self.stats.lookups += 1
+        self.stats.round_trips += 1
+        out: dict[int, dict[str, int]] = {}
+        pos = 0
+        for group in groups:
+            n = int(reply[pos])
+            pairs = reply[pos + 1 : pos + 1 + 2 * n]
+            out[group] = {pairs[i].decode(): int(pairs[i + 1]) for i in range(0, 2 * n, 2)}
+            pos += 1 + 2 * n
+        return out
+
+
+def usable_hit_blocks(
+    matched_blocks: int, num_prompt_tokens: int, block_size: int, drop_last: bool = False
+) -> int:
+    """What the engine could use of a match: never the prompt's last token (its logits are
+    needed), and one block fewer for EAGLE-style drafters. A router may score with this."""
+    usable = min(matched_blocks, (num_prompt_tokens - 1) // block_size)
+    return max(0, usable - 1) if drop_last and usable > 0 else max(0, usable)

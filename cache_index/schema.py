@@ -1,0 +1,146 @@
+"""Key schema of the prefix index: names, value encodings and their validation.
+
+Every key lives under one namespace, ``<prefix>:{<model>|bs<block size>|<algo>.<fingerprint>}``.
+The braces are a Redis Cluster hash tag, so a namespace sits in one slot and the Lua scripts may
+touch several of its keys. Block hashes are stored as the first 16 raw bytes of the digest: keys
+are binary-safe, 16 bytes keep 128 bits (an accidental collision needs ~2^64 blocks) and are half
+the size of hex. See docs/cache_index.md for the full layout and redis-cli examples.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+
+from specserve.shared.config import CacheConfig
+from specserve.shared.hashing import DEFAULT_HASH_SEED, HASH_ALGORITHMS, BlockHash
+
+DIGEST_BYTES = 16
+"""Leading digest bytes kept per block hash in keys and reverse-set members."""
+
+MAX_GROUPS = 256
+"""KV groups are one byte in reverse-set members."""
+
+_MODEL_RE = re.compile(r"[A-Za-z0-9._/+-]{1,128}")
+_WORKER_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_PREFIX_RE = re.compile(r"[A-Za-z0-9._-]{1,32}")
+
+
+def hash_fingerprint(algo: str, seed: str) -> str:
+    """8 hex digits that change with the hash algorithm or seed: mismatched hashers never meet."""
+    return hashlib.sha256(f"{algo}\x00{seed}".encode()).hexdigest()[:8]
+
+
+def check_worker_id(worker_id: str) -> str:
+    """Worker ids appear in key names and in `<worker>@<epoch>` members: no ':' or '@'."""
+    if not isinstance(worker_id, str) or not _WORKER_RE.fullmatch(worker_id):
+        raise ValueError(f"worker id {worker_id!r} must be 1-64 characters from [A-Za-z0-9._-]")
+    return worker_id
+
+
+def digest_key(block_hash: BlockHash) -> bytes:
+    """The 16 leading bytes of a block hash, as used in keys."""
+    if len(block_hash) < DIGEST_BYTES:
+        raise ValueError(f"block hash has {len(block_hash)} bytes; at least {DIGEST_BYTES} needed")
+    return bytes(block_hash[:DIGEST_BYTES])
+
+
+def check_group(group: int) -> int:
+    if not 0 <= group < MAX_GROUPS:
+        raise ValueError(f"KV group {group} out of range [0, {MAX_GROUPS})")
+    return group
+
+
+def reverse_member(group: int, block_hash: BlockHash) -> bytes:
+    """Reverse-set member: one byte of KV group, then the 16 digest bytes."""
+    return bytes((check_group(group),)) + digest_key(block_hash)
+
+
+def split_reverse_member(member: bytes) -> tuple[int, bytes]:
+    if len(member) != DIGEST_BYTES + 1:
+        raise ValueError(f"malformed reverse-set member {member!r}")
+    return member[0], member[1:]
+
+
+def fenced_member(worker_id: str, epoch: int) -> bytes:
+    return f"{worker_id}@{epoch}".encode()
+
+
+def split_fenced_member(member: bytes | str) -> tuple[str, int]:
+    text = member.decode() if isinstance(member, bytes) else member
+    worker_id, _, epoch = text.rpartition("@")
+    return worker_id, int(epoch)
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Which index a key belongs to: one per (model, block size, hash algorithm and seed).
+
+    The tenant's cache salt and the adapter name are already inside the block hashes (see
+    `specserve.shared.hashing.block_extra_keys`), so tenants share a namespace safely.
+    """
+
+    model: str
+    block_size: int
+    hash_algo: str = "sha256"
+    hash_seed: str = DEFAULT_HASH_SEED
+    prefix: str = "ssi"
+    base: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not _MODEL_RE.fullmatch(self.model):
+            raise ValueError(
+                f"model name {self.model!r} must be 1-128 characters from [A-Za-z0-9._/+-]"
+            )
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.hash_algo not in HASH_ALGORITHMS:
+            raise ValueError(f"hash_algo must be one of {HASH_ALGORITHMS}, got {self.hash_algo!r}")
+        if not _PREFIX_RE.fullmatch(self.prefix):
+            raise ValueError(f"key prefix {self.prefix!r} must be 1-32 characters [A-Za-z0-9._-]")
+        fp = hash_fingerprint(self.hash_algo, self.hash_seed)
+        tag = f"{self.model}|bs{self.block_size}|{self.hash_algo}.{fp}"
+        object.__setattr__(self, "base", f"{self.prefix}:{{{tag}}}".encode())
+
+    @classmethod
+    def for_cache(cls, model: str, cache: CacheConfig, prefix: str = "ssi") -> Namespace:
+        """The namespace of a worker's cache config; hashes are taken at the finest block size."""
+        return cls(model, cache.hash_block_size, cache.hash_algo, cache.hash_seed, prefix)
+
+    # --- key names ------------------------------------------------------------------------
+
+    @property
+    def live_key(self) -> bytes:
+        """HASH worker id -> live epoch: the fence every lookup reads."""
+        return self.base + b":live"
+
+    @property
+    def epochs_key(self) -> bytes:
+        """HASH worker id -> last issued epoch (HINCRBY, never decreases)."""
+        return self.base + b":epochs"
+
+    @property
+    def fenced_key(self) -> bytes:
+        """SET of `<worker>@<epoch>` whose entries await background deletion."""
+        return self.base + b":fenced"
+
+    def worker_key(self, worker_id: str) -> bytes:
+        """HASH of one worker's registry record (epoch, state, timestamps, info)."""
+        return self.base + b":worker:" + check_worker_id(worker_id).encode()
+
+    def reverse_key(self, worker_id: str, epoch: int) -> bytes:
+        """SET of reverse members (group byte + digest) written by one worker epoch."""
+        return self.base + b":w:" + check_worker_id(worker_id).encode() + b":%d" % epoch
+
+    def block_prefix(self, group: int) -> bytes:
+        """Block keys of one KV group are this prefix followed by the 16 digest bytes."""
+        return self.base + b":b%d:" % check_group(group)
+
+    def block_key(self, group: int, block_hash: BlockHash) -> bytes:
+        """HASH worker id -> epoch of the workers holding one block of one KV group."""
+        return self.block_prefix(group) + digest_key(block_hash)
+
+    def block_key_from_member(self, member: bytes) -> bytes:
+        group, digest = split_reverse_member(member)
+        return self.base + b":b%d:" % group + digest
