@@ -1,7 +1,8 @@
 """SmolLM2-135M on CPU: prefill and decode throughput, specserve beside transformers.
 
-Both run the same dequantized GGUF weights in float32 on the same threads, in the same process:
-    .venv/bin/python bench/generate.py [--quick]
+Both run the same dequantized GGUF weights in the same dtype on the same threads, in the same
+process:
+    .venv/bin/python bench/generate.py [--quick] [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -37,13 +38,11 @@ def _prompts(batch: int, length: int, seed: int) -> list[list[int]]:
     return [torch.randint(100, 40_000, (length,), generator=g).tolist() for _ in range(batch)]
 
 
-def load_transformers():
+def load_transformers(dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
     path = find_bundled_gguf()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     return model.eval()
 
 
@@ -77,6 +76,7 @@ def decode_rate(run: Callable[[int], None], batch: int, new_tokens: int, repeats
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     configure_logging("warning")
     threads = torch.get_num_threads()
@@ -85,9 +85,9 @@ def main() -> None:
     prefill_len = 256 if args.quick else 512
 
     print("loading specserve (bundled SmolLM2-135M GGUF) ...", flush=True)
-    llm = LLM("smollm2-135m", max_num_seqs=64, max_num_batched_tokens=4096)
+    llm = LLM("smollm2-135m", dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=4096)
     print("loading transformers from the same GGUF ...", flush=True)
-    hf = load_transformers()
+    hf = load_transformers(getattr(torch, args.dtype))
 
     rows = []
     (prompt,) = _prompts(1, prefill_len, 0)
@@ -109,7 +109,7 @@ def main() -> None:
 
     print()
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"torch {torch.__version__} with {threads} threads, float32")  # fmt: skip
+          f"torch {torch.__version__} with {threads} threads, {args.dtype}")  # fmt: skip
     print(f"{'metric':<30} {'specserve':>12} {'transformers':>14} {'ratio':>8}")
     for name, ours_value, hf_value in rows:
         print(f"{name:<30} {ours_value:>12.1f} {hf_value:>14.1f} {ours_value / hf_value:>7.2f}x")

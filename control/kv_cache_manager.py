@@ -112,18 +112,21 @@ class KVCacheManager:
         """
         if num_new_tokens <= 0:
             raise ValueError("allocate_slots needs at least one new token")
+        req_id = request.request_id
+        single = self._single_full
+        if single is not None and hit is None:
+            table = single.req_blocks.get(req_id)
+            if table is not None:  # a running request of the common single-group case
+                return self._grow_table(
+                    single, table, request, num_new_tokens, num_lookahead_tokens
+                )
         hit_blocks: Sequence[Sequence[KVBlock]] = (
             hit.blocks if hit is not None else [[] for _ in range(self.num_groups)]
         )
         num_hit_tokens = hit.num_tokens if hit is not None else 0
-        req_id = request.request_id
         num_computed = min(request.num_computed_tokens + num_hit_tokens, self.max_model_len)
         num_main = num_computed + num_new_tokens
         num_slots = min(num_main + num_lookahead_tokens, self.max_model_len)
-
-        single = self._single_full
-        if single is not None and hit is None and req_id in single.num_cached:
-            return self._grow_table(single, request, num_slots, min(num_main, request.num_tokens))
 
         coordinator = self.coordinator
         coordinator.remove_skipped_blocks(req_id, num_computed)
@@ -141,11 +144,20 @@ class KVCacheManager:
         return [[b.block_id for b in group] for group in new_blocks]
 
     def _grow_table(
-        self, manager: KVGroupManager, request: Request, num_slots: int, num_cacheable: int
+        self,
+        manager: KVGroupManager,
+        table: list[KVBlock],
+        request: Request,
+        num_new_tokens: int,
+        num_lookahead_tokens: int,
     ) -> list[list[int]] | None:
-        """`allocate_slots` for a running request of a single full-attention group."""
+        """`allocate_slots` for a running request of a single full-attention group: the same
+        accounting without the coordinator's fan-out (no hits, no window to free)."""
         req_id = request.request_id
-        table = manager.req_blocks[req_id]
+        max_len = self.max_model_len
+        num_main = min(request.num_computed_tokens, max_len) + num_new_tokens
+        num_slots = min(num_main + num_lookahead_tokens, max_len)
+        num_cacheable = min(num_main, len(request.all_token_ids))
         missing = -(-num_slots // manager.block_size) - len(table)
         new: list[KVBlock] = []
         if missing > 0:

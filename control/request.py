@@ -35,12 +35,21 @@ class SpecDecodingStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
-        if len(self.accepted_per_position) < num_draft_tokens:
-            self.accepted_per_position.extend(
-                [0] * (num_draft_tokens - len(self.accepted_per_position))
-            )
+        per_position = self.accepted_per_position
+        if len(per_position) < num_draft_tokens:
+            per_position.extend([0] * (num_draft_tokens - len(per_position)))
         for i in range(num_accepted):
-            self.accepted_per_position[i] += 1
+            per_position[i] += 1
+
+    def merge(self, other: SpecDecodingStats) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        per_position = self.accepted_per_position
+        if len(per_position) < len(other.accepted_per_position):
+            per_position.extend([0] * (len(other.accepted_per_position) - len(per_position)))
+        for i, n in enumerate(other.accepted_per_position):
+            per_position[i] += n
 
     @property
     def mean_acceptance_length(self) -> float:

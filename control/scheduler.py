@@ -69,8 +69,9 @@ class Scheduler:
         self.waiting = make_queue(config.policy)
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}
-        self.spec_stats = SpecDecodingStats()
+        self._finished_spec_stats = SpecDecodingStats()  # folded in as requests finish
         self.num_preemptions = 0
+        self._hash_block_size = cache_config.hash_block_size
         self._running_has_finished = False  # set by _finish; update_from_output compacts
         self._by_handle: dict[int, Request] = {}
         self._next_handle = 0
@@ -347,9 +348,10 @@ class Scheduler:
         generated = res.sampled_token_ids
         drafts = step.spec_token_ids.get(request.request_id)
         all_token_ids = request.all_token_ids
+        num_tokens = len(all_token_ids)
         # Judged before this step's tokens land: a chunk that did not reach the end of the known
         # tokens produces no output and must not receive drafts.
-        was_prefill_chunk = request.num_computed_tokens < len(all_token_ids)
+        was_prefill_chunk = request.num_computed_tokens < num_tokens
         max_generated = 0 if was_prefill_chunk else 1 + (len(drafts) if drafts else 0)
         if len(generated) > max_generated:
             self._finish(request, RequestStatus.FINISHED_ERROR)
@@ -363,10 +365,9 @@ class Scheduler:
         if drafts:
             num_accepted = max(len(generated) - 1, 0)
             request.num_computed_tokens -= len(drafts) - num_accepted
-            self.spec_stats.observe(len(drafts), num_accepted)
             request.spec_stats.observe(len(drafts), num_accepted)
         finished = False
-        if self._no_stop_possible(request, generated):
+        if self._no_stop_possible(request, num_tokens, generated):
             new_tokens = list(generated)
             all_token_ids.extend(new_tokens)
         else:
@@ -380,7 +381,8 @@ class Scheduler:
                     finished = True
                     break
         if not finished:
-            self.kv.hash_request(request)
+            if len(all_token_ids) // self._hash_block_size > len(request.block_hashes):
+                self.kv.hash_request(request)
             if res.draft_token_ids and not was_prefill_chunk:
                 request.spec_token_ids = list(res.draft_token_ids)
             if not new_tokens:
@@ -395,13 +397,15 @@ class Scheduler:
             spec_stats=request.spec_stats if finished else None,
         )
 
-    def _no_stop_possible(self, request: Request, generated: Sequence[int]) -> bool:
+    def _no_stop_possible(
+        self, request: Request, num_tokens: int, generated: Sequence[int]
+    ) -> bool:
         """True when no stop rule can fire on any of `generated` (then they land in one go)."""
         sampling = request.sampling
         n = len(generated)
         return (
-            request.num_tokens + n < self.config.max_model_len
-            and request.num_output_tokens + n < sampling.max_tokens
+            num_tokens + n < self.config.max_model_len
+            and num_tokens - request.num_prompt_tokens + n < sampling.max_tokens
             and (sampling.ignore_eos or request.eos_token_id not in generated)
             and not (sampling.stop_token_ids and set(generated) & set(sampling.stop_token_ids))
         )
@@ -421,7 +425,17 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    @property
+    def spec_stats(self) -> SpecDecodingStats:
+        """Acceptance statistics over every request this scheduler has served (a snapshot)."""
+        total = SpecDecodingStats()
+        total.merge(self._finished_spec_stats)
+        for request in self.requests.values():
+            total.merge(request.spec_stats)
+        return total
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        self._finished_spec_stats.merge(request.spec_stats)
         if request.status == RequestStatus.RUNNING:
             self._running_has_finished = True
         request.status = status

@@ -34,6 +34,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype in (torch.float32, torch.float64):  # one fused kernel, same math
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
@@ -66,17 +68,21 @@ def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 def rope_cos_sin(
     inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[T, head_dim]` cos/sin for the half-split ("rotate_half") RoPE layout."""
+    """`[T, head_dim]` cos and sign-folded sin for the half-split ("rotate_half") layout.
+
+    Rotating `x = [x1, x2]` gives `[x1 cos - x2 sin, x2 cos + x1 sin]`, i.e. `x * cos +
+    [x2, x1] * [-sin, sin]`: folding the sign into sin once per step saves a negation per layer.
+    """
     freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x [T, heads, head_dim]`; cos/sin are `[T, head_dim]`."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    """Rotate `x [T, heads, head_dim]` with `rope_cos_sin`'s tables (`[T, head_dim]`)."""
+    t, heads, dim = x.shape
+    swapped = x.reshape(t, heads, 2, dim // 2).flip(2).reshape(t, heads, dim)
+    return x * cos[:, None, :] + swapped * sin[:, None, :]
 
 
 class Attention(nn.Module):
@@ -123,13 +129,19 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
         kv_cache: PagedKVCache,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        q_size, kv_size, _ = self.split
+        v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q = self.q_norm(qkv[:, :q_size].view(-1, self.num_heads, self.head_dim))
+            k = self.k_norm(
+                qkv[:, q_size : q_size + kv_size].view(-1, self.num_kv_heads, self.head_dim)
+            )
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:  # q and k are adjacent columns: rotate them in one pass
+            heads = self.num_heads + self.num_kv_heads
+            qk = apply_rope(qkv[:, : q_size + kv_size].view(-1, heads, self.head_dim), cos, sin)
+            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         group_meta = metadata.groups[group]
         kv_cache.write(self.layer_id, k, v, group_meta.slot_mapping)
         out = self.backend.forward(q, kv_cache.layer(self.layer_id), group_meta, self.scale)

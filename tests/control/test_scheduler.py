@@ -185,6 +185,7 @@ def test_rejected_drafts_roll_back_num_computed_tokens():
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 4, 1)
     worker.accept["a"] = 4
     worker.step()
+    stats = s.spec_stats  # a snapshot: read it again after the step
     assert stats.accepted_per_position == [2, 1, 1, 1]
     assert stats.mean_acceptance_length == pytest.approx(1 + 5 / 2)
     assert stats.acceptance_rate_per_position == [1.0, 0.5, 0.5, 0.5]
