@@ -28,6 +28,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument(
+        "--attention-backend",
+        default="torch",
+        choices=["auto", "torch", "flashinfer"],
+        help="auto picks FlashInfer on a supported GPU (default: torch)",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument(
         "--num-blocks",
@@ -60,6 +66,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         dtype=args.dtype,
         device=args.device,
+        attention_backend=args.attention_backend,
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         kv_cache_memory_mb=args.kv_cache_memory_mb,

@@ -23,6 +23,7 @@ from specserve.worker.attention.base import (
     slot_mapping,
     validate_steps,
 )
+from specserve.worker.attention.metadata import first_visible_position, query_starts
 from specserve.worker.config import KVLayerGroup
 from specserve.worker.kv_cache import kv_row_index
 
@@ -52,14 +53,14 @@ class TorchAttentionBackend(AttentionBackend):
         device: torch.device | str,
     ) -> AttentionMetadata:
         validate_steps(steps, len(kv_groups), block_size)
-        query_starts = _query_starts(steps)
+        starts = query_starts(steps)
         decode_rows = [i for i, s in enumerate(steps) if s.query_len == 1]
         other_rows = [i for i, s in enumerate(steps) if s.query_len > 1]
         groups = []
         for g, group in enumerate(kv_groups):
             tables = block_table_tensor(steps, g, device)
             batches = tuple(
-                _padded_batch(steps, rows, query_starts, tables, block_size, group.sliding_window)
+                _padded_batch(steps, rows, starts, tables, block_size, group.sliding_window)
                 for rows in (decode_rows, other_rows)
                 if rows
             )
@@ -97,19 +98,6 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
 
-def _query_starts(steps: Sequence[SequenceStep]) -> list[int]:
-    starts, total = [], 0
-    for step in steps:
-        starts.append(total)
-        total += step.query_len
-    return starts
-
-
-def _first_key(step: SequenceStep, window: int | None) -> int:
-    """Earliest position any query of `step` can see."""
-    return 0 if window is None else max(0, step.first_position - window + 1)
-
-
 def _padded_batch(
     steps: Sequence[SequenceStep],
     rows: list[int],
@@ -136,11 +124,11 @@ def _padded_batch(
     causal = column([s.causal for s in sub], torch.bool)
     starts = column([query_starts[r] for r in rows], torch.int64)
     firsts = seq_lens - q_lens
-    kv_starts = column([_first_key(s, window) for s in sub], torch.int64)
+    kv_starts = column([first_visible_position(s, window) for s in sub], torch.int64)
 
     # Sizes come from the host-side lists, so building never waits on the device.
     max_q = max(s.query_len for s in sub)
-    max_kv = max(s.seq_len - _first_key(s, window) for s in sub)
+    max_kv = max(s.seq_len - first_visible_position(s, window) for s in sub)
     q_idx = torch.arange(max_q, device=device)[None, :]
     q_valid = q_idx < q_lens  # [B, Q]
     q_pos = firsts + q_idx
