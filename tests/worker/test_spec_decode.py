@@ -92,6 +92,19 @@ def test_greedy_is_lossless_with_random_drafters(request, tmp_path, target, meth
         assert scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+@pytest.mark.parametrize("target", TARGETS)
+def test_single_request_greedy_is_lossless(request, tmp_path, target, method):
+    ckpt = request.getfixturevalue(target)
+    (prompt,) = prompts([19], seed=13)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(ckpt.path), spec_method=method, drafter=_drafter(ckpt, method, tmp_path),
+              num_spec_tokens=K, block_size=4, num_blocks=64)  # fmt: skip
+    (out,) = llm.generate(prompt, params)
+    assert out.token_ids == hf_greedy(ckpt.hf_model, prompt, 32)
+    assert out.spec_stats.num_drafts > 0
+
+
 class OracleDrafter(Speculator):
     """Test double: proposes the target's own greedy continuation (from transformers),
     corrupting each draft token with probability `error_rate`."""
