@@ -18,6 +18,22 @@ class ProtocolError(ValueError):
     """A frame that is not a valid specserve message of this protocol version."""
 
 
+def validate_sampling(
+    temperature: float, top_p: float, top_k: int, min_p: float, logprobs: int | None = None
+) -> None:
+    """Raise ValueError naming the first sampling value that cannot be honoured."""
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    if not (0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
+    if not (0.0 <= min_p <= 1.0):
+        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+    if logprobs is not None and logprobs < 0:
+        raise ValueError(f"logprobs must be >= 0, got {logprobs}")
+
+
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
     """Per-request sampling and stopping parameters."""
 
@@ -40,14 +56,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
         """Raise ValueError naming the first impossible parameter."""
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not (0.0 <= self.min_p <= 1.0):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        validate_sampling(self.temperature, self.top_p, self.top_k, self.min_p)
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"

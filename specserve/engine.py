@@ -17,7 +17,7 @@ from specserve.shared import protocol
 from specserve.shared.config import CacheConfig, SchedulerConfig, SpecConfig, SpecMethod
 from specserve.worker.attention.selection import select_backend
 from specserve.worker.drafters import draft_kv_bytes_per_block
-from specserve.worker.kv_cache import PagedKVCache, bytes_per_block
+from specserve.worker.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
 from specserve.worker.loader import resolve_dtype
 from specserve.worker.model_registry import LoadedModel, load_target
 from specserve.worker.model_runner import ModelRunner
@@ -116,13 +116,7 @@ class InProcessEngine:
         )
         if drafter is not None:
             per_block += draft_kv_bytes_per_block(drafter.config.layer, bs, drafter.dtype)
-        num_blocks = (self.args.kv_cache_memory_mb << 20) // per_block
-        if num_blocks < 2:
-            raise ValueError(
-                f"a KV budget of {self.args.kv_cache_memory_mb} MiB holds {num_blocks} blocks "
-                f"of {per_block} bytes; raise --kv-cache-memory-mb"
-            )
-        return num_blocks
+        return num_blocks_for_budget(self.args.kv_cache_memory_mb << 20, per_block)
 
     @property
     def vocab_size(self) -> int:

@@ -28,25 +28,17 @@ def bytes_per_block(
     return num_layers * 2 * block_size * num_kv_heads * head_dim * itemsize
 
 
-def num_blocks_for_budget(
-    budget_bytes: int,
-    num_layers: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-) -> int:
-    """Largest block count whose cache fits in `budget_bytes`.
+def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
+    """Largest block count whose caches fit in `budget_bytes`.
 
-    Every layer holds `num_blocks` blocks (all KV groups get the same count), so the total size
-    is `num_blocks * bytes_per_block(...)`. Raises ValueError if the budget cannot hold the null
-    block plus one usable block.
+    `block_bytes` is what one block index costs across every layer that shares the block ids
+    (`bytes_per_block`, plus a drafter's layers). Raises ValueError if the budget cannot hold the
+    null block plus one usable block.
     """
-    per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
-    num_blocks = budget_bytes // per_block
+    num_blocks = budget_bytes // block_bytes
     if num_blocks < 2:
         raise ValueError(
-            f"KV budget of {budget_bytes} bytes holds {num_blocks} blocks of {per_block} bytes; "
+            f"KV budget of {budget_bytes} bytes holds {num_blocks} blocks of {block_bytes} bytes; "
             "need at least 2 (block 0 is the null block)"
         )
     return num_blocks
@@ -103,7 +95,8 @@ class PagedKVCache:
     ) -> PagedKVCache:
         num_layers = sum(len(g.layer_ids) for g in groups)
         num_blocks = num_blocks_for_budget(
-            budget_bytes, num_layers, block_size, num_kv_heads, head_dim, dtype
+            budget_bytes,
+            bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype),
         )
         return cls(groups, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
 

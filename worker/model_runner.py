@@ -26,7 +26,7 @@ from specserve.worker.attention.base import SequenceStep
 from specserve.worker.kv_cache import PagedKVCache
 from specserve.worker.models import DecoderModel
 from specserve.worker.rejection_sampler import rejection_sample
-from specserve.worker.sampler import SamplerOutput, make_generator, sample
+from specserve.worker.sampler import SamplerOutput, make_generator, sample, token_logprobs
 from specserve.worker.speculators import DraftInput, Speculator
 
 
@@ -237,17 +237,25 @@ class ModelRunner:
             out = sample(logits, params, generators)
             token_ids = out.token_ids.tolist()
             emitted = {s.handle: [token_ids[i]] for i, s in enumerate(sampling)}
-            logprobs = {
-                s.handle: lp
-                for i, s in enumerate(sampling)
-                if (lp := _row_logprobs(out, i, s.sampling)) is not None
-            }
-            return emitted, logprobs
+            return emitted, _logprobs_by_request(out, sampling, [1] * len(sampling))
         per_request = rejection_sample(
             logits, drafts, params, generators, self._draft_probs(sampling, drafts, logits)
         )
         emitted = {s.handle: tokens for s, tokens in zip(sampling, per_request, strict=True)}
-        return emitted, self._verified_logprobs(logits, sampling, drafts, per_request)
+        if all(s.sampling.logprobs is None for s in sampling):
+            return emitted, {}
+        # Each emitted token was produced by the row at its own offset in the request's k+1 rows.
+        rows, row_params = [], []
+        start = 0
+        for state, scheduled, tokens in zip(sampling, drafts, per_request, strict=True):
+            rows.extend(range(start, start + len(tokens)))
+            row_params.extend([state.sampling] * len(tokens))
+            start += len(scheduled) + 1
+        flat = torch.tensor([t for tokens in per_request for t in tokens], device=logits.device)
+        out = token_logprobs(
+            logits[torch.tensor(rows, device=logits.device)].float(), flat, row_params
+        )
+        return emitted, _logprobs_by_request(out, sampling, [len(t) for t in per_request])
 
     def _draft_probs(
         self,
@@ -270,38 +278,23 @@ class ModelRunner:
                 rows.append(torch.nn.functional.one_hot(ids, logits.shape[-1]).float())
         return torch.cat(rows)
 
-    def _verified_logprobs(
-        self,
-        logits: torch.Tensor,
-        sampling: Sequence[RequestState],
-        drafts: Sequence[Sequence[int]],
-        per_request: Sequence[Sequence[int]],
-    ) -> dict[int, TokenLogprobs]:
-        """Logprobs of each emitted token at the row that produced it (raw model distribution)."""
-        out: dict[int, TokenLogprobs] = {}
-        row = 0
-        for state, k_drafts, tokens in zip(sampling, drafts, per_request, strict=True):
-            n_top = state.sampling.logprobs
-            if n_top is not None:
-                lps = torch.log_softmax(logits[row : row + len(tokens)].float(), dim=-1)
-                chosen = lps.gather(-1, torch.tensor(tokens, device=lps.device)[:, None])
-                top = lps.topk(n_top, dim=-1) if n_top else None
-                out[state.handle] = TokenLogprobs(
-                    chosen.squeeze(-1).tolist(),
-                    top.indices.tolist() if top else [[] for _ in tokens],
-                    top.values.tolist() if top else [[] for _ in tokens],
-                )
-            row += len(k_drafts) + 1
-        return out
 
-
-def _row_logprobs(out: SamplerOutput, row: int, sampling: SamplingParams) -> TokenLogprobs | None:
-    if sampling.logprobs is None or out.logprobs is None:
-        return None
-    k = sampling.logprobs
-    top_ids: list[int] = []
-    top_lps: list[float] = []
-    if k and out.top_token_ids is not None and out.top_logprobs is not None:
-        top_ids = out.top_token_ids[row, :k].tolist()
-        top_lps = out.top_logprobs[row, :k].tolist()
-    return TokenLogprobs([float(out.logprobs[row])], [top_ids], [top_lps])
+def _logprobs_by_request(
+    out: SamplerOutput, states: Sequence[RequestState], rows_per_request: Sequence[int]
+) -> dict[int, TokenLogprobs]:
+    """Split sampler output rows into each request's `TokenLogprobs` (requests that asked)."""
+    result: dict[int, TokenLogprobs] = {}
+    row = 0
+    for state, n in zip(states, rows_per_request, strict=True):
+        n_top = state.sampling.logprobs
+        if n_top is not None and out.logprobs is not None:
+            rows = slice(row, row + n)
+            top_ids, top_lps = out.top_token_ids, out.top_logprobs
+            has_top = n_top > 0 and top_ids is not None and top_lps is not None
+            result[state.handle] = TokenLogprobs(
+                out.logprobs[rows].tolist(),
+                top_ids[rows, :n_top].tolist() if has_top else [[] for _ in range(n)],
+                top_lps[rows, :n_top].tolist() if has_top else [[] for _ in range(n)],
+            )
+        row += n
+    return result

@@ -17,6 +17,8 @@ from typing import Protocol
 
 import torch
 
+from specserve.shared.protocol import validate_sampling
+
 
 class SamplingLike(Protocol):
     """The fields the sampler reads (`specserve.shared.protocol.SamplingParams` has them)."""
@@ -53,22 +55,6 @@ class SamplerOutput:
     num_top_logprobs: list[int]  # per row, how many of the K columns it asked for
 
 
-def validate_sampling(
-    temperature: float, top_p: float, top_k: int, min_p: float, logprobs: int | None = None
-) -> None:
-    """Raise ValueError naming the first parameter the sampler cannot honour."""
-    if not math.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
-    if not 0.0 <= min_p <= 1.0:
-        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
-    if logprobs is not None and logprobs < 0:
-        raise ValueError(f"logprobs must be >= 0, got {logprobs}")
-
-
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A request's own generator; keep it with the request so its draws never interleave."""
     generator = torch.Generator(device=device)
@@ -101,7 +87,7 @@ def sample(
         probs = filtered_probs(logits[rows], [params[i] for i in random_rows])
         noise = _exponential_noise(probs, [generators[i] for i in random_rows])
         token_ids[rows] = (probs / noise).argmax(dim=-1)
-    return _with_logprobs(logits, token_ids, params)
+    return token_logprobs(logits, token_ids, params)
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingLike]) -> torch.Tensor:
@@ -162,9 +148,10 @@ def _exponential_noise(
     return noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # p / 0 would win every race
 
 
-def _with_logprobs(
+def token_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingLike]
 ) -> SamplerOutput:
+    """`token_ids` with the raw-distribution logprobs of each, and the top N per row that asks."""
     counts = [p.logprobs if p.logprobs is not None else 0 for p in params]
     if all(p.logprobs is None for p in params):
         return SamplerOutput(token_ids, None, None, None, counts)

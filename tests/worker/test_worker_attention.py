@@ -15,7 +15,12 @@ from specserve.shared.config import AttentionType
 from specserve.worker.attention.base import SequenceStep
 from specserve.worker.attention.torch_backend import TorchAttentionBackend
 from specserve.worker.config import KVLayerGroup
-from specserve.worker.kv_cache import NULL_BLOCK, PagedKVCache, num_blocks_for_budget
+from specserve.worker.kv_cache import (
+    NULL_BLOCK,
+    PagedKVCache,
+    bytes_per_block,
+    num_blocks_for_budget,
+)
 
 ATOL = 1e-10
 HQ, HKV, D, BS = 4, 2, 8, 4
@@ -146,9 +151,11 @@ def test_kv_cache_layout_and_write() -> None:
 
 def test_num_blocks_for_budget() -> None:
     # 3 layers x (K, V) x 4 tokens x 2 heads x 8 dims x 2 bytes = 768 bytes per block
-    assert num_blocks_for_budget(768 * 10 + 767, 3, BS, HKV, D, torch.bfloat16) == 10
+    assert (
+        num_blocks_for_budget(768 * 10 + 767, bytes_per_block(3, BS, HKV, D, torch.bfloat16)) == 10
+    )
     with pytest.raises(ValueError, match="at least 2"):
-        num_blocks_for_budget(768 * 2 - 1, 3, BS, HKV, D, torch.bfloat16)
+        num_blocks_for_budget(768 * 2 - 1, bytes_per_block(3, BS, HKV, D, torch.bfloat16))
     group = KVLayerGroup(AttentionType.FULL, None, (0, 1, 2))
     cache = PagedKVCache.from_budget([group], 768 * 5, BS, HKV, D, torch.bfloat16, "cpu")
     assert cache.num_blocks == 5
