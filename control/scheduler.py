@@ -387,13 +387,19 @@ class Scheduler:
                 request.spec_token_ids = list(res.draft_token_ids)
             if not new_tokens:
                 return None
+        logprobs = res.logprobs
+        if logprobs is not None and len(new_tokens) < len(generated):  # a stop cut the step short
+            n = len(new_tokens)
+            logprobs = TokenLogprobs(
+                logprobs.chosen[:n], logprobs.top_ids[:n], logprobs.top_logprobs[:n]
+            )
         return RequestUpdate(
             request.request_id,
             new_tokens,
             finished,
             request.status,
             request.stop_reason,
-            res.logprobs,
+            logprobs,
             spec_stats=request.spec_stats if finished else None,
         )
 

@@ -307,3 +307,24 @@ def test_sampled_drafts_are_verified_with_their_probabilities(qwen3_ckpt, tmp_pa
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     outs, _ = run(greedy)
     assert outs == [hf_greedy(qwen3_ckpt.hf_model, p, 16) for p in batch]
+
+
+def test_logprobs_of_verified_tokens_match_plain_decoding(llama_ckpt):
+    """Each emitted token's logprob comes from the row that produced it, as without drafts."""
+    motif = prompts([6], seed=9)[0]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
+
+    def run(**spec) -> tuple[list[int], list[float], list[list[int]], LLM]:
+        llm = LLM(str(llama_ckpt.path), block_size=4, num_blocks=64, **spec)
+        (out,) = llm.generate(motif * 4, params)
+        chosen = [lp for step in out.logprobs for lp in step.chosen]
+        top = [ids for step in out.logprobs for ids in step.top_ids]
+        return out.token_ids, chosen, top, llm
+
+    plain_ids, plain_lp, plain_top, _ = run()
+    spec_ids, spec_lp, spec_top, llm = run(spec_method="ngram", num_spec_tokens=4)
+    assert llm.spec_stats.num_accepted_tokens > 0  # some steps emitted several tokens
+    assert spec_ids == plain_ids
+    assert len(spec_lp) == len(plain_lp) == 24
+    assert spec_top == plain_top and all(len(ids) == 3 for ids in spec_top)
+    torch.testing.assert_close(torch.tensor(spec_lp), torch.tensor(plain_lp), atol=1e-4, rtol=0)
