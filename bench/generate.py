@@ -17,9 +17,9 @@ from collections.abc import Callable
 import torch
 
 from specserve.llm import LLM
+from specserve.shared.gguf_metadata import find_bundled_gguf
 from specserve.shared.logging import configure_logging
 from specserve.shared.protocol import SamplingParams
-from specserve.worker.gguf_loader import find_bundled_gguf
 
 
 def _time(fn: Callable[[], object], repeats: int) -> float:

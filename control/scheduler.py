@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from specserve.control.kv_cache_manager import CacheHit, KVCacheManager
 from specserve.control.request import Request, RequestStatus, SpecDecodingStats
 from specserve.control.request_queue import make_queue
-from specserve.shared.config import CacheConfig, SchedulerConfig, SchedulingPolicy
+from specserve.shared.config import CacheConfig, SchedulerConfig, SchedulingPolicy, SpecConfig
 from specserve.shared.kv_events import KVEvent
 from specserve.shared.protocol import (
     PROTOCOL_VERSION,
@@ -25,6 +25,7 @@ from specserve.shared.protocol import (
     StepBatch,
     StepResult,
     TokenLogprobs,
+    WorkerInfo,
 )
 
 
@@ -78,6 +79,30 @@ class Scheduler:
         self._step_id = 0
         self._worker_known: set[str] = set()  # requests whose state the worker holds
         self._finished_handles: list[int] = []  # to tell the worker in the next step
+
+    @classmethod
+    def for_worker(
+        cls,
+        info: WorkerInfo,
+        policy: SchedulingPolicy = SchedulingPolicy.FCFS,
+        hash_algo: str = "sha256",
+    ) -> Scheduler:
+        """The scheduler that drives the worker `info` describes (its blocks, limits, drafter)."""
+        spec = SpecConfig(info.spec_method, info.num_spec_tokens, info.drafter_max_model_len)
+        config = SchedulerConfig(
+            max_model_len=info.max_model_len,
+            max_num_batched_tokens=info.max_num_batched_tokens,
+            max_num_seqs=info.max_num_seqs,
+            policy=policy,
+            spec=spec,
+        )
+        cache = CacheConfig(
+            num_blocks=info.num_blocks,
+            kv_groups=tuple(info.kv_groups),
+            enable_prefix_caching=info.enable_prefix_caching,
+            hash_algo=hash_algo,
+        )
+        return cls(config, cache)
 
     # --- requests in and out ----------------------------------------------------------------
 

@@ -1,8 +1,12 @@
-"""The step contract between a scheduler and a worker: versioned msgspec MessagePack structs.
+"""specserve's wire format: versioned msgspec MessagePack structs, one tagged union.
 
-A step batch carries only what changed since the last step: new (or resumed) requests in full,
-running requests as small array-encoded deltas addressed by a per-worker integer handle. The
-worker keeps each request's tokens, block tables and drafts between steps.
+Three conversations share it, all through the control plane's one ROUTER socket:
+
+- worker <-> control: `Register`/`Welcome`/`Heartbeat`/`Reregister`/`Rejected`, then `StepBatch`
+  and `StepResult`. A step batch carries only what changed since the last step: new (or resumed)
+  requests in full, running requests as small array-encoded deltas addressed by a per-worker
+  integer handle. The worker keeps each request's tokens, block tables and drafts between steps.
+- client <-> control: `GenerateRequest`/`AbortRequest` in, `RequestOutput`/`ErrorReply` out.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import math
 
 import msgspec
+
+from specserve.shared.config import KVGroupSpec
 
 PROTOCOL_VERSION = 1
 
@@ -135,7 +141,129 @@ class StepResult(msgspec.Struct, frozen=True, tag="result", forbid_unknown_field
     results: list[RequestResult] = []
 
 
-WorkerMessage = StepBatch | StepResult
+class WorkerInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a worker brings; the control plane builds that worker's scheduler from it."""
+
+    worker_id: str
+    model: str
+    device: str
+    kv_groups: list[KVGroupSpec]
+    num_blocks: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    enable_prefix_caching: bool = True
+    spec_method: str = "none"
+    num_spec_tokens: int = 0
+    drafter_max_model_len: int | None = None
+    pid: int = 0
+
+
+class Register(msgspec.Struct, frozen=True, tag="register", forbid_unknown_fields=True):
+    """Worker -> control: join (or rejoin) with these capabilities; all old state is void."""
+
+    version: int
+    info: WorkerInfo
+
+
+class Welcome(msgspec.Struct, frozen=True, tag="welcome", forbid_unknown_fields=True):
+    """Control -> worker: registered. `session` names this control-plane instance."""
+
+    version: int
+    worker_id: str
+    session: str
+    epoch: int  # the worker's epoch in the prefix index (-1 while Redis is unavailable)
+
+
+class Rejected(msgspec.Struct, frozen=True, tag="rejected", forbid_unknown_fields=True):
+    """Control -> worker: registration refused (e.g. a different model); the worker exits."""
+
+    version: int
+    reason: str
+
+
+class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat", forbid_unknown_fields=True):
+    """Worker -> control, on its own socket and thread, so a long step never looks like death."""
+
+    version: int
+    worker_id: str
+    session: str  # the control-plane session the worker registered with ("" before that)
+
+
+class Reregister(msgspec.Struct, frozen=True, tag="reregister", forbid_unknown_fields=True):
+    """Control -> worker: this control plane does not know you (e.g. it restarted)."""
+
+    version: int
+    reason: str
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, tag="generate", forbid_unknown_fields=True):
+    """Client -> control. Exactly one of `prompt` (text) and `prompt_token_ids`."""
+
+    version: int
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    sampling: SamplingParams = SamplingParams()
+    chat: bool = False  # wrap a text prompt in the model's chat template
+    stream: bool = True  # False: one RequestOutput when the request finishes
+    cache_salt: str | None = None  # tenant isolation: prefixes are shared only within a salt
+    priority: int = 0
+
+
+class AbortRequest(msgspec.Struct, frozen=True, tag="abort", forbid_unknown_fields=True):
+    version: int
+    request_id: str
+
+
+class SpecStats(msgspec.Struct, frozen=True, array_like=True):
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: list[int]
+
+
+class RequestOutput(msgspec.Struct, frozen=True, tag="output", forbid_unknown_fields=True):
+    """Control -> client: new tokens of one request (all of them when not streaming)."""
+
+    version: int
+    request_id: str
+    token_ids: list[int]
+    text: str | None = None  # the text of `token_ids` (None without a tokenizer)
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort | error
+    error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_token_ids: list[int] | None = None  # on the first output only
+    num_cached_tokens: int | None = None  # prefix-cache hit at admission (first output only)
+    worker_id: str | None = None  # the worker serving it (first output, and after a resume)
+    spec: SpecStats | None = None  # on the last output, when speculation ran
+
+
+class ErrorReply(msgspec.Struct, frozen=True, tag="error", forbid_unknown_fields=True):
+    """Control -> client: a message that could not be accepted. Nothing was started for it."""
+
+    version: int
+    message: str
+    request_id: str | None = None
+
+
+Message = (
+    StepBatch
+    | StepResult
+    | Register
+    | Welcome
+    | Rejected
+    | Heartbeat
+    | Reregister
+    | GenerateRequest
+    | AbortRequest
+    | RequestOutput
+    | ErrorReply
+)
+MESSAGE_TYPES = tuple(sorted(cls.__struct_config__.tag for cls in Message.__args__))
 
 
 class _Header(msgspec.Struct):
@@ -144,15 +272,15 @@ class _Header(msgspec.Struct):
 
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(WorkerMessage)
+_decoder = msgspec.msgpack.Decoder(Message)
 _header_decoder = msgspec.msgpack.Decoder(_Header)
 
 
-def encode(msg: WorkerMessage) -> bytes:
+def encode(msg: Message) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode(data: bytes) -> WorkerMessage:
+def decode(data: bytes) -> Message:
     """Decode one frame, raising ProtocolError with the reason when it is not a valid message."""
     try:
         msg = _decoder.decode(data)
@@ -174,6 +302,6 @@ def _diagnose(data: bytes, exc: msgspec.DecodeError) -> str:
         return f"malformed frame ({len(data)} bytes): not a specserve message ({exc})"
     if header.version not in (-1, PROTOCOL_VERSION):
         return _version_error(header.version)
-    if header.type not in ("step", "result"):
-        return f"unknown message type {header.type!r}; expected 'step' or 'result'"
+    if header.type not in MESSAGE_TYPES:
+        return f"unknown message type {header.type!r}; expected one of {', '.join(MESSAGE_TYPES)}"
     return f"malformed {header.type!r} message: {exc}"

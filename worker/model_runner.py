@@ -107,6 +107,11 @@ class ModelRunner:
         results = self._run(scheduled) if scheduled else []
         return StepResult(PROTOCOL_VERSION, batch.step_id, results + failed)
 
+    def drop_all(self) -> None:
+        """Forget every request, e.g. when a new scheduler takes over with an empty block pool."""
+        for handle in list(self.requests):
+            self._drop(handle)
+
     def _drop(self, handle: int) -> None:
         self.requests.pop(handle, None)
         if self.speculator is not None:

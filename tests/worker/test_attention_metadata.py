@@ -569,7 +569,7 @@ def test_forward_checks():
 
 
 def _fake_select(monkeypatch):
-    import specserve.engine as engine
+    import specserve.worker.engine as engine
 
     real = engine.select_backend
 

@@ -207,7 +207,7 @@ def _greedy(model: str, backend: str, prompts, dtype: str, max_tokens: int = 24,
 
 
 def test_smollm2_greedy_tokens_match(fi):
-    from specserve.worker.gguf_loader import find_bundled_gguf
+    from specserve.shared.gguf_metadata import find_bundled_gguf
 
     try:
         find_bundled_gguf()

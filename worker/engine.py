@@ -1,0 +1,143 @@
+"""One worker's engine: the target model, its drafter, the paged KV cache and the model runner.
+
+It executes step batches and describes itself as a `WorkerInfo`, from which the control plane
+builds the scheduler that drives it (in the same process, or over ZeroMQ).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from specserve.shared import protocol
+from specserve.shared.config import SpecConfig, SpecMethod
+from specserve.worker.attention.selection import select_backend
+from specserve.worker.drafters import draft_kv_bytes_per_block
+from specserve.worker.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
+from specserve.worker.loader import resolve_dtype
+from specserve.worker.model_registry import LoadedModel, load_target
+from specserve.worker.model_runner import ModelRunner
+from specserve.worker.models import DecoderModel
+from specserve.worker.speculators import (
+    Drafter,
+    drafter_max_model_len,
+    load_drafter,
+    make_speculator,
+)
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str = "smollm2-135m"
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_blocks: int | None = None  # None: size the KV cache from kv_cache_memory_mb
+    kv_cache_memory_mb: int = 512
+    max_model_len: int | None = None  # None: the model's maximum
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    enable_prefix_caching: bool = True
+    spec_method: str = "none"  # none | ngram | eagle3 | dflash
+    drafter: str | None = None  # drafter checkpoint dir (eagle3, dflash)
+    num_spec_tokens: int = 0
+    drafter_max_model_len: int | None = None  # None: the drafter checkpoint's limit
+    attention_backend: str = "torch"  # torch | flashinfer | auto (FlashInfer where it can run)
+    sample_drafts: bool = False  # sample drafts (verified with their probabilities), not argmax
+
+
+class WorkerEngine:
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
+        self.args = args
+        method = SpecMethod(args.spec_method)
+        SpecConfig(method, args.num_spec_tokens)  # validate before loading anything
+        if loaded is None:
+            backend = select_backend(args.attention_backend, args.device, resolve_dtype(args.dtype))
+            loaded = load_target(args.model, args.dtype, args.device, backend)
+        self.loaded = loaded
+        model = loaded.model
+        config = model.config
+        max_model_len = args.max_model_len or config.max_position_embeddings
+        if max_model_len > config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's maximum "
+                f"{config.max_position_embeddings}"
+            )
+        self.max_model_len = max_model_len
+        drafter = load_drafter(method, args.drafter, model)
+        self.num_blocks = args.num_blocks or self._blocks_for_budget(model, drafter)
+        kv_cache = PagedKVCache(
+            config.kv_groups, self.num_blocks, args.block_size, config.num_kv_heads,
+            config.head_dim, model.dtype, args.device,
+        )  # fmt: skip
+        self.drafter_max_model_len = None
+        if method != SpecMethod.NONE:
+            self.drafter_max_model_len = drafter_max_model_len(
+                drafter, args.drafter_max_model_len, max_model_len
+            )
+        speculator = make_speculator(
+            method, args.num_spec_tokens, drafter, model, self.num_blocks, args.block_size,
+            self.drafter_max_model_len, args.device, args.sample_drafts,
+        )  # fmt: skip
+        self.runner = ModelRunner(model, kv_cache, args.device, speculator)
+        log.info(
+            "engine.ready",
+            model=loaded.name,
+            kv_blocks=self.num_blocks,
+            block_size=args.block_size,
+            max_model_len=max_model_len,
+            spec_method=method.value,
+            num_spec_tokens=args.num_spec_tokens,
+        )
+
+    def _blocks_for_budget(self, model: DecoderModel, drafter: Drafter | None) -> int:
+        """Blocks that fit the KV budget, counting the drafter's layers (same block ids)."""
+        config, bs = model.config, self.args.block_size
+        per_block = bytes_per_block(
+            config.num_layers, bs, config.num_kv_heads, config.head_dim, model.dtype
+        )
+        if drafter is not None:
+            per_block += draft_kv_bytes_per_block(drafter.config.layer, bs, drafter.dtype)
+        return num_blocks_for_budget(self.args.kv_cache_memory_mb << 20, per_block)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.loaded.model.config.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        tokenizer = self.loaded.tokenizer
+        return tokenizer.eos_token_ids if tokenizer else self.loaded.model.config.eos_token_ids
+
+    def info(self, worker_id: str) -> protocol.WorkerInfo:
+        args = self.args
+        return protocol.WorkerInfo(
+            worker_id=worker_id,
+            model=self.loaded.name,
+            device=args.device,
+            kv_groups=list(self.loaded.model.config.kv_group_specs(args.block_size)),
+            num_blocks=self.num_blocks,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            eos_token_ids=list(self.eos_token_ids),
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            enable_prefix_caching=args.enable_prefix_caching,
+            spec_method=args.spec_method,
+            num_spec_tokens=args.num_spec_tokens,
+            drafter_max_model_len=self.drafter_max_model_len,
+            pid=os.getpid(),
+        )
+
+    @torch.inference_mode()
+    def execute(self, batch: protocol.StepBatch) -> protocol.StepResult:
+        return self.runner.execute(batch)
+
+    def reset(self) -> None:
+        """Forget every request (a new control-plane session starts from an empty block pool)."""
+        self.runner.drop_all()
