@@ -140,6 +140,10 @@ class BlockPool:
             out.append(block)
         return out
 
+    def cached_entries(self) -> list[tuple[int, BlockHash]]:
+        """Every cached block as (group, hash), one pair per block: the index's resync source."""
+        return [(g, h) for (h, g), entry in self._cached.items() for _ in entry]
+
     def num_cached_blocks(self) -> int:
         return sum(len(entry) for entry in self._cached.values())
 

@@ -23,6 +23,19 @@ class RequestStatus(enum.IntEnum):
     def finished(self) -> bool:
         return self >= RequestStatus.FINISHED_STOPPED
 
+    @property
+    def finish_reason(self) -> str | None:
+        """The client-facing reason: stop, length, abort or error (None while unfinished)."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
 
 @dataclass
 class SpecDecodingStats:

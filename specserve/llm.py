@@ -6,16 +6,9 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from specserve.control.request import Request, RequestStatus, SpecDecodingStats
+from specserve.control.request import Request, SpecDecodingStats
 from specserve.engine import EngineArgs, InProcessEngine
 from specserve.shared.protocol import SamplingParams, TokenLogprobs
-
-FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_ERROR: "error",
-}
 
 Prompt = str | Sequence[int]
 
@@ -88,7 +81,7 @@ class LLM:
                 if update.logprobs is not None:
                     out.logprobs.append(update.logprobs)
                 if update.finished:
-                    out.finish_reason = FINISH_REASONS.get(update.status)
+                    out.finish_reason = update.status.finish_reason
                     out.error = update.error
                     out.spec_stats = update.spec_stats
         if self.tokenizer is not None:

@@ -1,0 +1,714 @@
+"""The control plane: one ZeroMQ ROUTER socket for clients and workers, a scheduler per worker.
+
+The loop, single-threaded: read every waiting frame; hand each idle worker its next step the
+moment its last result is applied (the result, the index write-through and the next batch are
+handled back to back, before any client traffic); then a periodic tick checks heartbeats, the
+prefix index and the gauges.
+
+Routing reads the Redis prefix index in one round trip; while Redis is unavailable the control
+plane keeps serving and estimates hits from its own block pools (which it owns, so they are
+exact), then re-registers every worker under a fresh epoch and resyncs the index when Redis is
+back. A worker that misses heartbeats is removed: its index epoch is fenced at once and its
+requests resume on the other workers from the tokens already delivered, so a client's stream
+continues with nothing lost and nothing repeated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import signal
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+import structlog
+import zmq
+from redis import Redis
+
+from specserve.cache_index import (
+    CacheIndexError,
+    IndexReader,
+    IndexWriter,
+    Namespace,
+    cleanup_fenced,
+    connect,
+    heartbeat,
+    mark_dead,
+    register_worker,
+)
+from specserve.cache_index.schema import check_worker_id
+from specserve.control.frontend import ClientRequest, Frontend
+from specserve.control.metrics import ServiceMetrics
+from specserve.control.request import Request, SpecDecodingStats
+from specserve.control.router import Candidate, Router, Routing
+from specserve.control.scheduler import RequestUpdate, ScheduledStep, Scheduler
+from specserve.shared import protocol
+from specserve.shared.config import SchedulingPolicy
+from specserve.shared.hashing import BlockHash, BlockHasher, extend_block_hashes
+from specserve.shared.protocol import (
+    PROTOCOL_VERSION,
+    AbortRequest,
+    ErrorReply,
+    GenerateRequest,
+    Heartbeat,
+    ProtocolError,
+    Register,
+    Rejected,
+    Reregister,
+    SpecStats,
+    StepResult,
+    Welcome,
+    WorkerInfo,
+)
+from specserve.shared.tokenizer import load_tokenizer
+
+log = structlog.get_logger(__name__)
+
+TICK_S = 0.1
+INDEX_HEARTBEAT_S = 1.0
+INDEX_RETRY_S = 1.0
+JANITOR_S = 2.0
+HEARTBEAT_SUFFIX = b"#hb"
+
+
+@dataclass(frozen=True)
+class ControlArgs:
+    bind: str = "tcp://*:5555"
+    redis_url: str | None = None  # None: no global index; routing uses the local block pools
+    model: str = "smollm2-135m"  # the served model: its tokenizer, and what workers must load
+    routing: str = "prefix"  # prefix | round-robin
+    heartbeat_timeout_s: float = 3.0
+    metrics_port: int | None = None
+    policy: str = "fcfs"  # fcfs | priority
+    hash_algo: str = "sha256"  # sha256 | xxh3_128
+    load_weight: float = 1.0  # how much a fully loaded worker outweighs a fully cached prompt
+
+
+@dataclass
+class WorkerHandle:
+    info: WorkerInfo
+    scheduler: Scheduler
+    namespace: Namespace
+    last_seen: float
+    writer: IndexWriter | None = None
+    epoch: int = -1
+    outstanding: ScheduledStep | None = None
+    result_at: float | None = None
+    steps: int = 0
+    last_index_heartbeat: float = 0.0
+    reregister_sent_at: float = 0.0
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def identity(self) -> bytes:
+        return self.info.worker_id.encode()
+
+    @property
+    def load(self) -> float:
+        s = self.scheduler
+        queued = (len(s.running) + len(s.waiting)) / s.config.max_num_seqs
+        return max(queued, s.kv.usage())
+
+
+@dataclass
+class _IndexState:
+    client: Redis | None
+    up: bool = False
+    retry_at: float = 0.0
+    last_janitor: float = 0.0
+    namespaces: set[Namespace] = field(default_factory=set)
+
+
+def index_model_name(model: str) -> str:
+    """The model's name in index keys: itself when it fits the key schema, else a stable digest
+    of it behind its last path component (checkpoint paths can be long or unusual)."""
+    if re.fullmatch(r"[A-Za-z0-9._/+-]{1,128}", model):
+        return model
+    tail = re.sub(r"[^A-Za-z0-9._-]", "_", model.rstrip("/").rsplit("/", 1)[-1])[:48] or "model"
+    return f"{tail}-{hashlib.sha256(model.encode()).hexdigest()[:12]}"
+
+
+class ControlPlane:
+    def __init__(self, args: ControlArgs) -> None:
+        self.args = args
+        self.policy = SchedulingPolicy(args.policy)
+        self.router = Router(Routing(args.routing), args.load_weight)
+        if args.heartbeat_timeout_s <= 0:
+            raise ValueError("heartbeat_timeout_s must be > 0")
+        self.frontend = Frontend(load_tokenizer(args.model))
+        self.session = uuid.uuid4().hex[:16]
+        self.metrics = ServiceMetrics()
+        self.workers: dict[str, WorkerHandle] = {}
+        self.requests: dict[str, ClientRequest] = {}
+        self.pending: deque[str] = deque()  # accepted while no worker was available
+        client = (
+            connect(args.redis_url, socket_timeout=0.5, connect_timeout=0.5)
+            if (args.redis_url)
+            else None
+        )
+        self.index = _IndexState(client)
+        self._last_tick = 0.0
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished peer raises, not drops
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes its id back
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.endpoint = self._bind(args.bind)
+        if args.metrics_port is not None:
+            self.metrics.serve(args.metrics_port)
+        log.info(
+            "control.ready",
+            endpoint=self.endpoint,
+            session=self.session,
+            model=args.model,
+            routing=args.routing,
+            redis=bool(client),
+            metrics_port=args.metrics_port,
+        )
+
+    def _bind(self, endpoint: str) -> str:
+        try:
+            self.sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            self.sock.close()
+            raise ValueError(f"cannot bind {endpoint}: {exc}") from None
+        return self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        try:
+            while not stop.is_set():
+                poller.poll(timeout=20)
+                self._drain()
+                now = time.monotonic()
+                if now - self._last_tick >= TICK_S:
+                    self._last_tick = now
+                    self._tick(now)
+                self._dispatch_all()
+        finally:
+            self._shutdown()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                identity, payload = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:  # not two frames: a peer speaking something else
+                continue
+            self._on_frame(identity, payload)
+
+    def _on_frame(self, identity: bytes, payload: bytes) -> None:
+        try:
+            msg = protocol.decode(payload)
+        except ProtocolError as exc:
+            log.warning("control.bad_frame", peer=_peer(identity), reason=str(exc))
+            self._send(identity, ErrorReply(PROTOCOL_VERSION, str(exc)))
+            return
+        if isinstance(msg, StepResult):
+            self._on_result(identity, msg)
+        elif isinstance(msg, Heartbeat):
+            self._on_heartbeat(identity, msg)
+        elif isinstance(msg, GenerateRequest):
+            self._on_generate(identity, msg)
+        elif isinstance(msg, AbortRequest):
+            self._on_abort(identity, msg)
+        elif isinstance(msg, Register):
+            self._on_register(identity, msg)
+        else:
+            reason = f"the control plane does not accept {type(msg).__name__} messages"
+            self._send(identity, ErrorReply(PROTOCOL_VERSION, reason))
+
+    def _send(self, identity: bytes, msg: protocol.Message) -> bool:
+        """False when the peer is gone (ROUTER_MANDATORY makes that an error)."""
+        try:
+            self.sock.send_multipart([identity, protocol.encode(msg)], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:
+            return False
+
+    # --- workers ----------------------------------------------------------------------------
+
+    def _on_register(self, identity: bytes, msg: Register) -> None:
+        info = msg.info
+        try:
+            check_worker_id(info.worker_id)
+            if identity != info.worker_id.encode():
+                raise ValueError("the socket identity must be the worker id")
+            if info.model != self.args.model:
+                raise ValueError(
+                    f"this control plane serves {self.args.model!r}; the worker loaded "
+                    f"{info.model!r}"
+                )
+            scheduler = Scheduler.for_worker(info, self.policy, self.args.hash_algo)
+        except ValueError as exc:
+            log.warning("worker.rejected", worker=info.worker_id, reason=str(exc))
+            self._send(identity, Rejected(PROTOCOL_VERSION, str(exc)))
+            return
+        old = self.workers.get(info.worker_id)
+        if old is not None:
+            self._remove_worker(old, "re-registered")
+        hash_block_size = math.gcd(*(g.block_size for g in info.kv_groups))
+        namespace = Namespace(index_model_name(info.model), hash_block_size, self.args.hash_algo)
+        worker = WorkerHandle(info, scheduler, namespace, last_seen=time.monotonic())
+        self.workers[info.worker_id] = worker
+        self._index_register(worker)
+        self._send(identity, Welcome(PROTOCOL_VERSION, info.worker_id, self.session, worker.epoch))
+        self.metrics.worker_up.labels(info.worker_id).set(1)
+        self.metrics.workers.set(len(self.workers))
+        log.info(
+            "worker.registered",
+            worker=info.worker_id,
+            device=info.device,
+            kv_blocks=info.num_blocks,
+            epoch=worker.epoch,
+            pid=info.pid,
+        )
+        self._place_pending()
+
+    def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
+        worker = self.workers.get(msg.worker_id)
+        now = time.monotonic()
+        if worker is not None and msg.session == self.session:
+            worker.last_seen = now
+            return
+        if not msg.session:
+            return  # still registering
+        # A worker this control plane does not know (it restarted, or dropped the worker).
+        if worker is not None and now - worker.reregister_sent_at < 1.0:
+            return
+        if worker is not None:
+            worker.reregister_sent_at = now
+        main = identity.removesuffix(HEARTBEAT_SUFFIX)
+        self._send(main, Reregister(PROTOCOL_VERSION, "unknown session; register again"))
+
+    def _on_result(self, identity: bytes, msg: StepResult) -> None:
+        worker = self.workers.get(identity.decode(errors="replace"))
+        if worker is None:
+            self._send(identity, Reregister(PROTOCOL_VERSION, "unknown worker; register again"))
+            return
+        now = time.monotonic()
+        worker.last_seen = now
+        step = worker.outstanding
+        if step is None or step.batch.step_id != msg.step_id:
+            log.warning("worker.stale_result", worker=worker.worker_id, step_id=msg.step_id)
+            return
+        worker.outstanding = None
+        worker.result_at = now
+        updates = worker.scheduler.update_from_output(step, msg)
+        self._dispatch(worker)  # keep the worker busy before anything else
+        self._deliver(worker, updates)
+
+    def _dispatch_all(self) -> None:
+        for worker in list(self.workers.values()):
+            if worker.outstanding is None:
+                self._dispatch(worker)
+
+    def _dispatch(self, worker: WorkerHandle) -> None:
+        scheduler = worker.scheduler
+        if worker.outstanding is not None or not scheduler.has_unfinished_requests:
+            return
+        step = scheduler.schedule()
+        self._index_write(worker)
+        batch = step.batch
+        if not (step.num_scheduled_tokens or batch.finished or batch.preempted):
+            return
+        if not self._send(worker.identity, batch):
+            self._remove_worker(worker, "unreachable")
+            return
+        worker.outstanding = step
+        worker.steps += 1
+        if worker.result_at is not None:
+            self.metrics.step_gap.observe(time.monotonic() - worker.result_at)
+            worker.result_at = None
+
+    def _remove_worker(self, worker: WorkerHandle, reason: str) -> None:
+        """Drop a dead (or replaced) worker and resume its requests elsewhere."""
+        if self.workers.get(worker.worker_id) is not worker:
+            return
+        del self.workers[worker.worker_id]
+        self.metrics.worker_up.labels(worker.worker_id).set(0)
+        self.metrics.workers.set(len(self.workers))
+        if self.index.up and worker.epoch >= 0:
+            self._index_call("mark_dead", mark_dead, self.index.client, worker.namespace,
+                             worker.worker_id, epoch=worker.epoch)  # fmt: skip
+        orphans = [rid for rid in worker.scheduler.requests if rid in self.requests]
+        log.warning("worker.removed", worker=worker.worker_id, reason=reason, resumed=len(orphans))
+        for request_id in orphans:
+            req = self.requests[request_id]
+            req.num_resumptions += 1
+            self.metrics.resumed.inc()
+            self._place(req)
+
+    # --- clients ----------------------------------------------------------------------------
+
+    def _on_generate(self, client: bytes, msg: GenerateRequest) -> None:
+        request_id = msg.request_id
+        try:
+            Frontend.check_request_id(request_id)
+            if request_id in self.requests:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            msg.sampling.validate()
+            vocab = self._vocab_size()
+            prompt = self.frontend.prompt_token_ids(msg, vocab if vocab is not None else 2**31)
+        except ValueError as exc:
+            self._reject(client, request_id, str(exc))
+            return
+        tokenizer = self.frontend.tokenizer
+        eos = tokenizer.eos_token_ids if tokenizer else self._eos_token_ids()
+        req = ClientRequest(
+            request_id=request_id,
+            client=client,
+            prompt_token_ids=prompt,
+            sampling=Frontend.with_stop_ids(msg.sampling, eos),
+            stream=msg.stream,
+            cache_salt=msg.cache_salt,
+            priority=msg.priority,
+            eos_token_id=eos[0] if eos else None,
+        )
+        self.requests[request_id] = req
+        log.debug("request.accepted", request_id=request_id, prompt_tokens=len(prompt))
+        self._place(req)
+
+    def _reject(self, client: bytes, request_id: str | None, reason: str) -> None:
+        self.metrics.rejected.inc()
+        log.info("request.rejected", request_id=request_id, reason=reason)
+        self._send(client, ErrorReply(PROTOCOL_VERSION, reason, request_id))
+
+    def _vocab_size(self) -> int | None:
+        return min((w.info.vocab_size for w in self.workers.values()), default=None)
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        for worker in self.workers.values():
+            return tuple(worker.info.eos_token_ids)
+        return ()
+
+    def _on_abort(self, client: bytes, msg: AbortRequest) -> None:
+        req = self.requests.get(msg.request_id)
+        if req is None or req.client != client:
+            return  # finished already, or not this client's: nothing to do
+        self._abort(req)
+        self._finish(req, [], "abort", None)
+
+    def _abort(self, req: ClientRequest) -> None:
+        worker = self.workers.get(req.worker_id or "")
+        if worker is not None:
+            worker.scheduler.abort_requests([req.request_id])
+        if req.request_id in self.pending:
+            self.pending.remove(req.request_id)
+
+    def _client_gone(self, client: bytes) -> None:
+        gone = [r for r in self.requests.values() if r.client == client]
+        log.info("client.gone", requests=len(gone))
+        for req in gone:
+            self._abort(req)
+            del self.requests[req.request_id]
+            self.metrics.requests.labels("abort").inc()
+
+    # --- placing requests on workers --------------------------------------------------------
+
+    def _place_pending(self) -> None:
+        while self.pending and self.workers:
+            req = self.requests.get(self.pending.popleft())
+            if req is not None:
+                self._place(req)
+
+    def _place(self, req: ClientRequest) -> None:
+        if not self.workers:
+            self.pending.append(req.request_id)
+            req.worker_id = None
+            return
+        token_ids = req.prompt_token_ids + req.output_token_ids
+        hashes = self._block_hashes(token_ids, req.cache_salt)
+        cached = self._cached_tokens(hashes, len(token_ids))
+        candidates = [Candidate(w.worker_id, w.load) for w in self.workers.values()]
+        decision = self.router.choose(candidates, len(token_ids), cached)
+        worker = self.workers[decision.worker_id]
+        request = Request(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling,
+            eos_token_id=req.eos_token_id,
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+        )
+        request.all_token_ids.extend(req.output_token_ids)  # resuming: generated so far
+        try:
+            self._check_fits(worker, request)
+            worker.scheduler.add_request(request)
+        except ValueError as exc:
+            del self.requests[req.request_id]
+            self._reject(req.client, req.request_id, str(exc))
+            return
+        req.worker_id = worker.worker_id
+        if req.num_resumptions == 0:
+            req.num_cached_tokens = decision.cached_tokens
+            self.metrics.prompt_tokens.inc(len(token_ids))
+            self.metrics.prefix_query_tokens.inc(len(token_ids))
+            self.metrics.prefix_hit_tokens.inc(decision.cached_tokens)
+        log.debug(
+            "request.routed",
+            request_id=req.request_id,
+            worker=worker.worker_id,
+            cached_tokens=decision.cached_tokens,
+            resumption=req.num_resumptions,
+        )
+
+    @staticmethod
+    def _check_fits(worker: WorkerHandle, request: Request) -> None:
+        info = worker.info
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < info.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary (size {info.vocab_size})"
+            )
+        request.sampling.validate(info.vocab_size)
+        block_size = max(g.block_size for g in info.kv_groups)
+        lookahead = worker.scheduler.lookahead_tokens
+        needed = -(-(request.num_tokens + lookahead) // block_size)
+        if needed > info.num_blocks - 1:
+            raise ValueError(
+                f"the prompt needs {needed} KV blocks; a worker has {info.num_blocks - 1}"
+            )
+
+    def _block_hashes(self, token_ids: list[int], salt: str | None) -> dict[Namespace, list]:
+        out: dict[Namespace, list[BlockHash]] = {}
+        for worker in self.workers.values():
+            ns = worker.namespace
+            if ns not in out:
+                hashes: list[BlockHash] = []
+                hasher = BlockHasher(ns.hash_algo, ns.hash_seed)
+                extend_block_hashes(hasher, hashes, token_ids, ns.block_size, salt)
+                out[ns] = hashes
+        return out
+
+    def _cached_tokens(
+        self, hashes: dict[Namespace, list[BlockHash]], num_tokens: int
+    ) -> dict[str, int]:
+        """Per worker, prompt tokens it caches: from the index, else from our own pools."""
+        blocks: dict[str, int] = {}
+        if self.index.up and self.index.client is not None:
+            for ns, ns_hashes in hashes.items():
+                if not ns_hashes:
+                    continue
+                start = time.perf_counter()
+                found = self._index_call(
+                    "lookup", IndexReader(self.index.client, ns).longest_prefix, ns_hashes
+                )
+                if found is None:
+                    break
+                self.metrics.index_lookup.observe(time.perf_counter() - start)
+                blocks.update(found)
+        if not self.index.up:
+            for worker in self.workers.values():
+                pool = worker.scheduler.kv.pool
+                n = 0
+                for block_hash in hashes[worker.namespace]:
+                    if pool.get_cached_block(block_hash, 0) is None:
+                        break
+                    n += 1
+                blocks[worker.worker_id] = n
+        cap = num_tokens - 1  # the last token is always recomputed
+        return {
+            wid: min(n * self.workers[wid].namespace.block_size, cap)
+            for wid, n in blocks.items()
+            if wid in self.workers
+        }
+
+    # --- outputs ----------------------------------------------------------------------------
+
+    def _deliver(self, worker: WorkerHandle, updates: list[RequestUpdate]) -> None:
+        now = time.monotonic()
+        for update in updates:
+            req = self.requests.get(update.request_id)
+            if req is None:
+                continue
+            new = update.new_token_ids
+            if new:
+                if req.last_token_time is None:
+                    self.metrics.ttft.observe(now - req.arrival)
+                else:
+                    gap = (now - req.last_token_time) / len(new)
+                    for _ in new:
+                        self.metrics.itl.observe(gap)
+                req.last_token_time = now
+                req.output_token_ids.extend(new)
+                self.metrics.generated_tokens.inc(len(new))
+            if update.finished:
+                logprobs = [update.logprobs] if update.logprobs is not None else []
+                self._finish(
+                    req, new, update.status.finish_reason, update.error, logprobs,
+                    update.spec_stats,
+                )  # fmt: skip
+            elif new:
+                self._emit(req, new, update.logprobs and [update.logprobs])
+
+    def _emit(self, req: ClientRequest, new: list[int], logprobs) -> None:
+        text = self.frontend.text_delta(req, final=False)
+        if not req.stream:
+            if text:
+                req.text.append(text)
+            req.logprobs.extend(logprobs or [])
+            return
+        out = Frontend.output(req, new, text, logprobs=logprobs or None)
+        if not self._send(req.client, out):
+            self._client_gone(req.client)
+
+    def _finish(
+        self,
+        req: ClientRequest,
+        new: list[int],
+        reason: str | None,
+        error: str | None,
+        logprobs: list | None = None,
+        stats: SpecDecodingStats | None = None,
+    ) -> None:
+        self.requests.pop(req.request_id, None)
+        self.metrics.requests.labels(reason or "unknown").inc()
+        spec = None
+        if stats is not None and stats.num_drafts:
+            self.metrics.acceptance_length.observe(stats.mean_acceptance_length)
+            spec = SpecStats(
+                stats.num_drafts,
+                stats.num_draft_tokens,
+                stats.num_accepted_tokens,
+                list(stats.accepted_per_position),
+            )
+        text = self.frontend.text_delta(req, final=True)
+        if req.stream:
+            tokens, out_logprobs = new, logprobs
+        else:
+            tokens = req.output_token_ids
+            out_logprobs = req.logprobs + (logprobs or [])
+            text = "".join(req.text) + (text or "") if text is not None else None
+        out = Frontend.output(
+            req, tokens, text, finished=True, finish_reason=reason, error=error,
+            logprobs=out_logprobs or None, spec=spec,
+        )  # fmt: skip
+        self._send(req.client, out)
+        log.debug("request.finished", request_id=req.request_id, reason=reason, error=error)
+
+    # --- the prefix index -------------------------------------------------------------------
+
+    def _index_call(self, op: str, fn, *args, **kwargs):
+        """Run one index operation; on failure mark the index down (serving goes on)."""
+        try:
+            return fn(*args, **kwargs)
+        except CacheIndexError as exc:
+            self.metrics.index_errors.labels(op).inc()
+            if self.index.up:
+                log.warning("index.unavailable", op=op, reason=str(exc))
+            self.index.up = False
+            self.index.retry_at = time.monotonic() + INDEX_RETRY_S
+            for worker in self.workers.values():
+                worker.writer = None
+            return None
+
+    def _index_register(self, worker: WorkerHandle) -> None:
+        """Register the worker under a fresh epoch and write its whole cache (usually empty)."""
+        client = self.index.client
+        if client is None or (not self.index.up and self.index.retry_at > time.monotonic()):
+            return
+        info = {"device": worker.info.device, "num_blocks": worker.info.num_blocks,
+                "pid": worker.info.pid, "session": self.session}  # fmt: skip
+        epoch = self._index_call(
+            "register", register_worker, client, worker.namespace, worker.worker_id, info
+        )
+        if epoch is None:
+            return
+        pool = worker.scheduler.kv.pool
+        writer = IndexWriter(client, worker.namespace, worker.worker_id, epoch,
+                             snapshot=pool.cached_entries)  # fmt: skip
+        if (
+            pool.num_cached_blocks()
+            and self._index_call("resync", writer.resync, pool.cached_entries()) is None
+        ):
+            return  # fmt: skip
+        worker.writer, worker.epoch = writer, writer.epoch
+        self.index.up = True
+        self.index.namespaces.add(worker.namespace)
+
+    def _index_write(self, worker: WorkerHandle) -> None:
+        events = worker.scheduler.take_kv_events()
+        if worker.writer is None or not events:
+            return
+        self._index_call("write", worker.writer.apply, events)
+        if worker.writer is not None:  # a resync or clear may have moved it to a new epoch
+            worker.epoch = worker.writer.epoch
+
+    def _index_tick(self, now: float) -> None:
+        index = self.index
+        if index.client is None:
+            return
+        if not index.up:
+            if now < index.retry_at:
+                return
+            index.retry_at = now + INDEX_RETRY_S
+            index.up = True  # optimistic: registration below flips it back on failure
+            for worker in list(self.workers.values()):
+                self._index_register(worker)
+                if not index.up:
+                    return
+            log.info("index.resynced", workers=len(self.workers))
+            return
+        for worker in list(self.workers.values()):
+            if now - worker.last_index_heartbeat < INDEX_HEARTBEAT_S:
+                continue
+            worker.last_index_heartbeat = now
+            alive = self._index_call(
+                "heartbeat", heartbeat, index.client, worker.namespace, worker.worker_id,
+                worker.epoch,
+            )  # fmt: skip
+            if alive is False:  # fenced behind our back (e.g. Redis restarted): start over
+                self._index_register(worker)
+        if now - index.last_janitor >= JANITOR_S:
+            index.last_janitor = now
+            for ns in list(index.namespaces):
+                self._index_call("cleanup", cleanup_fenced, index.client, ns, max_batches=4)
+
+    # --- periodic work ----------------------------------------------------------------------
+
+    def _tick(self, now: float) -> None:
+        timeout = self.args.heartbeat_timeout_s
+        for worker in list(self.workers.values()):
+            if now - worker.last_seen > timeout:
+                self._remove_worker(worker, f"no heartbeat for {now - worker.last_seen:.1f}s")
+        self._index_tick(now)
+        for worker in self.workers.values():
+            s = worker.scheduler
+            self.metrics.queue_depth.labels(worker.worker_id).set(len(s.waiting))
+            self.metrics.running.labels(worker.worker_id).set(len(s.running))
+            self.metrics.kv_usage.labels(worker.worker_id).set(s.kv.usage())
+
+    def _shutdown(self) -> None:
+        for req in list(self.requests.values()):
+            self._finish(req, [], "error", "the control plane is shutting down")
+        self.sock.close(linger=0)
+        log.info("control.stopped")
+
+
+def _peer(identity: bytes) -> str:
+    return identity.decode(errors="replace")
+
+
+def run_control(args: ControlArgs, stop: threading.Event | None = None) -> int:
+    """Serve until SIGINT/SIGTERM (or `stop` is set); 0 on a clean stop."""
+    stop = stop or threading.Event()
+    plane = ControlPlane(args)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+    plane.run(stop)
+    return 0
