@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from specserve.shared.config import CacheConfig
 from specserve.shared.hashing import DEFAULT_HASH_SEED, HASH_ALGORITHMS, BlockHash
+from specserve.shared.protocol import check_worker_id
 
 DIGEST_BYTES = 16
 """Leading digest bytes kept per block hash in keys and reverse-set members."""
@@ -23,20 +24,12 @@ MAX_GROUPS = 256
 """KV groups are one byte in reverse-set members."""
 
 _MODEL_RE = re.compile(r"[A-Za-z0-9._/+-]{1,128}")
-_WORKER_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _PREFIX_RE = re.compile(r"[A-Za-z0-9._-]{1,32}")
 
 
 def hash_fingerprint(algo: str, seed: str) -> str:
     """8 hex digits that change with the hash algorithm or seed: mismatched hashers never meet."""
     return hashlib.sha256(f"{algo}\x00{seed}".encode()).hexdigest()[:8]
-
-
-def check_worker_id(worker_id: str) -> str:
-    """Worker ids appear in key names and in `<worker>@<epoch>` members: no ':' or '@'."""
-    if not isinstance(worker_id, str) or not _WORKER_RE.fullmatch(worker_id):
-        raise ValueError(f"worker id {worker_id!r} must be 1-64 characters from [A-Za-z0-9._-]")
-    return worker_id
 
 
 def digest_key(block_hash: BlockHash) -> bytes:

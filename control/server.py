@@ -40,7 +40,6 @@ from specserve.cache_index import (
     mark_dead,
     register_worker,
 )
-from specserve.cache_index.schema import check_worker_id
 from specserve.control.frontend import ClientRequest, Frontend
 from specserve.control.metrics import ServiceMetrics
 from specserve.control.request import Request, SpecDecodingStats
@@ -63,6 +62,7 @@ from specserve.shared.protocol import (
     StepResult,
     Welcome,
     WorkerInfo,
+    check_worker_id,
 )
 from specserve.shared.tokenizer import load_tokenizer
 
@@ -175,13 +175,18 @@ class ControlPlane:
             metrics_port=args.metrics_port,
         )
 
-    def _bind(self, endpoint: str) -> str:
-        try:
-            self.sock.bind(endpoint)
-        except zmq.ZMQError as exc:
-            self.sock.close()
-            raise ValueError(f"cannot bind {endpoint}: {exc}") from None
-        return self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    def _bind(self, endpoint: str, wait_s: float = 5.0) -> str:
+        """Bind, waiting a little for a port a previous instance is still releasing."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self.sock.bind(endpoint)
+                return self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    self.sock.close()
+                    raise ValueError(f"cannot bind {endpoint}: {exc}") from None
+                time.sleep(0.1)
 
     # --- the loop ---------------------------------------------------------------------------
 

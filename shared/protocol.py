@@ -12,12 +12,27 @@ Three conversations share it, all through the control plane's one ROUTER socket:
 from __future__ import annotations
 
 import math
+import re
 
 import msgspec
 
 from specserve.shared.config import KVGroupSpec
 
 PROTOCOL_VERSION = 1
+
+
+WORKER_ID_CHARS = "A-Za-z0-9._-"
+_WORKER_ID_RE = re.compile(f"[{WORKER_ID_CHARS}]{{1,64}}")
+
+
+def check_worker_id(worker_id: str) -> str:
+    """Worker ids are socket identities and appear in index keys and `<worker>@<epoch>`
+    members, so they stay short and plain: no ':', '@' or '#'."""
+    if not isinstance(worker_id, str) or not _WORKER_ID_RE.fullmatch(worker_id):
+        raise ValueError(
+            f"worker id {worker_id!r} must be 1-64 characters from [{WORKER_ID_CHARS}]"
+        )
+    return worker_id
 
 
 class ProtocolError(ValueError):

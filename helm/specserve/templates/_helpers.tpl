@@ -1,0 +1,110 @@
+{{/*
+The chart name, or nameOverride.
+*/}}
+{{- define "specserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The prefix of every resource name: fullnameOverride, else <release>-<chart name>, else just
+<release> when it already contains the chart name. Trimmed so that "-control", "-worker" and
+"-redis" still fit in 63 characters.
+*/}}
+{{- define "specserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 55 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 55 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 55 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "specserve.controlName" -}}
+{{- printf "%s-control" (include "specserve.fullname" .) }}
+{{- end }}
+
+{{- define "specserve.workerName" -}}
+{{- printf "%s-worker" (include "specserve.fullname" .) }}
+{{- end }}
+
+{{- define "specserve.redisName" -}}
+{{- printf "%s-redis" (include "specserve.fullname" .) }}
+{{- end }}
+
+{{- define "specserve.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Common labels. Call with a dict: (dict "ctx" $ "component" "control").
+*/}}
+{{- define "specserve.labels" -}}
+helm.sh/chart: {{ include "specserve.chart" .ctx }}
+{{ include "specserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+app.kubernetes.io/part-of: specserve
+{{- end }}
+
+{{/*
+Selector labels. Call with a dict: (dict "ctx" $ "component" "control").
+*/}}
+{{- define "specserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "specserve.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "specserve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion | toString) }}
+{{- end }}
+
+{{/*
+The Redis URL of the prefix-cache index: the bundled Redis Service when redis.enabled, else
+redis.url (required then).
+*/}}
+{{- define "specserve.redisUrl" -}}
+{{- if .Values.redis.enabled }}
+{{- printf "redis://%s:6379/0" (include "specserve.redisName" .) }}
+{{- else }}
+{{- required "redis.url is required when redis.enabled=false (e.g. redis://my-redis:6379/0)" .Values.redis.url }}
+{{- end }}
+{{- end }}
+
+{{/*
+The control plane's address, as workers dial it.
+*/}}
+{{- define "specserve.controlAddress" -}}
+{{- printf "tcp://%s:%d" (include "specserve.controlName" .) (int .Values.control.port) }}
+{{- end }}
+
+{{/*
+The --model argument: model.path when set, else the bundled model.name.
+*/}}
+{{- define "specserve.model" -}}
+{{- .Values.model.path | default .Values.model.name }}
+{{- end }}
+
+{{/*
+The model PVC's volume and mount (nothing when model.pvc is empty).
+*/}}
+{{- define "specserve.modelVolume" -}}
+{{- if .Values.model.pvc -}}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.pvc }}
+    readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "specserve.modelVolumeMount" -}}
+{{- if .Values.model.pvc -}}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end }}

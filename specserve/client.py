@@ -1,0 +1,618 @@
+"""The client SDK: send requests to a running specserve control plane over ZeroMQ.
+
+The control plane listens on one ROUTER socket; a client connects a DEALER socket to it and speaks
+the versioned msgspec messages of `specserve.shared.protocol`: `GenerateRequest`/`AbortRequest`
+out, `RequestOutput`/`ErrorReply` back. Outputs of many requests share the socket, so both clients
+demultiplex them by request id: `Client` in the calling thread, `AsyncClient` in one background
+receive task feeding per-request queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from specserve.shared import protocol
+from specserve.shared.protocol import (
+    PROTOCOL_VERSION,
+    AbortRequest,
+    ErrorReply,
+    GenerateRequest,
+    ProtocolError,
+    RequestOutput,
+    SamplingParams,
+    SpecStats,
+    TokenLogprobs,
+)
+
+log = structlog.get_logger(__name__)
+
+Prompt = str | Sequence[int]
+Reply = RequestOutput | ErrorReply
+
+DEFAULT_URL = "tcp://127.0.0.1:5555"
+DEFAULT_TIMEOUT = 120.0
+# On close, queued messages (the aborts of unfinished requests) get this long to leave.
+CLOSE_LINGER_MS = 500
+
+
+class ServiceError(Exception):
+    """The control plane could not serve a request (or the client can no longer talk to it)."""
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+class RequestTimeout(ServiceError):
+    """The request did not finish in time; the client has asked the control plane to abort it."""
+
+
+class RequestFailed(ServiceError):
+    """The control plane refused the request (`ErrorReply`) or it finished with an error."""
+
+
+@dataclass
+class Completion:
+    """The result of a whole request: every output of it folded together."""
+
+    request_id: str
+    prompt_token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    text: str | None = None  # None when the control plane has no tokenizer
+    finish_reason: str | None = None  # stop | length | abort
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_cached_tokens: int | None = None
+    worker_id: str | None = None  # the worker that served the request last
+    spec: SpecStats | None = None
+
+    def add(self, output: RequestOutput) -> None:
+        """Fold in one output: streamed outputs carry only their new tokens, so they append."""
+        self.token_ids.extend(output.token_ids)
+        if output.text is not None:
+            self.text = (self.text or "") + output.text
+        if output.logprobs is not None:
+            self.logprobs.extend(output.logprobs)
+        if output.prompt_token_ids is not None:
+            self.prompt_token_ids = list(output.prompt_token_ids)
+        if output.num_cached_tokens is not None and self.num_cached_tokens is None:
+            self.num_cached_tokens = output.num_cached_tokens
+        if output.worker_id is not None:  # a resumed request may move to another worker
+            self.worker_id = output.worker_id
+        if output.spec is not None:
+            self.spec = output.spec
+        if output.finished:
+            self.finish_reason = output.finish_reason
+
+
+def build_request(
+    prompt: Prompt,
+    sampling: SamplingParams | None,
+    *,
+    chat: bool,
+    request_id: str | None,
+    cache_salt: str | None,
+    priority: int,
+    stream: bool,
+) -> GenerateRequest:
+    """The `GenerateRequest` to send; raises ValueError (before anything is sent) on bad input."""
+    sampling = sampling if sampling is not None else SamplingParams()
+    sampling.validate()
+    if request_id is None:
+        request_id = uuid.uuid4().hex
+    elif not request_id:
+        raise ValueError("request_id must not be empty")
+    text, token_ids = _split_prompt(prompt)
+    return GenerateRequest(
+        version=PROTOCOL_VERSION,
+        request_id=request_id,
+        prompt=text,
+        prompt_token_ids=token_ids,
+        sampling=sampling,
+        chat=chat,
+        stream=stream,
+        cache_salt=cache_salt,
+        priority=priority,
+    )
+
+
+def _split_prompt(prompt: Prompt) -> tuple[str | None, list[int] | None]:
+    """Text goes as `prompt`, token ids as `prompt_token_ids`."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, bytes | bytearray):
+        raise TypeError("prompt must be a str or a sequence of token ids, not bytes")
+    token_ids = [int(t) for t in prompt]
+    if not token_ids:
+        raise ValueError("prompt_token_ids must not be empty")
+    return None, token_ids
+
+
+def parse_reply(frames: list[bytes]) -> Reply | None:
+    """Decode one message from the control plane; None (logged) for anything no request awaits."""
+    try:
+        msg = protocol.decode(frames[-1])  # the payload is the last frame, delimiter or not
+    except ProtocolError as exc:
+        log.warning("client.frame.undecodable", error=str(exc), size=len(frames[-1]))
+        return None
+    if isinstance(msg, ErrorReply) and msg.request_id is None:
+        # About a frame the control plane could not decode: no request of ours to fail.
+        log.warning("client.server_error", message=msg.message)
+        return None
+    if not isinstance(msg, RequestOutput | ErrorReply):
+        log.warning("client.frame.unexpected", type=type(msg).__name__)
+        return None
+    return msg
+
+
+def check_reply(reply: Reply) -> RequestOutput:
+    """The output itself, or RequestFailed when the request was refused or ended in an error."""
+    if isinstance(reply, ErrorReply):
+        raise RequestFailed(
+            f"request {reply.request_id} refused: {reply.message}", reply.request_id
+        )
+    if reply.finished and reply.finish_reason == "error":
+        error = reply.error or "unknown error"
+        raise RequestFailed(f"request {reply.request_id} failed: {error}", reply.request_id)
+    return reply
+
+
+def _ends_request(reply: Reply) -> bool:
+    return isinstance(reply, ErrorReply) or reply.finished
+
+
+def _resolve_timeout(timeout: float | None, default: float | None) -> float | None:
+    """A call's timeout in seconds: its own, else the client's; None or inf waits without limit."""
+    chosen = default if timeout is None else timeout
+    if chosen is None or math.isinf(chosen):
+        return None
+    if chosen < 0:
+        raise ValueError(f"timeout must be >= 0, got {chosen}")
+    return chosen
+
+
+def _timeout_error(request_id: str, timeout: float) -> RequestTimeout:
+    return RequestTimeout(f"request {request_id} did not finish within {timeout:g} s", request_id)
+
+
+def _abort_message(request_id: str) -> bytes:
+    return protocol.encode(AbortRequest(version=PROTOCOL_VERSION, request_id=request_id))
+
+
+class Client:
+    """Synchronous client on one DEALER socket, for one thread (it is not thread-safe).
+
+    While it waits for one request, outputs of the others it has submitted are buffered, so many
+    requests can be submitted at once and collected one by one with `result`. A request that times
+    out, or whose stream is closed early, is aborted so that the control plane frees it.
+    """
+
+    def __init__(self, url: str = DEFAULT_URL, timeout: float | None = DEFAULT_TIMEOUT) -> None:
+        self.url = url
+        self.timeout = timeout
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.connect(url)
+        # Replies of each unfinished request, in arrival order, until the caller takes them.
+        self._pending: dict[str, deque[Reply]] = {}
+        self._closed = False
+
+    def generate(
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        *,
+        chat: bool = False,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
+    ) -> Completion:
+        """Run one request to the end. Not streamed: the control plane sends a single output."""
+        request_id = self.submit(
+            prompt,
+            sampling,
+            chat=chat,
+            request_id=request_id,
+            cache_salt=cache_salt,
+            priority=priority,
+            stream=False,
+        )
+        try:
+            return self.result(request_id, timeout)
+        except BaseException:  # e.g. KeyboardInterrupt: nobody will collect it, so free it
+            if request_id in self._pending:
+                self._forget_and_abort(request_id)
+            raise
+
+    def stream(
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        *,
+        chat: bool = False,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yield each output (its new tokens) as it arrives; closing the iterator early aborts.
+
+        The arguments are checked at once; the request is sent when iteration starts. `timeout`
+        bounds the whole request.
+        """
+        request = build_request(
+            prompt,
+            sampling,
+            chat=chat,
+            request_id=request_id,
+            cache_salt=cache_salt,
+            priority=priority,
+            stream=True,
+        )
+        return self._stream(request, _resolve_timeout(timeout, self.timeout))
+
+    def submit(
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        *,
+        chat: bool = False,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+        stream: bool = True,
+    ) -> str:
+        """Send a request and return its id at once; collect it with `result`."""
+        request = build_request(
+            prompt,
+            sampling,
+            chat=chat,
+            request_id=request_id,
+            cache_salt=cache_salt,
+            priority=priority,
+            stream=stream,
+        )
+        self._send_request(request)
+        return request.request_id
+
+    def result(self, request_id: str, timeout: float | None = None) -> Completion:
+        """Wait for a submitted request to finish and return all of it."""
+        limit = _resolve_timeout(timeout, self.timeout)
+        deadline = None if limit is None else time.monotonic() + limit
+        completion = Completion(request_id)
+        while True:
+            output = self._next(request_id, deadline, limit)
+            completion.add(output)
+            if output.finished:
+                return completion
+
+    def abort(self, request_id: str) -> None:
+        """Ask the control plane to stop a request. A submitted request stays collectable: its
+        last output (finish_reason "abort", unless it had already finished) ends `result`."""
+        self._send(_abort_message(request_id))
+
+    def close(self) -> None:
+        """Abort the requests still in flight and release the socket."""
+        if self._closed:
+            return
+        for request_id in self._pending:
+            self._send(_abort_message(request_id))
+        self._pending.clear()
+        self._closed = True
+        self._socket.close(linger=CLOSE_LINGER_MS)
+        self._context.term()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _stream(self, request: GenerateRequest, limit: float | None) -> Iterator[RequestOutput]:
+        request_id = request.request_id
+        self._send_request(request)
+        deadline = None if limit is None else time.monotonic() + limit
+        try:
+            while True:
+                output = self._next(request_id, deadline, limit)
+                yield output
+                if output.finished:
+                    return
+        finally:
+            if request_id in self._pending:  # left before the end: free it on the server
+                self._forget_and_abort(request_id)
+
+    def _send_request(self, request: GenerateRequest) -> None:
+        if request.request_id in self._pending:
+            raise ValueError(f"request {request.request_id} is already in flight")
+        frame = protocol.encode(request)
+        self._check_open()
+        self._pending[request.request_id] = deque()
+        self._send(frame)
+
+    def _next(self, request_id: str, deadline: float | None, limit: float | None) -> RequestOutput:
+        """The request's next output, receiving (and buffering others' replies) until it comes."""
+        self._check_open()
+        buffer = self._pending.get(request_id)
+        if buffer is None:
+            raise KeyError(f"request {request_id} is not in flight on this client")
+        while not buffer:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                self._forget_and_abort(request_id)
+                raise _timeout_error(request_id, limit or 0.0)
+            self._receive(remaining)
+        reply = buffer.popleft()
+        if _ends_request(reply):
+            del self._pending[request_id]
+        return check_reply(reply)
+
+    def _receive(self, timeout: float | None) -> None:
+        """Wait up to `timeout` seconds for one message and file it under its request."""
+        self._check_open()
+        timeout_ms = None if timeout is None else max(1, math.ceil(timeout * 1000))
+        if not self._socket.poll(timeout_ms, zmq.POLLIN):
+            return
+        reply = parse_reply(self._socket.recv_multipart())
+        if reply is None:
+            return
+        buffer = self._pending.get(reply.request_id)
+        if buffer is None:  # e.g. the tail of a request that timed out
+            log.debug("client.reply.unclaimed", request_id=reply.request_id)
+            return
+        buffer.append(reply)
+
+    def _forget_and_abort(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+        if not self._closed:
+            self._send(_abort_message(request_id))
+
+    def _send(self, frame: bytes) -> None:
+        self._check_open()
+        self._socket.send(frame)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ServiceError("the client is closed")
+
+
+class AsyncClient:
+    """asyncio client: many concurrent requests on one DEALER socket.
+
+    One background task receives every message and puts it on its request's queue. Close a
+    `stream` that is left early with `contextlib.aclosing` (or `aclose()`) so that its abort is
+    sent at once rather than when the iterator is garbage-collected.
+    """
+
+    def __init__(self, url: str = DEFAULT_URL, timeout: float | None = DEFAULT_TIMEOUT) -> None:
+        self.url = url
+        self.timeout = timeout
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.connect(url)
+        # Replies of each unfinished request; a ServiceError item wakes its waiter with an error.
+        self._queues: dict[str, asyncio.Queue[Reply | ServiceError]] = {}
+        self._receiver: asyncio.Task[None] | None = None
+        self._closed = False
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        *,
+        chat: bool = False,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
+    ) -> Completion:
+        """Run one request to the end. Not streamed: the control plane sends a single output."""
+        request_id = await self.submit(
+            prompt,
+            sampling,
+            chat=chat,
+            request_id=request_id,
+            cache_salt=cache_salt,
+            priority=priority,
+            stream=False,
+        )
+        try:
+            return await self.result(request_id, timeout)
+        except BaseException:  # e.g. cancelled: nobody will collect it, so free it
+            if request_id in self._queues:
+                await self._forget_and_abort(request_id)
+            raise
+
+    def stream(
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        *,
+        chat: bool = False,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield each output (its new tokens) as it arrives; closing the iterator early aborts.
+
+        The arguments are checked at once; the request is sent when iteration starts. `timeout`
+        bounds the whole request.
+        """
+        request = build_request(
+            prompt,
+            sampling,
+            chat=chat,
+            request_id=request_id,
+            cache_salt=cache_salt,
+            priority=priority,
+            stream=True,
+        )
+        return self._stream(request, _resolve_timeout(timeout, self.timeout))
+
+    async def submit(
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        *,
+        chat: bool = False,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+        stream: bool = True,
+    ) -> str:
+        """Send a request and return its id at once; collect it with `result`."""
+        request = build_request(
+            prompt,
+            sampling,
+            chat=chat,
+            request_id=request_id,
+            cache_salt=cache_salt,
+            priority=priority,
+            stream=stream,
+        )
+        await self._send_request(request)
+        return request.request_id
+
+    async def result(self, request_id: str, timeout: float | None = None) -> Completion:
+        """Wait for a submitted request to finish and return all of it."""
+        limit = _resolve_timeout(timeout, self.timeout)
+        deadline = None if limit is None else asyncio.get_running_loop().time() + limit
+        completion = Completion(request_id)
+        while True:
+            output = await self._next(request_id, deadline, limit)
+            completion.add(output)
+            if output.finished:
+                return completion
+
+    async def abort(self, request_id: str) -> None:
+        """Ask the control plane to stop a request. A submitted request stays collectable: its
+        last output (finish_reason "abort", unless it had already finished) ends `result`."""
+        await self._send(_abort_message(request_id))
+
+    async def close(self) -> None:
+        """Abort the requests still in flight, fail their waiters and release the socket."""
+        if self._closed:
+            return
+        for request_id in list(self._queues):
+            await self._send(_abort_message(request_id))
+        self._closed = True
+        self._fail_all(ServiceError("the client is closed"))
+        if self._receiver is not None:
+            self._receiver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._receiver
+        self._socket.close(linger=CLOSE_LINGER_MS)
+        self._context.term()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def _stream(
+        self, request: GenerateRequest, limit: float | None
+    ) -> AsyncIterator[RequestOutput]:
+        request_id = request.request_id
+        await self._send_request(request)
+        deadline = None if limit is None else asyncio.get_running_loop().time() + limit
+        try:
+            while True:
+                output = await self._next(request_id, deadline, limit)
+                yield output
+                if output.finished:
+                    return
+        finally:
+            if request_id in self._queues:  # left before the end: free it on the server
+                await self._forget_and_abort(request_id)
+
+    async def _send_request(self, request: GenerateRequest) -> None:
+        if request.request_id in self._queues:
+            raise ValueError(f"request {request.request_id} is already in flight")
+        frame = protocol.encode(request)
+        self._check_open()
+        self._ensure_receiver()
+        self._queues[request.request_id] = asyncio.Queue()
+        await self._send(frame)
+
+    async def _next(
+        self, request_id: str, deadline: float | None, limit: float | None
+    ) -> RequestOutput:
+        self._check_open()
+        queue = self._queues.get(request_id)
+        if queue is None:
+            raise KeyError(f"request {request_id} is not in flight on this client")
+        try:
+            async with asyncio.timeout_at(deadline):
+                item = await queue.get()
+        except TimeoutError:
+            await self._forget_and_abort(request_id)
+            raise _timeout_error(request_id, limit or 0.0) from None
+        if isinstance(item, ServiceError):
+            self._queues.pop(request_id, None)
+            raise item
+        if _ends_request(item):
+            self._queues.pop(request_id, None)
+        return check_reply(item)
+
+    def _ensure_receiver(self) -> None:
+        if self._receiver is None or self._receiver.done():
+            self._receiver = asyncio.get_running_loop().create_task(self._receive_loop())
+
+    async def _receive_loop(self) -> None:
+        """Route every message to its request's queue, for as long as the client is open."""
+        try:
+            while True:
+                reply = parse_reply(await self._socket.recv_multipart())
+                if reply is None:
+                    continue
+                queue = self._queues.get(reply.request_id)
+                if queue is None:  # e.g. the tail of a request that timed out
+                    log.debug("client.reply.unclaimed", request_id=reply.request_id)
+                    continue
+                queue.put_nowait(reply)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the socket is unusable: nothing more will arrive
+            log.error("client.receive.failed", error=repr(exc))
+            self._fail_all(ServiceError(f"receiving from {self.url} failed: {exc!r}"))
+
+    def _fail_all(self, error: ServiceError) -> None:
+        for request_id, queue in self._queues.items():
+            queue.put_nowait(ServiceError(str(error), request_id))
+
+    async def _forget_and_abort(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+        if not self._closed:
+            await self._send(_abort_message(request_id))
+
+    async def _send(self, frame: bytes) -> None:
+        self._check_open()
+        await self._socket.send(frame)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ServiceError("the client is closed")

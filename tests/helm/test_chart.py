@@ -1,0 +1,383 @@
+"""The Helm chart in helm/specserve.
+
+Static checks always run: Chart.yaml and values.yaml parse and hold the documented keys, every
+`.Values` path a template reads exists in values.yaml, and every template's actions are balanced.
+Where a `helm` binary is on PATH, `helm lint` and `helm template` run too, and the rendered
+manifests are checked.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+
+CHART = Path(__file__).resolve().parents[2] / "helm" / "specserve"
+TEMPLATES = CHART / "templates"
+TEMPLATE_FILES = sorted(p for p in TEMPLATES.iterdir() if p.is_file())
+HELM = shutil.which("helm")
+RELEASE = "demo"
+# <release>-<chart>: the names _helpers.tpl gives the release's resources.
+FULLNAME = f"{RELEASE}-specserve"
+
+needs_helm = pytest.mark.skipif(HELM is None, reason="no helm binary on PATH")
+
+
+def _load(name: str) -> dict[str, Any]:
+    data = yaml.safe_load((CHART / name).read_text())
+    assert isinstance(data, dict), f"{name} is not a mapping"
+    return data
+
+
+def _lookup(tree: Any, path: list[str]) -> Any:
+    for key in path:
+        assert isinstance(tree, dict) and key in tree, f"missing key {'.'.join(path)}"
+        tree = tree[key]
+    return tree
+
+
+# --- Chart.yaml and values.yaml -------------------------------------------------------------
+
+
+def test_chart_yaml() -> None:
+    chart = _load("Chart.yaml")
+    assert chart["apiVersion"] == "v2"
+    assert chart["name"] == "specserve"
+    assert chart["version"] == "0.1.0"
+    assert str(chart["appVersion"]) == "0.1.0"
+    assert chart.get("type", "application") == "application"
+    assert chart.get("description")
+
+
+def test_template_files_present() -> None:
+    names = {p.name for p in TEMPLATE_FILES}
+    assert {
+        "_helpers.tpl",
+        "control-deployment.yaml",
+        "control-service.yaml",
+        "worker-deployment.yaml",
+        "redis.yaml",
+        "NOTES.txt",
+    } <= names
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        ("image.repository", "specserve"),
+        ("image.tag", ""),  # the chart's appVersion
+        ("image.pullPolicy", "IfNotPresent"),
+        ("model.name", "smollm2-135m"),
+        ("model.path", ""),
+        ("model.pvc", ""),
+        ("control.port", 5555),
+        ("control.metricsPort", 9090),
+        ("control.routing", "prefix"),
+        ("control.heartbeatTimeout", 3.0),
+        ("control.logJson", False),
+        ("control.service.type", "ClusterIP"),
+        ("control.podAnnotations", ...),
+        ("control.resources", ...),
+        ("worker.replicas", 2),
+        ("worker.device", "cpu"),
+        ("worker.dtype", ...),
+        ("worker.attentionBackend", "auto"),
+        ("worker.spec.method", "none"),
+        ("worker.spec.numSpecTokens", ...),
+        ("worker.spec.drafter.path", ""),
+        ("worker.spec.drafter.pvc", ""),
+        ("worker.kvCacheMemoryMb", ...),
+        ("worker.maxNumSeqs", ...),
+        ("worker.logJson", False),
+        ("worker.terminationGracePeriodSeconds", ...),
+        ("worker.resources", ...),
+        ("worker.nodeSelector", {}),
+        ("worker.tolerations", []),
+        ("redis.enabled", True),
+        ("redis.url", ""),
+        ("redis.image.repository", "redis"),
+        ("redis.image.tag", "7-alpine"),
+        ("redis.resources", ...),
+    ],
+)
+def test_values_keys(path: str, expected: Any) -> None:
+    value = _lookup(_load("values.yaml"), path.split("."))
+    if expected is not ...:
+        assert value == expected
+
+
+def test_values_prometheus_annotations_match_metrics_port() -> None:
+    control = _load("values.yaml")["control"]
+    annotations = control["podAnnotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == str(control["metricsPort"])
+    assert annotations["prometheus.io/path"] == "/metrics"
+
+
+def test_values_document_a_gpu_request() -> None:
+    text = (CHART / "values.yaml").read_text()
+    assert re.search(r"^\s*#\s*nvidia\.com/gpu:\s*1\s*$", text, re.M), "GPU example missing"
+    assert "nvidia.com/gpu" not in _load("values.yaml")["worker"]["resources"].get("limits", {})
+
+
+def test_values_top_level_keys_are_commented() -> None:
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if re.match(r"^[A-Za-z]\w*:", line):
+            assert i > 0 and lines[i - 1].lstrip().startswith("#"), f"undocumented: {line}"
+
+
+# --- templates, statically ------------------------------------------------------------------
+
+_VALUES_REF = re.compile(r"\.Values((?:\.[A-Za-z_]\w*)+)")
+_VAR_BINDING = re.compile(r"(\$[A-Za-z_]\w*)\s*:?=\s*\$?\.Values((?:\.[A-Za-z_]\w*)+)")
+_ACTION = re.compile(r"\{\{(.*?)\}\}", re.S)
+_OPENERS = {"if", "range", "with", "define", "block"}
+
+
+def _value_paths(text: str) -> set[str]:
+    """Every `.Values.a.b` path a template reads, directly or through `$v := .Values.a`."""
+    paths = {m.group(1)[1:] for m in _VALUES_REF.finditer(text)}
+    for var, base in _VAR_BINDING.findall(text):
+        for m in re.finditer(re.escape(var) + r"((?:\.[A-Za-z_]\w*)+)", text):
+            paths.add(base[1:] + m.group(1))
+    return paths
+
+
+@pytest.mark.parametrize("template", TEMPLATE_FILES, ids=lambda p: p.name)
+def test_template_values_exist(template: Path) -> None:
+    values = _load("values.yaml")
+    missing = []
+    for path in sorted(_value_paths(template.read_text())):
+        node: Any = values
+        for key in path.split("."):
+            if not (isinstance(node, dict) and key in node):
+                missing.append(path)
+                break
+            node = node[key]
+    assert not missing, f"{template.name} reads values that values.yaml lacks: {missing}"
+
+
+def test_value_path_scan_sees_the_templates() -> None:
+    """Guard the regexes above: they must find the references the chart is built on."""
+    paths = set().union(*(_value_paths(p.read_text()) for p in TEMPLATE_FILES))
+    assert {
+        "worker.replicas",
+        "redis.enabled",
+        "redis.url",
+        "control.heartbeatTimeout",
+        "worker.spec.method",
+        "worker.spec.drafter.path",  # through $spec := .Values.worker.spec
+    } <= paths
+
+
+@pytest.mark.parametrize("template", TEMPLATE_FILES, ids=lambda p: p.name)
+def test_template_delimiters_balanced(template: Path) -> None:
+    text = template.read_text()
+    depth = 0
+    for m in re.finditer(r"\{\{|\}\}", text):
+        depth += 1 if m.group() == "{{" else -1
+        line = text.count("\n", 0, m.start()) + 1
+        assert depth in (0, 1), f"{template.name}:{line}: nested or unopened {m.group()!r}"
+    assert depth == 0, f"{template.name}: unclosed '{{{{'"
+    # Trim markers need whitespace next to them ("{{-x" is a parse error in Go templates).
+    assert not re.search(r"\{\{-[^\s]", text), f"{template.name}: '{{{{-' without a space"
+    assert not re.search(r"[^\s]-\}\}", text), f"{template.name}: '-}}}}' without a space"
+
+
+@pytest.mark.parametrize("template", TEMPLATE_FILES, ids=lambda p: p.name)
+def test_template_blocks_balanced(template: Path) -> None:
+    stack: list[str] = []
+    for m in _ACTION.finditer(template.read_text()):
+        body = m.group(1).strip().removeprefix("-").removesuffix("-").strip()
+        if body.startswith("/*"):
+            continue
+        word = re.match(r"[A-Za-z]*", body).group()
+        if word in _OPENERS:
+            stack.append(word)
+        elif word == "end":
+            assert stack, f"{template.name}: {{{{ end }}}} without an opening block"
+            stack.pop()
+        elif word == "else":
+            assert stack and stack[-1] in {"if", "with", "range"}, f"{template.name}: stray else"
+    assert not stack, f"{template.name}: unclosed {stack}"
+
+
+def test_included_templates_are_defined() -> None:
+    texts = {p.name: p.read_text() for p in TEMPLATE_FILES}
+    defined = set(re.findall(r'\{\{-?\s*define\s+"([^"]+)"', "".join(texts.values())))
+    for name, text in texts.items():
+        for used in re.findall(r'\binclude\s+"([^"]+)"', text):
+            assert used in defined, f"{name} includes undefined template {used!r}"
+
+
+def test_redis_manifests_are_guarded() -> None:
+    text = (TEMPLATES / "redis.yaml").read_text()
+    assert re.match(r"\s*\{\{-?\s*if\s+\.Values\.redis\.enabled\s*-?\}\}", text)
+    assert re.search(r"\{\{-?\s*end\s*-?\}\}\s*$", text)
+
+
+# --- helm lint / helm template (only with a helm binary) ------------------------------------
+
+EXTERNAL_REDIS = ["--set", "redis.enabled=false,redis.url=redis://r:6379/0"]
+THREE_WORKERS = ["--set", "worker.replicas=3"]
+
+
+def _helm(*args: str) -> subprocess.CompletedProcess[str]:
+    assert HELM is not None
+    return subprocess.run([HELM, *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+def _render(*set_args: str) -> dict[tuple[str, str], dict[str, Any]]:
+    proc = _helm("template", RELEASE, str(CHART), "--namespace", "test", *set_args)
+    assert proc.returncode == 0, proc.stderr
+    docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    objects = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    assert len(objects) == len(docs), "two manifests share a kind and a name"
+    return objects
+
+
+def _container(deployment: dict[str, Any]) -> dict[str, Any]:
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _flag(args: list[str], flag: str) -> str:
+    assert flag in args, f"{flag} not in {args}"
+    return args[args.index(flag) + 1]
+
+
+@needs_helm
+@pytest.mark.parametrize("set_args", [[], EXTERNAL_REDIS + THREE_WORKERS], ids=["default", "set"])
+def test_helm_lint(set_args: list[str]) -> None:
+    proc = _helm("lint", "--strict", str(CHART), *set_args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@needs_helm
+def test_helm_template_defaults() -> None:
+    objs = _render()
+    control = objs[("Deployment", f"{FULLNAME}-control")]
+    worker = objs[("Deployment", f"{FULLNAME}-worker")]
+    service = objs[("Service", f"{FULLNAME}-control")]
+    redis = objs[("Deployment", f"{FULLNAME}-redis")]
+    assert ("Service", f"{FULLNAME}-redis") in objs
+
+    # Selectors select their own pods, and the Service selects the control plane.
+    for dep in (control, worker, redis):
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert (
+        service["spec"]["selector"].items()
+        <= control["spec"]["template"]["metadata"]["labels"].items()
+    )
+    assert {(p["name"], p["port"]) for p in service["spec"]["ports"]} == {
+        ("zmq", 5555),
+        ("metrics", 9090),
+    }
+
+    c = _container(control)
+    assert c["image"] == "specserve:0.1.0"
+    assert c["command"] == ["specserve", "control"]
+    assert _flag(c["args"], "--bind") == "tcp://*:5555"
+    assert _flag(c["args"], "--redis-url") == f"redis://{FULLNAME}-redis:6379/0"
+    assert _flag(c["args"], "--model") == "smollm2-135m"
+    assert _flag(c["args"], "--metrics-port") == "9090"
+    assert _flag(c["args"], "--routing") == "prefix"
+    assert float(_flag(c["args"], "--heartbeat-timeout")) == 3.0
+    assert "--log-json" not in c["args"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"zmq": 5555, "metrics": 9090}
+    assert c["livenessProbe"]["tcpSocket"]["port"] in ("zmq", 5555)
+    assert control["spec"]["replicas"] == 1
+    annotations = control["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+
+    w = _container(worker)
+    assert worker["spec"]["replicas"] == 2
+    assert w["command"] == ["specserve", "worker"]
+    assert _flag(w["args"], "--control") == f"tcp://{FULLNAME}-control:5555"
+    assert _flag(w["args"], "--worker-id") == "$(POD_NAME)"
+    assert _flag(w["args"], "--model") == "smollm2-135m"
+    assert _flag(w["args"], "--device") == "cpu"
+    assert "--spec-method" not in w["args"]
+    (env,) = (e for e in w["env"] if e["name"] == "POD_NAME")
+    assert env["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert "readinessProbe" not in w
+    assert worker["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 0
+
+    r = _container(redis)
+    assert r["image"] == "redis:7-alpine"
+    assert r["args"] == ["--save", "", "--appendonly", "no"]
+
+
+@needs_helm
+def test_helm_template_external_redis_three_workers() -> None:
+    objs = _render(*EXTERNAL_REDIS, *THREE_WORKERS)
+    assert not [key for key in objs if key[1] == f"{FULLNAME}-redis"]
+    worker = objs[("Deployment", f"{FULLNAME}-worker")]
+    assert worker["spec"]["replicas"] == 3
+    w_args = _container(worker)["args"]
+    assert _flag(w_args, "--control") == f"tcp://{FULLNAME}-control:5555"
+    c_args = _container(objs[("Deployment", f"{FULLNAME}-control")])["args"]
+    assert _flag(c_args, "--redis-url") == "redis://r:6379/0"
+
+
+@needs_helm
+def test_helm_template_gpu_spec_decoding_and_pvcs() -> None:
+    objs = _render(
+        "--set",
+        "worker.device=cuda:0,worker.dtype=bfloat16,worker.spec.method=eagle3",
+        "--set",
+        "worker.spec.numSpecTokens=5,worker.spec.drafter.path=/drafters/e3",
+        "--set",
+        "worker.spec.drafter.pvc=drafters,model.pvc=models,model.path=/models/m",
+        "--set-string",
+        r"worker.resources.limits.nvidia\.com/gpu=1",
+        "--set",
+        "control.logJson=true,worker.kvCacheMemoryMb=2000000",
+    )
+    worker = objs[("Deployment", f"{FULLNAME}-worker")]
+    w = _container(worker)
+    assert _flag(w["args"], "--device") == "cuda:0"
+    assert _flag(w["args"], "--dtype") == "bfloat16"
+    assert _flag(w["args"], "--spec-method") == "eagle3"
+    assert _flag(w["args"], "--num-spec-tokens") == "5"
+    assert _flag(w["args"], "--drafter") == "/drafters/e3"
+    assert _flag(w["args"], "--model") == "/models/m"
+    assert _flag(w["args"], "--kv-cache-memory-mb") == "2000000"  # not 2e+06
+    assert w["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    claims = {
+        v["name"]: v["persistentVolumeClaim"]["claimName"]
+        for v in worker["spec"]["template"]["spec"]["volumes"]
+    }
+    assert claims == {"model": "models", "drafter": "drafters"}
+    assert {m["mountPath"] for m in w["volumeMounts"]} == {"/models", "/drafters"}
+
+    control = objs[("Deployment", f"{FULLNAME}-control")]
+    c = _container(control)
+    assert _flag(c["args"], "--model") == "/models/m"
+    assert "--log-json" in c["args"]
+    assert [m["mountPath"] for m in c["volumeMounts"]] == ["/models"]
+
+
+@needs_helm
+@pytest.mark.parametrize(
+    ("set_args", "message"),
+    [
+        (["--set", "redis.enabled=false"], "redis.url is required"),
+        (["--set", "worker.spec.method=eagle3"], "worker.spec.drafter.path is required"),
+        (["--set", "worker.spec.method=medusa"], "worker.spec.method must be"),
+        (["--set", "control.routing=random"], "control.routing must be"),
+    ],
+)
+def test_helm_template_refuses_bad_values(set_args: list[str], message: str) -> None:
+    proc = _helm("template", RELEASE, str(CHART), *set_args)
+    assert proc.returncode != 0
+    assert message in proc.stderr

@@ -1,0 +1,105 @@
+"""A whole service for integration tests: a real Redis, a control plane on a real socket (in a
+thread of the test process, so tests can read its state and metrics) and worker processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from specserve.cache_index.local_server import free_port
+from specserve.control.server import ControlArgs, ControlPlane
+
+WORKER_ENGINE = dict(num_blocks=160, block_size=4, max_model_len=256, max_num_seqs=16)
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation: the oracle."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+class Service:
+    def __init__(self, model: str, redis_url: str | None, logdir: Path, **control: object) -> None:
+        self.model = model
+        self.redis_url = redis_url
+        self.logdir = logdir
+        self.port = free_port()
+        self.url = f"tcp://127.0.0.1:{self.port}"
+        self.control_kwargs = control
+        self.plane: ControlPlane | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.workers: dict[str, subprocess.Popen] = {}
+
+    # --- control plane ----------------------------------------------------------------------
+
+    def start_control(self) -> ControlPlane:
+        args = ControlArgs(
+            bind=self.url,
+            redis_url=self.redis_url,
+            model=self.model,
+            heartbeat_timeout_s=1.0,
+            **self.control_kwargs,  # type: ignore[arg-type]
+        )
+        self.plane = ControlPlane(args)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self.plane.run, args=(self._stop,), daemon=True)
+        self._thread.start()
+        return self.plane
+
+    def stop_control(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._thread = None
+
+    # --- workers ----------------------------------------------------------------------------
+
+    def start_worker(self, worker_id: str, **engine: object) -> subprocess.Popen:
+        kwargs = dict(WORKER_ENGINE, model=self.model, **engine)
+        code = (
+            "import sys, torch\n"
+            "torch.set_num_threads(1)\n"
+            "from specserve.worker.engine import EngineArgs\n"
+            "from specserve.worker.server import run_worker\n"
+            f"sys.exit(run_worker(EngineArgs(**{kwargs!r}), {self.url!r}, {worker_id!r}, "
+            "heartbeat_interval_s=0.2))\n"
+        )
+        env = dict(os.environ, SPECSERVE_LOG_LEVEL="warning", OMP_NUM_THREADS="1")
+        log = open(self.logdir / f"{worker_id}.log", "ab")  # noqa: SIM115 (lives with the process)
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=log, env=env)
+        self.workers[worker_id] = proc
+        return proc
+
+    def wait_workers(self, worker_ids: set[str], timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.plane is not None
+            if set(self.plane.workers) == worker_ids:
+                return
+            for wid, proc in self.workers.items():
+                if proc.poll() is not None:
+                    log = (self.logdir / f"{wid}.log").read_text()[-2000:]
+                    raise AssertionError(f"worker {wid} exited with {proc.returncode}:\n{log}")
+            time.sleep(0.05)
+        raise AssertionError(f"workers {sorted(worker_ids)} did not register in {timeout}s")
+
+    def close(self) -> None:
+        self.stop_control()
+        for proc in self.workers.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)

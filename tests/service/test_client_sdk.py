@@ -1,0 +1,441 @@
+"""The client SDK against a scripted control plane on real ZeroMQ sockets.
+
+`ScriptedServer` binds a real ROUTER socket on a free port and answers each message it receives
+with whatever its script returns, recording every message, so each test can assert exactly what
+the client sent and what it made of the replies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import re
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+import msgspec
+import pytest
+import zmq
+
+from specserve import client as client_module
+from specserve.client import (
+    AsyncClient,
+    Client,
+    Completion,
+    RequestFailed,
+    RequestTimeout,
+)
+from specserve.shared import protocol
+from specserve.shared.protocol import (
+    PROTOCOL_VERSION,
+    AbortRequest,
+    ErrorReply,
+    GenerateRequest,
+    Message,
+    RequestOutput,
+    SamplingParams,
+    SpecStats,
+    TokenLogprobs,
+)
+
+Script = Callable[[Message], Sequence[Message | bytes]]
+WAIT = 5.0  # seconds any single expected message may take
+
+
+class ScriptedServer:
+    """A scripted peer playing the control plane: a ROUTER socket served by a background thread.
+
+    Every message received is recorded, then passed to `script`, whose return value (messages, or
+    raw bytes for deliberately broken frames) is sent back to the client that sent it.
+    """
+
+    def __init__(self, script: Script) -> None:
+        self._script = script
+        self._received: queue.Queue[Message] = queue.Queue()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self.error: BaseException | None = None
+        self.url = ""
+        self._thread = threading.Thread(target=self._run, name="scripted-server", daemon=True)
+        self._thread.start()
+        assert self._ready.wait(WAIT), "the scripted server did not start"
+
+    def next_message(self, timeout: float = WAIT) -> Message:
+        return self._received.get(timeout=timeout)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(WAIT)
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
+        context = zmq.Context()
+        socket = context.socket(zmq.ROUTER)
+        socket.bind("tcp://127.0.0.1:*")
+        self.url = socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._ready.set()
+        try:
+            while not self._stop.is_set():
+                if socket.poll(20):
+                    self._serve_one(socket)
+        except BaseException as exc:  # surfaced by close(), in the test's thread
+            self.error = exc
+        finally:
+            socket.close(linger=0)
+            context.term()
+
+    def _serve_one(self, socket: zmq.Socket) -> None:
+        identity, payload = socket.recv_multipart()
+        msg = protocol.decode(payload)
+        self._received.put(msg)
+        for reply in self._script(msg):
+            frame = reply if isinstance(reply, bytes) else protocol.encode(reply)
+            socket.send_multipart([identity, frame])
+
+
+def silent(msg: Message) -> Sequence[Message | bytes]:
+    return []
+
+
+def on_generate(replies: Callable[[str], Sequence[Message | bytes]]) -> Script:
+    """A script that answers each GenerateRequest with `replies(request_id)`."""
+    return lambda msg: replies(msg.request_id) if isinstance(msg, GenerateRequest) else []
+
+
+def output(request_id: str, token_ids: list[int], text: str | None = None, **kw) -> RequestOutput:
+    return RequestOutput(
+        version=PROTOCOL_VERSION, request_id=request_id, token_ids=token_ids, text=text, **kw
+    )
+
+
+LOGPROBS = TokenLogprobs(chosen=[-0.5], top_ids=[[108, 7]], top_logprobs=[[-0.5, -1.25]])
+SPEC = SpecStats(
+    num_drafts=2, num_draft_tokens=4, num_accepted_tokens=3, accepted_per_position=[2, 1]
+)
+
+
+def three_outputs(request_id: str) -> list[RequestOutput]:
+    """A streamed request: first output with the admission facts, last with the finish."""
+    return [
+        output(
+            request_id,
+            [72, 101],
+            "He",
+            prompt_token_ids=[1, 2, 3],
+            num_cached_tokens=2,
+            worker_id="w0",
+        ),
+        output(request_id, [108], "l", logprobs=[LOGPROBS]),
+        output(request_id, [108, 111], "lo", finished=True, finish_reason="length", spec=SPEC),
+    ]
+
+
+def three_outputs_folded(request_id: str) -> Completion:
+    return Completion(
+        request_id=request_id,
+        prompt_token_ids=[1, 2, 3],
+        token_ids=[72, 101, 108, 108, 111],
+        text="Hello",
+        finish_reason="length",
+        logprobs=[LOGPROBS],
+        num_cached_tokens=2,
+        worker_id="w0",
+        spec=SPEC,
+    )
+
+
+def echo(request: GenerateRequest, step: int) -> RequestOutput:
+    """Output `step` (of two) of a request whose prompt is one token `n`: tokens 10n and 10n+1."""
+    n = request.prompt_token_ids[0]
+    return output(
+        request.request_id,
+        [10 * n + step],
+        f"{n}{'ab'[step]}",
+        finished=step == 1,
+        finish_reason="stop" if step == 1 else None,
+    )
+
+
+def echoed(request_id: str, n: int) -> Completion:
+    return Completion(
+        request_id, token_ids=[10 * n, 10 * n + 1], text=f"{n}a{n}b", finish_reason="stop"
+    )
+
+
+class Interleaved:
+    """Script: hold requests until `n` have arrived, then answer them round-robin, newest first,
+    so every request's outputs arrive between the other requests' outputs."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.waiting: list[GenerateRequest] = []
+
+    def __call__(self, msg: Message) -> Sequence[Message | bytes]:
+        if not isinstance(msg, GenerateRequest):
+            return []
+        self.waiting.append(msg)
+        if len(self.waiting) < self.n:
+            return []
+        batch, self.waiting = self.waiting[::-1], []
+        return [echo(request, step) for step in range(2) for request in batch]
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[[Script], ScriptedServer]]:
+    servers: list[ScriptedServer] = []
+
+    def start(script: Script = silent) -> ScriptedServer:
+        servers.append(ScriptedServer(script))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def abort(request_id: str) -> AbortRequest:
+    return AbortRequest(version=PROTOCOL_VERSION, request_id=request_id)
+
+
+# -- what the client sends ---------------------------------------------------------------------
+
+
+def test_submit_sends_exact_generate_requests(serve) -> None:
+    server = serve(silent)
+    sampling = SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=(7,))
+    with Client(server.url, timeout=WAIT) as client:
+        rid = client.submit(
+            "hello",
+            sampling,
+            chat=True,
+            request_id="r1",
+            cache_salt="tenant-a",
+            priority=3,
+            stream=False,
+        )
+        assert rid == "r1"
+        assert server.next_message() == GenerateRequest(
+            version=PROTOCOL_VERSION,
+            request_id="r1",
+            prompt="hello",
+            sampling=sampling,
+            chat=True,
+            stream=False,
+            cache_salt="tenant-a",
+            priority=3,
+        )
+        rid = client.submit((5, 6, 7))
+        assert re.fullmatch(r"[0-9a-f]{32}", rid)
+        assert server.next_message() == GenerateRequest(
+            version=PROTOCOL_VERSION, request_id=rid, prompt_token_ids=[5, 6, 7]
+        )
+    # Closing with both requests in flight aborts them.
+    assert {server.next_message(), server.next_message()} == {abort("r1"), abort(rid)}
+
+
+def test_invalid_sampling_raises_and_sends_nothing(serve) -> None:
+    server = serve(on_generate(three_outputs))
+    bad = SamplingParams(temperature=-1)
+    with Client(server.url, timeout=WAIT) as client:
+        with pytest.raises(ValueError, match="temperature"):
+            client.generate([1, 2, 3], bad)
+        with pytest.raises(ValueError, match="temperature"):
+            client.stream([1, 2, 3], bad)
+        with pytest.raises(ValueError, match="temperature"):
+            client.submit([1, 2, 3], bad)
+        with pytest.raises(ValueError, match="empty"):
+            client.submit([])
+        assert client.generate([1, 2, 3], request_id="ok") == three_outputs_folded("ok")
+    # One DEALER connection keeps order: had anything been sent before, it would come first.
+    assert server.next_message().request_id == "ok"
+
+
+# -- what the client makes of the replies ------------------------------------------------------
+
+
+def test_stream_yields_the_scripted_outputs_in_order(serve) -> None:
+    server = serve(on_generate(three_outputs))
+    with Client(server.url, timeout=WAIT) as client:
+        assert list(client.stream([1, 2, 3], request_id="s1")) == three_outputs("s1")
+    sent = server.next_message()
+    assert isinstance(sent, GenerateRequest)
+    assert sent.stream is True
+
+
+def test_generate_folds_the_outputs_into_one_completion(serve) -> None:
+    server = serve(on_generate(three_outputs))
+    with Client(server.url, timeout=WAIT) as client:
+        assert client.generate([1, 2, 3], request_id="g1") == three_outputs_folded("g1")
+    sent = server.next_message()
+    assert isinstance(sent, GenerateRequest)
+    assert sent.stream is False
+
+
+def test_interleaved_outputs_reach_their_own_requests(serve) -> None:
+    server = serve(Interleaved(2))
+    with Client(server.url, timeout=WAIT) as client:
+        first = client.submit([1])
+        second = client.submit([2])
+        # The second request's outputs arrive around the first's and wait in its buffer.
+        assert client.result(first) == echoed(first, 1)
+        assert client.result(second) == echoed(second, 2)
+
+
+def test_error_reply_raises_request_failed(serve) -> None:
+    def refuse(request_id: str) -> list[Message]:
+        return [
+            ErrorReply(version=PROTOCOL_VERSION, message="queue is full", request_id=request_id)
+        ]
+
+    server = serve(on_generate(refuse))
+    with Client(server.url, timeout=WAIT) as client:
+        with pytest.raises(RequestFailed, match="queue is full") as info:
+            client.generate([1], request_id="e1")
+        assert info.value.request_id == "e1"
+        with pytest.raises(RequestFailed, match="queue is full"):
+            next(client.stream([1], request_id="e2"))
+
+
+def test_error_finish_raises_request_failed(serve) -> None:
+    def fail(request_id: str) -> list[Message]:
+        return [
+            output(request_id, [5], "x", prompt_token_ids=[1], worker_id="w0"),
+            output(request_id, [], finished=True, finish_reason="error", error="worker w0 lost"),
+        ]
+
+    server = serve(on_generate(fail))
+    with Client(server.url, timeout=WAIT) as client:
+        with pytest.raises(RequestFailed, match="worker w0 lost") as info:
+            client.generate([1], request_id="f1")
+        assert info.value.request_id == "f1"
+
+
+def test_timeout_raises_and_aborts_the_request(serve) -> None:
+    server = serve(silent)
+    with Client(server.url, timeout=WAIT) as client:
+        with pytest.raises(RequestTimeout) as info:
+            client.generate([1], request_id="t1", timeout=0.2)
+        assert info.value.request_id == "t1"
+        assert server.next_message().request_id == "t1"
+        assert server.next_message() == abort("t1")
+
+
+def test_closing_a_stream_early_aborts_the_request(serve) -> None:
+    server = serve(on_generate(three_outputs))
+    with Client(server.url, timeout=WAIT) as client:
+        outputs = client.stream([1, 2, 3], request_id="c1")
+        assert next(outputs) == three_outputs("c1")[0]
+        outputs.close()
+        assert server.next_message().request_id == "c1"
+        assert server.next_message() == abort("c1")
+        # The rest of c1's outputs are dropped; the client goes on serving new requests.
+        assert client.generate([1, 2, 3], request_id="c2") == three_outputs_folded("c2")
+
+
+def test_undecodable_frames_are_logged_and_skipped(serve, monkeypatch) -> None:
+    events: list[tuple[str, str]] = []
+
+    class Recorder:
+        def __getattr__(self, level: str) -> Callable[..., None]:
+            return lambda event, **fields: events.append((level, event))
+
+    monkeypatch.setattr(client_module, "log", Recorder())
+    future_version = msgspec.msgpack.encode({"type": "output", "version": 99, "request_id": "x"})
+
+    def garbage_first(request_id: str) -> list[Message | bytes]:
+        return [
+            b"\xc1 not msgpack",
+            future_version,
+            ErrorReply(version=PROTOCOL_VERSION, message="could not decode"),
+            output("someone-else", [9], finished=True, finish_reason="stop"),
+            *three_outputs(request_id),
+        ]
+
+    server = serve(on_generate(garbage_first))
+    with Client(server.url, timeout=WAIT) as client:
+        assert client.generate([1, 2, 3], request_id="j1") == three_outputs_folded("j1")
+    assert events[:3] == [
+        ("warning", "client.frame.undecodable"),
+        ("warning", "client.frame.undecodable"),
+        ("warning", "client.server_error"),
+    ]
+
+
+# -- AsyncClient -------------------------------------------------------------------------------
+
+
+def test_async_interleaved_outputs_reach_their_own_requests(serve) -> None:
+    server = serve(Interleaved(2))
+
+    async def main() -> None:
+        async with AsyncClient(server.url, timeout=WAIT) as client:
+            first = await client.submit([1])
+            second = await client.submit([2])
+            assert await asyncio.gather(client.result(second), client.result(first)) == [
+                echoed(second, 2),
+                echoed(first, 1),
+            ]
+
+    asyncio.run(main())
+
+
+def test_async_sixteen_concurrent_generates(serve) -> None:
+    server = serve(Interleaved(16))
+
+    async def main() -> None:
+        async with AsyncClient(server.url, timeout=WAIT) as client:
+            ids = [f"a{n}" for n in range(1, 17)]
+            results = await asyncio.gather(
+                *(client.generate([n], request_id=rid) for n, rid in enumerate(ids, start=1))
+            )
+            assert results == [echoed(rid, n) for n, rid in enumerate(ids, start=1)]
+
+    asyncio.run(main())
+    received = [server.next_message() for _ in range(16)]
+    assert all(isinstance(msg, GenerateRequest) and not msg.stream for msg in received)
+
+
+def test_async_stream_failures_timeout_and_early_close(serve) -> None:
+    def script(msg: Message) -> Sequence[Message | bytes]:
+        if not isinstance(msg, GenerateRequest):
+            return []
+        if msg.request_id.startswith("refuse"):
+            return [ErrorReply(version=PROTOCOL_VERSION, message="too long", request_id="refuse")]
+        return [] if msg.request_id.startswith("hang") else three_outputs(msg.request_id)
+
+    server = serve(script)
+
+    async def main() -> None:
+        async with AsyncClient(server.url, timeout=WAIT) as client:
+            assert [out async for out in client.stream([1, 2, 3], request_id="s")] == (
+                three_outputs("s")
+            )
+            with pytest.raises(ValueError, match="temperature"):
+                await client.generate([1], SamplingParams(temperature=-1))
+            with pytest.raises(RequestFailed, match="too long"):
+                await client.generate([1], request_id="refuse")
+            with pytest.raises(RequestTimeout):
+                await client.generate([1], request_id="hang", timeout=0.2)
+            async with contextlib.aclosing(client.stream([1, 2, 3], request_id="c")) as outputs:
+                async for out in outputs:
+                    assert out == three_outputs("c")[0]
+                    break
+
+    asyncio.run(main())
+    assert [server.next_message() for _ in range(6)] == [
+        server_view("s", [1, 2, 3]),
+        server_view("refuse", [1], stream=False),
+        server_view("hang", [1], stream=False),
+        abort("hang"),
+        server_view("c", [1, 2, 3]),
+        abort("c"),
+    ]
+
+
+def server_view(request_id: str, prompt: list[int], stream: bool = True) -> GenerateRequest:
+    """The GenerateRequest the server receives for a request with default sampling."""
+    return GenerateRequest(
+        version=PROTOCOL_VERSION, request_id=request_id, prompt_token_ids=prompt, stream=stream
+    )

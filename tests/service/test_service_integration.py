@@ -1,0 +1,246 @@
+"""The whole service with real parts: Redis, ZeroMQ sockets, worker processes, the client SDK.
+
+Outputs are checked token for token against transformers' greedy decoding on the same weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import time
+
+import msgspec
+import pytest
+import zmq
+from service_harness import Service, hf_greedy
+
+from specserve.cache_index import IndexReader, connect, list_workers
+from specserve.client import AsyncClient, Client, RequestFailed
+from specserve.shared import protocol
+from specserve.shared.hashing import BlockHasher, extend_block_hashes
+from specserve.shared.protocol import PROTOCOL_VERSION, GenerateRequest, SamplingParams
+
+BLOCK = 4
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def shared_prefix_prompts(groups: int, per_group: int, prefix_len: int = 24) -> list[list[int]]:
+    """`groups` system prompts of `prefix_len` tokens, each followed by distinct user turns."""
+    out = []
+    for g in range(groups):
+        system = [(17 * g + 5 * i + 3) % 250 + 1 for i in range(prefix_len)]
+        for u in range(per_group):
+            out.append(system + [(31 * u + 7 * j + g) % 250 + 1 for j in range(4 + u % 5)])
+    return out
+
+
+async def generate_all(url: str, prompts: list[list[int]], params: SamplingParams) -> list:
+    async with AsyncClient(url, timeout=120) as client:
+        return await asyncio.gather(*(client.generate(p, params) for p in prompts))
+
+
+def test_shared_prefix_requests_match_transformers_and_land_on_their_prefix(
+    service: Service, llama_ckpt
+) -> None:
+    plane = service.start_control()
+    service.start_worker("w0", max_num_seqs=64)  # room for the burst: no load spill-over
+    service.start_worker("w1", max_num_seqs=64)
+    service.wait_workers({"w0", "w1"})
+    prompts = shared_prefix_prompts(groups=4, per_group=17)
+    warm = prompts[::17]  # one request per group caches its system prompt somewhere
+    rest = [p for i, p in enumerate(prompts) if i % 17]
+    params = greedy(6)
+
+    warm_out = asyncio.run(generate_all(service.url, warm, params))
+    home = {tuple(p[:24]): out.worker_id for p, out in zip(warm, warm_out, strict=True)}
+    assert set(home.values()) == {"w0", "w1"}  # cold requests spread over both workers
+    outs = asyncio.run(generate_all(service.url, rest, params))  # 64 at once
+
+    for prompt, out in zip(warm + rest, warm_out + outs, strict=True):
+        assert out.token_ids == hf_greedy(llama_ckpt.hf_model, prompt, 6)
+        assert out.finish_reason == "length"
+    # Every later request of a group went to the worker holding its system prompt, and found
+    # all 6 of its blocks there.
+    for prompt, out in zip(rest, outs, strict=True):
+        assert out.worker_id == home[tuple(prompt[:24])]
+        assert out.num_cached_tokens == 24
+    hit = plane.metrics.sample("specserve_prefix_hit_tokens_total")
+    queried = plane.metrics.sample("specserve_prefix_query_tokens_total")
+    assert hit == 64 * 24
+    assert hit / queried > 0.7
+
+    # The index speaks the documented schema, and says who holds each system prompt.
+    client = connect(service.redis_url)
+    ns = plane.workers["w0"].namespace
+    keys = list(client.scan_iter(match=ns.base + b":*", count=1000))
+    base = re.escape(ns.base)
+    pattern = re.compile(
+        base + rb":(live|epochs|fenced|worker:w[01]|w:w[01]:\d+|b0:[\x00-\xff]{16})", re.DOTALL
+    )
+    assert keys and all(pattern.fullmatch(k) for k in keys), [
+        k for k in keys if not pattern.fullmatch(k)
+    ]
+    reader = IndexReader(client, ns)
+    for system, worker_id in home.items():
+        hashes: list = []
+        extend_block_hashes(BlockHasher(), hashes, list(system), BLOCK)
+        assert reader.longest_prefix(hashes)[worker_id] == 6
+
+
+def test_kill_9_worker_mid_stream_loses_and_repeats_nothing(service: Service, llama_ckpt) -> None:
+    plane = service.start_control()
+    service.start_worker("w0", max_num_seqs=2)
+    victim = service.start_worker("w1", max_num_seqs=2)
+    service.wait_workers({"w0", "w1"})
+    prompts = shared_prefix_prompts(groups=4, per_group=8, prefix_len=12)
+    params = greedy(40)
+    streamed: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    workers_seen: dict[int, list[str]] = {i: [] for i in range(len(prompts))}
+    killed: list[float] = []
+
+    async def consume(client: AsyncClient, i: int) -> None:
+        async for out in client.stream(prompts[i], params):
+            streamed[i].extend(out.token_ids)
+            if out.worker_id:
+                workers_seen[i].append(out.worker_id)
+            if not killed and out.token_ids and workers_seen[i][0] == "w1":
+                victim.send_signal(signal.SIGKILL)
+                killed.append(time.monotonic())
+
+    async def run() -> None:
+        async with AsyncClient(service.url, timeout=120) as client:
+            await asyncio.gather(*(consume(client, i) for i in range(len(prompts))))
+
+    asyncio.run(run())
+    assert killed, "the victim never produced a token"
+    assert victim.wait(timeout=10) == -signal.SIGKILL
+    assert set(plane.workers) == {"w0"}
+    resumed = plane.metrics.sample("specserve_requests_resumed_total")
+    assert resumed and resumed > 0
+    # Streams that had begun on w1 continued on w0; requests still queued on w1 started on w0.
+    moved = [i for i, seen in workers_seen.items() if seen == ["w1", "w0"]]
+    assert moved and resumed >= len(moved)
+    assert all(seen in (["w0"], ["w1"], ["w1", "w0"]) for seen in workers_seen.values())
+    for i, prompt in enumerate(prompts):
+        assert streamed[i] == hf_greedy(llama_ckpt.hf_model, prompt, 40), i
+
+    # The dead worker's entries stopped counting: lookups and the registry no longer see it.
+    client = connect(service.redis_url)
+    ns = plane.workers["w0"].namespace
+    hashes: list = []
+    extend_block_hashes(BlockHasher(), hashes, prompts[moved[0]], BLOCK)
+    assert "w1" not in IndexReader(client, ns).longest_prefix(hashes)
+    records = {r.worker_id: r for r in list_workers(client, ns)}
+    assert not records["w1"].live and records["w0"].live
+
+
+def test_joining_worker_gets_load_and_control_restart_reregisters(
+    service: Service, llama_ckpt
+) -> None:
+    service.start_control()
+    service.start_worker("w0")
+    service.wait_workers({"w0"})
+    prompts = shared_prefix_prompts(groups=8, per_group=1, prefix_len=8)
+    with Client(service.url, timeout=60) as client:
+        first = client.generate(prompts[0], greedy(4))
+        assert first.worker_id == "w0"
+        service.start_worker("w1")
+        service.wait_workers({"w0", "w1"})
+        outs = [client.generate(p, greedy(4)) for p in prompts[1:]]
+    assert {o.worker_id for o in outs} == {"w0", "w1"}  # cold prompts alternate once w1 is idle
+
+    service.stop_control()
+    plane = service.start_control()  # same port: the workers' sockets reconnect
+    service.wait_workers({"w0", "w1"}, timeout=30)
+    assert plane.session != ""
+    with Client(service.url, timeout=60) as client:
+        outs = [client.generate(p, greedy(5)) for p in prompts[:4]]
+    for prompt, out in zip(prompts[:4], outs, strict=True):
+        assert out.token_ids == hf_greedy(llama_ckpt.hf_model, prompt, 5)
+
+
+def raw_exchange(url: str, frames: list[bytes], expect: int) -> list[protocol.Message]:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(url)
+    try:
+        for frame in frames:
+            sock.send(frame)
+        replies = []
+        while len(replies) < expect:
+            assert sock.poll(20_000), f"no reply after {len(replies)} of {expect}"
+            replies.append(protocol.decode(sock.recv()))
+        return replies
+    finally:
+        sock.close()
+
+
+def test_bad_input_gets_clear_errors_and_harms_no_one(service: Service, llama_ckpt) -> None:
+    plane = service.start_control()
+    service.start_worker("w0")
+    service.wait_workers({"w0"})
+    url = service.url
+
+    def generate(request_id: str, **fields) -> bytes:
+        return protocol.encode(GenerateRequest(PROTOCOL_VERSION, request_id, **fields))
+
+    unknown_type = msgspec.msgpack.encode({"type": "teleport", "version": PROTOCOL_VERSION})
+    future = msgspec.msgpack.encode({"type": "generate", "version": 99, "request_id": "v"})
+    bad_temperature = msgspec.msgpack.encode(
+        {"type": "generate", "version": PROTOCOL_VERSION, "request_id": "t",
+         "prompt_token_ids": [1, 2], "sampling": {"temperature": -1.0}}
+    )  # fmt: skip
+    replies = raw_exchange(
+        url,
+        [
+            b"\x00garbage",
+            unknown_type,
+            future,
+            bad_temperature,
+            generate("long", prompt_token_ids=[5] * 300, sampling=greedy(2)),
+            generate("vocab", prompt_token_ids=[1, 9999], sampling=greedy(2)),
+            generate("both", prompt="hi", prompt_token_ids=[1], sampling=greedy(2)),
+            generate("ok", prompt_token_ids=[1, 2, 3], sampling=greedy(3), stream=False),
+        ],
+        expect=8,
+    )
+    errors = [r for r in replies if isinstance(r, protocol.ErrorReply)]
+    assert len(errors) == 7
+    text = [e.message for e in errors]
+    assert "malformed frame" in text[0]
+    assert "unknown message type 'teleport'" in text[1]
+    assert "unsupported protocol version 99" in text[2]
+    assert "temperature must be a finite number >= 0" in text[3] and errors[3].request_id == "t"
+    assert "at most 255 prompt tokens" in text[4] and errors[4].request_id == "long"
+    assert "outside the vocabulary" in text[5]
+    assert "exactly one of prompt" in text[6]
+    (ok,) = [r for r in replies if isinstance(r, protocol.RequestOutput)]
+    assert ok.finished and ok.token_ids == hf_greedy(llama_ckpt.hf_model, [1, 2, 3], 3)
+
+    # A client that vanishes mid-stream: its request is aborted, the others are unaffected.
+    ctx = zmq.Context.instance()
+    leaver = ctx.socket(zmq.DEALER)
+    leaver.setsockopt(zmq.LINGER, 0)
+    leaver.connect(url)
+    leaver.send(generate("leaver", prompt_token_ids=[4, 5, 6], sampling=greedy(200)))
+    with Client(url, timeout=60) as client:
+        rid = client.submit([7, 8, 9, 10], greedy(30))
+        assert leaver.poll(20_000)
+        first = protocol.decode(leaver.recv())
+        assert isinstance(first, protocol.RequestOutput) and first.request_id == "leaver"
+        leaver.close()
+        other = client.result(rid)
+    assert other.token_ids == hf_greedy(llama_ckpt.hf_model, [7, 8, 9, 10], 30)
+    deadline = time.monotonic() + 10
+    while plane.metrics.sample("specserve_requests_total", {"reason": "abort"}) != 1.0:
+        assert time.monotonic() < deadline, "the vanished client's request was not aborted"
+        time.sleep(0.05)
+    assert "leaver" not in plane.requests
+    with pytest.raises(RequestFailed, match="at most 255"), Client(url, timeout=30) as client:
+        client.generate([1] * 400, greedy(1))
+    assert service.workers["w0"].poll() is None  # nothing took the worker down

@@ -1,0 +1,382 @@
+"""The worker process: one `WorkerEngine` serving step batches from the control plane over ZeroMQ.
+
+The main thread owns the engine and a DEALER socket: it registers (re-sending `Register` until a
+`Welcome` arrives, since the control plane may start later), then executes each `StepBatch` and
+replies with its `StepResult` at once. A second thread with its own DEALER socket sends
+heartbeats, so a long forward pass never looks like a dead worker. zmq sockets are not
+thread-safe, so the two threads share only the session string, under a lock.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import FrameType
+
+import structlog
+import zmq
+
+from specserve.shared import protocol
+from specserve.shared.protocol import PROTOCOL_VERSION
+from specserve.worker.engine import EngineArgs, WorkerEngine
+
+__all__ = [
+    "EXIT_OK",
+    "EXIT_REJECTED",
+    "WorkerServer",
+    "WorkerStats",
+    "default_worker_id",
+    "failed_result",
+    "run_worker",
+]
+
+log = structlog.get_logger(__name__)
+
+EXIT_OK = 0
+EXIT_REJECTED = 3
+REGISTER_RETRY_S = 2.0  # re-send Register this often until the control plane answers
+POLL_MS = 100  # how often the main loop looks at `stop`
+HEARTBEAT_SUFFIX = "#hb"  # '#' cannot appear in a worker id, so the identities never collide
+
+_NOT_ID_CHAR = re.compile(f"[^{protocol.WORKER_ID_CHARS}]")
+
+
+def default_worker_id(pid: int | None = None) -> str:
+    """`{hostname}-{pid}`, with the hostname cleaned and cut so the id stays valid."""
+    suffix = f"-{pid if pid is not None else os.getpid()}"
+    host = _NOT_ID_CHAR.sub("-", platform.node()) or "worker"
+    return host[: 64 - len(suffix)] + suffix
+
+
+def _check_interval(heartbeat_interval_s: float) -> float:
+    if not (math.isfinite(heartbeat_interval_s) and heartbeat_interval_s > 0):
+        raise ValueError(f"heartbeat_interval_s must be > 0, got {heartbeat_interval_s}")
+    return heartbeat_interval_s
+
+
+@dataclass
+class WorkerStats:
+    """Counters for one worker process. They stay off the wire: logs and callers read them."""
+
+    registrations: int = 0
+    steps: int = 0
+    failed_steps: int = 0  # steps whose whole batch raised inside execute
+    bad_frames: int = 0  # undecodable or unexpected messages, skipped
+    dropped_sends: int = 0  # frames zmq would not queue (no connection, or a full queue)
+    execute_s: float = 0.0  # total time inside engine.execute
+    idle_s: float = 0.0  # total gap between a sent StepResult and the next StepBatch
+    last_execute_s: float = 0.0
+    last_idle_s: float | None = None  # None for the first step of a session
+
+    def record_step(self, execute_s: float, idle_s: float | None, failed: bool) -> None:
+        self.steps += 1
+        self.failed_steps += failed
+        self.execute_s += execute_s
+        self.last_execute_s = execute_s
+        self.last_idle_s = idle_s
+        if idle_s is not None:
+            self.idle_s += idle_s
+
+
+def _dealer(ctx: zmq.Context, identity: str, url: str) -> zmq.Socket:
+    """A DEALER that queues nothing until its connection is up (IMMEDIATE), so a control plane
+    that starts late is not flooded with stale Registers and heartbeats."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity.encode())
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IMMEDIATE, 1)
+    sock.connect(url)
+    return sock
+
+
+def _try_send(sock: zmq.Socket, msg: protocol.Message) -> bool:
+    """Send without blocking: a blocked send would stop the loop from seeing `stop`."""
+    try:
+        sock.send(protocol.encode(msg), zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    return True
+
+
+class _Heartbeater:
+    """Sends `Heartbeat` on its own socket and thread, once registered (session set)."""
+
+    def __init__(
+        self, ctx: zmq.Context, control_url: str, worker_id: str, interval_s: float
+    ) -> None:
+        self._ctx = ctx
+        self._url = control_url
+        self._worker_id = worker_id
+        self._interval_s = interval_s
+        self._lock = threading.Lock()
+        self._session = ""
+        self._done = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"heartbeat-{worker_id}", daemon=True
+        )
+
+    @property
+    def session(self) -> str:
+        with self._lock:
+            return self._session
+
+    @session.setter
+    def session(self, value: str) -> None:
+        with self._lock:
+            self._session = value
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        sock = _dealer(self._ctx, self._worker_id + HEARTBEAT_SUFFIX, self._url)
+        try:
+            while not self._done.wait(self._interval_s):
+                self._beat(sock)
+        finally:
+            sock.close(linger=0)
+
+    def _beat(self, sock: zmq.Socket) -> None:
+        _drain(sock)  # nothing is meant for this socket; never let replies pile up
+        session = self.session
+        if session:
+            beat = protocol.Heartbeat(PROTOCOL_VERSION, self._worker_id, session)
+            _try_send(sock, beat)
+
+
+def _drain(sock: zmq.Socket) -> None:
+    while True:
+        try:
+            sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+
+
+class WorkerServer:
+    """Serves one built engine to the control plane at `control_url` until stopped."""
+
+    def __init__(
+        self,
+        engine: WorkerEngine,
+        control_url: str,
+        worker_id: str,
+        heartbeat_interval_s: float = 0.5,
+        stop: threading.Event | None = None,
+    ) -> None:
+        self.engine = engine
+        self.control_url = control_url
+        self.worker_id = protocol.check_worker_id(worker_id)
+        self.heartbeat_interval_s = _check_interval(heartbeat_interval_s)
+        self.stop = stop if stop is not None else threading.Event()
+        self.info = engine.info(worker_id)
+        self.stats = WorkerStats()
+        self.session = ""  # the control-plane session of the last Welcome
+        self._registered = False
+        self._last_register = -math.inf  # when Register last left the socket
+        self._result_sent_at: float | None = None
+        self._sock: zmq.Socket | None = None
+        self._heartbeater: _Heartbeater | None = None
+
+    def run(self) -> int:
+        """Serve until `stop` is set (exit code 0) or the control plane rejects us (3)."""
+        log.info("worker.connecting", worker_id=self.worker_id, url=self.control_url)
+        ctx = zmq.Context()
+        self._sock = _dealer(ctx, self.worker_id, self.control_url)
+        self._heartbeater = _Heartbeater(
+            ctx, self.control_url, self.worker_id, self.heartbeat_interval_s
+        )
+        self._heartbeater.start()
+        try:
+            code = self._loop(self._sock)
+        finally:
+            self._heartbeater.close()
+            self._sock.close(linger=0)
+            ctx.term()
+        log.info("worker.stopped", worker_id=self.worker_id, exit_code=code, **self._summary())
+        return code
+
+    def _summary(self) -> dict[str, object]:
+        s = self.stats
+        return {
+            "steps": s.steps,
+            "failed_steps": s.failed_steps,
+            "bad_frames": s.bad_frames,
+            "dropped_sends": s.dropped_sends,
+            "registrations": s.registrations,
+            "execute_s": round(s.execute_s, 3),
+            "idle_s": round(s.idle_s, 3),
+        }
+
+    def _loop(self, sock: zmq.Socket) -> int:
+        while not self.stop.is_set():
+            self._maybe_register(sock)
+            if not sock.poll(POLL_MS, zmq.POLLIN):
+                continue
+            code = self._handle(sock.recv_multipart())
+            if code is not None:
+                return code
+        return EXIT_OK
+
+    def _maybe_register(self, sock: zmq.Socket) -> None:
+        """Until welcomed, (re)send Register every REGISTER_RETRY_S; while the connection is not
+        up yet the send fails at once and is retried on the next tick."""
+        now = time.monotonic()
+        if self._registered or now - self._last_register < REGISTER_RETRY_S:
+            return
+        if _try_send(sock, protocol.Register(PROTOCOL_VERSION, self.info)):
+            self._last_register = now
+            log.info("worker.register_sent", worker_id=self.worker_id, url=self.control_url)
+
+    def _handle(self, frames: list[bytes]) -> int | None:
+        """Act on one message; return an exit code when the worker must stop."""
+        if len(frames) != 1:
+            self._bad_frame(f"expected one frame per message, got {len(frames)}")
+            return None
+        try:
+            msg = protocol.decode(frames[0])
+        except protocol.ProtocolError as exc:
+            self._bad_frame(str(exc))
+            return None
+        match msg:
+            case protocol.StepBatch():
+                self._step(msg)
+            case protocol.Welcome():
+                self._welcome(msg)
+            case protocol.Reregister():
+                self._reregister(msg)
+            case protocol.Rejected():
+                log.error("worker.rejected", worker_id=self.worker_id, reason=msg.reason)
+                return EXIT_REJECTED
+            case _:
+                self._bad_frame(f"unexpected {type(msg).__name__} message for a worker")
+        return None
+
+    def _bad_frame(self, reason: str) -> None:
+        self.stats.bad_frames += 1
+        log.warning("worker.bad_frame", worker_id=self.worker_id, reason=reason)
+
+    def _welcome(self, msg: protocol.Welcome) -> None:
+        """A new control-plane session starts with an empty block pool and fresh handles."""
+        self.engine.reset()
+        self.session = msg.session
+        assert self._heartbeater is not None
+        self._heartbeater.session = msg.session
+        self._registered = True
+        self._result_sent_at = None
+        self.stats.registrations += 1
+        if msg.worker_id != self.worker_id:
+            log.warning("worker.welcome_id_mismatch", worker_id=self.worker_id, got=msg.worker_id)
+        log.info(
+            "worker.registered", worker_id=self.worker_id, session=msg.session, epoch=msg.epoch
+        )
+
+    def _reregister(self, msg: protocol.Reregister) -> None:
+        """The control plane does not know us (it restarted): register again right away."""
+        log.info("worker.reregister", worker_id=self.worker_id, reason=msg.reason)
+        self._registered = False
+        self._last_register = -math.inf
+
+    def _step(self, batch: protocol.StepBatch) -> None:
+        received = time.monotonic()
+        idle_s = None if self._result_sent_at is None else received - self._result_sent_at
+        error: Exception | None = None
+        try:
+            result = self.engine.execute(batch)
+        except Exception as exc:  # fail the batch's requests, keep serving
+            error = exc
+            result = failed_result(batch, str(exc) or type(exc).__name__)
+        execute_s = time.monotonic() - received
+        self._reply(batch.step_id, result)  # before logging: a traceback takes time to render
+        if error is not None:
+            log.error("worker.step_failed", step_id=batch.step_id, exc_info=error)
+        self.stats.record_step(execute_s, idle_s, error is not None)
+        log.debug(
+            "worker.step",
+            step_id=batch.step_id,
+            requests=len(batch.new_requests) + len(batch.running),
+            tokens=batch.num_scheduled_tokens,
+            execute_ms=round(execute_s * 1e3, 3),
+            idle_ms=None if idle_s is None else round(idle_s * 1e3, 3),
+        )
+
+    def _reply(self, step_id: int, result: protocol.StepResult) -> None:
+        assert self._sock is not None
+        if not _try_send(self._sock, result):
+            self.stats.dropped_sends += 1
+            log.warning("worker.result_dropped", worker_id=self.worker_id, step_id=step_id)
+        self._result_sent_at = time.monotonic()
+
+
+def failed_result(batch: protocol.StepBatch, error: str) -> protocol.StepResult:
+    """A result that fails every new and running request of `batch` with `error`."""
+    handles = [r.handle for r in batch.new_requests] + [d.handle for d in batch.running]
+    results = [protocol.RequestResult(h, [], error=error) for h in handles]
+    return protocol.StepResult(PROTOCOL_VERSION, batch.step_id, results)
+
+
+def _install_signal_handlers(stop: threading.Event) -> Callable[[], None]:
+    """SIGTERM/SIGINT set `stop` (only the main thread may install handlers); returns undo."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+    return restore
+
+
+def run_worker(
+    engine_args: EngineArgs,
+    control_url: str,
+    worker_id: str | None = None,
+    heartbeat_interval_s: float = 0.5,
+    stop: threading.Event | None = None,
+) -> int:
+    """Load the engine, then serve the control plane at `control_url` until stopped.
+
+    Returns the process exit code: 0 after `stop`, SIGTERM or SIGINT; 3 when rejected.
+    """
+    worker_id = protocol.check_worker_id(
+        worker_id if worker_id is not None else default_worker_id()
+    )
+    _check_interval(heartbeat_interval_s)  # fail before the slow load, not after
+    stop = stop if stop is not None else threading.Event()
+    restore = _install_signal_handlers(stop)
+    try:
+        engine = _load_engine(engine_args, worker_id)
+        if stop.is_set():
+            log.info("worker.stopped", worker_id=worker_id, exit_code=EXIT_OK, steps=0)
+            return EXIT_OK
+        server = WorkerServer(engine, control_url, worker_id, heartbeat_interval_s, stop)
+        return server.run()
+    finally:
+        restore()
+
+
+def _load_engine(engine_args: EngineArgs, worker_id: str) -> WorkerEngine:
+    """Build the engine before connecting: loading can take long, and a worker that cannot
+    load should never register."""
+    log.info(
+        "worker.loading", worker_id=worker_id, model=engine_args.model, device=engine_args.device
+    )
+    start = time.monotonic()
+    engine = WorkerEngine(engine_args)
+    log.info("worker.loaded", worker_id=worker_id, load_s=round(time.monotonic() - start, 2))
+    return engine
