@@ -1,14 +1,45 @@
-"""The `specserve` command line."""
+"""The `specserve` command line.
+
+`generate` serves one prompt in-process (or asks a running service with `--url`), `control` and
+`worker` run the two halves of the distributed service, `up` starts a whole local service, and
+`cache` inspects the Redis prefix index.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
 
-from specserve.control.request import SpecDecodingStats
 from specserve.shared.logging import configure_logging
+
+if TYPE_CHECKING:
+    from redis import Redis
+
+    from specserve.cache_index import Namespace
+    from specserve.control.request import SpecDecodingStats
+    from specserve.control.server import ControlArgs
+    from specserve.launcher import UpPlan
+    from specserve.shared.protocol import SamplingParams
+    from specserve.worker.engine import EngineArgs
+
+ArgTarget = argparse.ArgumentParser | argparse._ArgumentGroup
+HASH_ALGOS = ("sha256", "xxh3_128")
+DEFAULT_SERVICE_URL = "tcp://127.0.0.1:5555"
+_SERVICE_URL = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):\d{1,5}|ipc://\S+")
+
+
+class CliError(Exception):
+    """A problem the user can fix: printed as `error: ...` with exit status 2, no traceback."""
+
+
+# --- argument types --------------------------------------------------------------------------
 
 
 def _token_ids(text: str) -> list[int]:
@@ -20,7 +51,40 @@ def _token_ids(text: str) -> list[int]:
         ) from None
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+def _service_url(text: str) -> str:
+    """Reject a malformed address before any socket is opened (ZeroMQ would fail obscurely)."""
+    if not _SERVICE_URL.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"expected tcp://HOST:PORT or ipc://PATH, got {text!r}")
+    return text
+
+
+def _worker_id(text: str) -> str:
+    from specserve.cache_index.schema import check_worker_id
+
+    try:
+        return check_worker_id(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 1-65535, got {value}")
+    return value
+
+
+# --- shared flag groups ----------------------------------------------------------------------
+
+
+def _add_engine_args(p: ArgTarget) -> None:
     p.add_argument(
         "--model",
         default="smollm2-135m",
@@ -82,33 +146,193 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     )
 
 
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags of `args` as command-line words (for worker subprocesses).
+
+    Derived from `_add_engine_args` itself, so a new engine flag is forwarded without edits here.
+    """
+    probe = argparse.ArgumentParser(add_help=False)
+    _add_engine_args(probe)
+    argv: list[str] = []
+    for action in probe._actions:
+        value = getattr(args, action.dest)
+        if value == action.default:
+            continue
+        flag = action.option_strings[0]
+        argv += [flag] if action.nargs == 0 else [flag, str(value)]
+    return argv
+
+
+def _add_prompt_args(p: argparse.ArgumentParser, required: bool) -> None:
+    prompt = p.add_mutually_exclusive_group(required=required)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-ids", type=_token_ids, help="comma-separated token ids")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds to wait for the service's answer"
+    )
+
+
+def _add_routing_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--routing", default="prefix", choices=["prefix", "round-robin"])
+    p.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--hash-algo", default="sha256", choices=HASH_ALGOS)
+    p.add_argument(
+        "--metrics-port", type=_port, default=None, help="serve Prometheus metrics on this port"
+    )
+
+
+# --- parser ----------------------------------------------------------------------------------
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    gen = sub.add_parser(
+        "generate",
+        help="generate text for one prompt, in-process or from a running service (--url)",
+        description="Generate for one prompt. Without --url the model is loaded in this process; "
+        "with --url the prompt goes to a running control plane and the engine flags are ignored.",
+    )
+    gen.add_argument(
+        "--url",
+        type=_service_url,
+        default=None,
+        help="a running control plane (tcp://HOST:PORT): send the prompt there instead of "
+        "loading the model; engine flags are then ignored",
+    )
+    _add_client_args(gen)
+    _add_engine_args(gen.add_argument_group("engine (in-process only: ignored with --url)"))
+    _add_prompt_args(gen, required=True)
+    _add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+
+def _add_control(sub: argparse._SubParsersAction) -> None:
+    ctl = sub.add_parser("control", help="run the control plane (scheduler, router, index)")
+    ctl.add_argument("--bind", default="tcp://*:5555", help="ZeroMQ address to listen on")
+    ctl.add_argument("--redis-url", default=None, help="the prefix index (default: none)")
+    ctl.add_argument("--model", default="smollm2-135m", help="the model the workers serve")
+    ctl.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=3.0,
+        help="seconds without a heartbeat before a worker counts as dead",
+    )
+    _add_routing_args(ctl)
+    ctl.set_defaults(func=cmd_control)
+
+
+def _add_worker(sub: argparse._SubParsersAction) -> None:
+    wrk = sub.add_parser("worker", help="run one GPU/CPU worker for a control plane")
+    wrk.add_argument(
+        "--control", type=_service_url, default=DEFAULT_SERVICE_URL, help="control plane address"
+    )
+    wrk.add_argument("--worker-id", type=_worker_id, default=None, help="default: host and pid")
+    wrk.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds")
+    _add_engine_args(wrk)
+    wrk.set_defaults(func=cmd_worker)
+
+
+def _add_up(sub: argparse._SubParsersAction) -> None:
+    up = sub.add_parser(
+        "up",
+        help="start Redis, a control plane and workers locally; optionally answer one prompt",
+        description="Start a local service: Redis (unless --redis-url), a control plane on "
+        "127.0.0.1:--port and --workers workers. Without --prompt it serves until Ctrl-C; with "
+        "--prompt it answers that prompt, stops everything and exits.",
+    )
+    up.add_argument("--workers", type=_positive_int, default=1)
+    up.add_argument("--port", type=_port, default=5555, help="control plane port on 127.0.0.1")
+    up.add_argument("--redis-url", default=None, help="use this Redis instead of a private one")
+    up.add_argument(
+        "--ready-timeout", type=float, default=300.0, help="seconds to wait for the workers"
+    )
+    _add_routing_args(up)
+    _add_engine_args(up.add_argument_group("engine (every worker)"))
+    _add_prompt_args(up, required=False)
+    _add_sampling_args(up)
+    _add_client_args(up)
+    up.set_defaults(func=cmd_up)
+
+
+def _add_cache(sub: argparse._SubParsersAction) -> None:
+    cache = sub.add_parser("cache", help="inspect the Redis prefix index")
+    views = cache.add_subparsers(dest="view", required=True)
+    helps = {
+        "stats": "workers, block counts and key counts per namespace",
+        "workers": "the worker registry per namespace",
+        "lookup": "which workers hold the prefix of a prompt",
+    }
+    for name, text in helps.items():
+        view = views.add_parser(name, help=text, description=text)
+        view.add_argument("--redis-url", required=True, help="redis://HOST:PORT/DB")
+        view.add_argument(
+            "--model",
+            default=None,
+            help="one namespace's model; default: every namespace found in Redis (a SCAN)",
+        )
+        view.add_argument("--block-size", type=_positive_int, default=16, help="with --model")
+        view.add_argument("--hash-algo", default="sha256", choices=HASH_ALGOS, help="with --model")
+        view.add_argument(
+            "--json",
+            action="store_true",
+            help="print JSON: one object with --model, else a list with one per namespace",
+        )
+        if name == "lookup":
+            _add_prompt_args(view, required=True)
+        view.set_defaults(func=cmd_cache)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specserve", description="LLM serving with speculative decoding."
     )
-    parser.add_argument("--log-level", default=None, help="debug, info, warning (default: info)")
-    parser.add_argument("--log-json", action="store_true", help="log one JSON object per line")
+    _add_logging_args(parser, None, False)
     sub = parser.add_subparsers(dest="command", required=True)
-
-    gen = sub.add_parser("generate", help="generate text for one prompt, served in-process")
-    _add_engine_args(gen)
-    prompt = gen.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text")
-    prompt.add_argument("--prompt-ids", type=_token_ids, help="comma-separated token ids")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=1.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    for add in (_add_generate, _add_control, _add_worker, _add_up, _add_cache):
+        add(sub)
+    # The logging flags also work after the subcommand (`specserve control --log-json`); there
+    # they default to "not given", so they never undo the same flag given before it.
+    for command in _leaf_parsers(sub):
+        _add_logging_args(command, argparse.SUPPRESS, argparse.SUPPRESS)
     return parser
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    from specserve.llm import LLM
+def _add_logging_args(parser: argparse.ArgumentParser, level_default, json_default) -> None:
+    parser.add_argument(
+        "--log-level", default=level_default, help="debug, info, warning (default: info)"
+    )
+    parser.add_argument(
+        "--log-json", action="store_true", default=json_default, help="log one JSON per line"
+    )
+
+
+def _leaf_parsers(sub: argparse._SubParsersAction) -> list[argparse.ArgumentParser]:
+    leaves = []
+    for command in sub.choices.values():
+        nested = [a for a in command._actions if isinstance(a, argparse._SubParsersAction)]
+        leaves.extend(_leaf_parsers(nested[0]) if nested else [command])
+    return leaves
+
+
+# --- generate --------------------------------------------------------------------------------
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The sampling flags, validated before any model loads or request leaves."""
     from specserve.shared.protocol import SamplingParams
 
     params = SamplingParams(
@@ -120,10 +344,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
-    params.validate()  # fail before loading the model
+    params.validate()
+    return params
+
+
+def _prompt(args: argparse.Namespace) -> str | list[int]:
+    return args.prompt if args.prompt is not None else args.prompt_ids
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = sampling_params(args)
+    if args.url is not None:
+        return generate_remote(args.url, args, params)
+    from specserve.llm import LLM
+
     llm = LLM(args.model, **_engine_kwargs(args))
-    prompt = args.prompt if args.prompt is not None else args.prompt_ids
-    (out,) = llm.generate(prompt, params, chat=args.chat)
+    (out,) = llm.generate(_prompt(args), params, chat=args.chat)
     if out.error:
         print(f"error: {out.error}", file=sys.stderr)
         return 1
@@ -154,14 +390,354 @@ def spec_summary(stats: SpecDecodingStats) -> dict:
     }
 
 
+def generate_remote(url: str, args: argparse.Namespace, params: SamplingParams) -> int:
+    """One prompt through a running service: streamed text, or one JSON object with --json."""
+    import zmq
+
+    from specserve.client import Client, ServiceError
+
+    try:
+        with Client(url, timeout=args.timeout) as client:
+            if args.json:
+                completion = client.generate(_prompt(args), params, chat=args.chat)
+                print(json.dumps(completion_json(completion)))
+                return 0
+            _print_stream(client.stream(_prompt(args), params, chat=args.chat))
+            return 0
+    except (ServiceError, zmq.ZMQError) as exc:
+        raise CliError(f"{url}: {exc}") from None
+
+
+def completion_json(completion: Any) -> dict:
+    import msgspec
+
+    result = {
+        "request_id": completion.request_id,
+        "prompt_token_ids": completion.prompt_token_ids,
+        "token_ids": completion.token_ids,
+        "text": completion.text,
+        "finish_reason": completion.finish_reason,
+        "num_cached_tokens": completion.num_cached_tokens,
+        "worker_id": completion.worker_id,
+    }
+    if getattr(completion, "spec", None) is not None:
+        result["spec"] = msgspec.to_builtins(completion.spec)
+    return result
+
+
+def _print_stream(outputs: Iterable[Any]) -> None:
+    """Write text (or token ids, for a model without a tokenizer) as it arrives."""
+    wrote = wrote_ids = False
+    try:
+        for out in outputs:
+            if out.text is not None:
+                sys.stdout.write(out.text)
+            elif out.token_ids:
+                sys.stdout.write(("," if wrote_ids else "") + ",".join(map(str, out.token_ids)))
+                wrote_ids = True
+            sys.stdout.flush()
+            wrote = wrote or bool(out.text or out.token_ids)
+    finally:
+        if wrote:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+
+
+# --- control and worker ----------------------------------------------------------------------
+
+
+def control_args(args: argparse.Namespace) -> ControlArgs:
+    from specserve.control.server import ControlArgs
+
+    return ControlArgs(
+        bind=args.bind,
+        redis_url=args.redis_url,
+        model=args.model,
+        routing=args.routing,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        metrics_port=args.metrics_port,
+        policy=args.policy,
+        hash_algo=args.hash_algo,
+    )
+
+
+def cmd_control(args: argparse.Namespace) -> int:
+    from specserve.control.server import run_control
+
+    return run_control(control_args(args))
+
+
+def worker_engine_args(args: argparse.Namespace) -> EngineArgs:
+    from specserve.worker.engine import EngineArgs
+
+    return EngineArgs(model=args.model, **_engine_kwargs(args))
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from specserve.worker.server import run_worker
+
+    return run_worker(
+        worker_engine_args(args),
+        args.control,
+        worker_id=args.worker_id,
+        heartbeat_interval_s=args.heartbeat_interval,
+    )
+
+
+# --- up --------------------------------------------------------------------------------------
+
+
+def _check_model(model: str) -> None:
+    """Fail in milliseconds, not after the workers have started, on a model that cannot load."""
+    from pathlib import Path
+
+    from specserve.shared.tokenizer import BUNDLED_MODELS
+
+    if model not in BUNDLED_MODELS and not Path(model).is_dir():
+        raise CliError(
+            f"model {model!r} is neither a bundled model ({', '.join(BUNDLED_MODELS)}) "
+            "nor a checkpoint directory"
+        )
+
+
+def _log_argv(args: argparse.Namespace) -> list[str]:
+    argv = ["--log-level", args.log_level] if args.log_level else []
+    return argv + (["--log-json"] if args.log_json else [])
+
+
+def up_plan(args: argparse.Namespace) -> UpPlan:
+    """What `up` starts, as plain values (the launcher knows nothing of argparse)."""
+    from specserve.launcher import UpPlan
+
+    control = ["--routing", args.routing, "--policy", args.policy, "--hash-algo", args.hash_algo]
+    if args.metrics_port is not None:
+        control += ["--metrics-port", str(args.metrics_port)]
+    return UpPlan(
+        model=args.model,
+        block_size=args.block_size,
+        hash_algo=args.hash_algo,
+        workers=args.workers,
+        port=args.port,
+        redis_url=args.redis_url,
+        control_flags=control,
+        worker_flags=engine_argv(args),
+        log_flags=_log_argv(args),
+        ready_timeout_s=args.ready_timeout,
+    )
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from specserve.launcher import LaunchError, run_up
+
+    _check_model(args.model)
+    plan = up_plan(args)
+    on_ready: Callable[[str], int] | None = None
+    if args.prompt is not None or args.prompt_ids is not None:
+        params = sampling_params(args)  # checked before anything starts
+
+        def on_ready(url: str) -> int:
+            return generate_remote(url, args, params)
+
+    try:
+        return run_up(plan, on_ready)
+    except LaunchError as exc:
+        raise CliError(str(exc)) from None
+
+
+# --- cache -----------------------------------------------------------------------------------
+
+_NAMESPACE_KEY = re.compile(
+    rb"ssi:\{([A-Za-z0-9._/+-]{1,128})\|bs(\d+)\|([A-Za-z0-9_]+)\.([0-9a-f]{8})\}:epochs"
+)
+
+
+def discover_namespaces(client: Redis) -> list[Namespace]:
+    """Every namespace that ever registered a worker (`<ns>:epochs` is kept after death).
+
+    A SCAN: an operator command, never on a request path. Namespaces hashed with a non-default
+    seed cannot be rebuilt from their key and are reported on stderr and skipped.
+    """
+    from specserve.cache_index import Namespace
+    from specserve.cache_index.schema import hash_fingerprint
+    from specserve.shared.hashing import DEFAULT_HASH_SEED
+
+    found: set[Namespace] = set()
+    for key in client.scan_iter(match=b"ssi:{*}:epochs", count=1000):
+        m = _NAMESPACE_KEY.fullmatch(key)
+        if m is None:
+            continue
+        model, block_size, algo, fp = (part.decode() for part in m.groups())
+        if algo not in HASH_ALGOS or fp != hash_fingerprint(algo, DEFAULT_HASH_SEED):
+            print(f"note: skipping {key.decode()}: unknown hash seed", file=sys.stderr)
+            continue
+        found.add(Namespace(model, int(block_size), algo))
+    return sorted(found, key=lambda ns: ns.base)
+
+
+def _cache_namespaces(client: Redis, args: argparse.Namespace) -> list[Namespace]:
+    from specserve.cache_index import Namespace
+    from specserve.control.server import index_model_name
+
+    if args.model is not None:
+        return [Namespace(index_model_name(args.model), args.block_size, args.hash_algo)]
+    return discover_namespaces(client)
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    import redis
+
+    from specserve.cache_index import CacheIndexError, connect
+
+    view = {"stats": _stats_view, "workers": _workers_view, "lookup": _lookup_view}[args.view]
+    client = connect(args.redis_url, socket_timeout=5.0, connect_timeout=2.0)
+    try:
+        namespaces = _cache_namespaces(client, args)
+        reports = [view(client, ns, args) for ns in namespaces]
+    except (CacheIndexError, redis.RedisError) as exc:
+        raise CliError(f"redis at {args.redis_url}: {exc}") from None
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(reports[0] if args.model is not None else reports))
+    elif not reports:
+        print(f"no specserve index in {args.redis_url}", file=sys.stderr)
+    else:
+        print("\n\n".join(_render(args.view, report) for report in reports))
+    return 0
+
+
+def _stats_view(client: Redis, ns: Namespace, args: argparse.Namespace) -> dict:
+    import msgspec
+
+    from specserve.cache_index import stats
+
+    return msgspec.to_builtins(stats(client, ns))
+
+
+def _workers_view(client: Redis, ns: Namespace, args: argparse.Namespace) -> dict:
+    import msgspec
+
+    from specserve.cache_index.inspection import workers
+
+    return {"namespace": ns.base.decode(), "workers": msgspec.to_builtins(workers(client, ns))}
+
+
+def _lookup_view(client: Redis, ns: Namespace, args: argparse.Namespace) -> dict:
+    import msgspec
+
+    from specserve.cache_index import lookup_prompt_blocks
+
+    model = args.model if args.model is not None else ns.model  # the path, not its index name
+    found = lookup_prompt_blocks(client, ns, _lookup_tokens(args, model))
+    return {"namespace": ns.base.decode(), **msgspec.to_builtins(found)}
+
+
+def _lookup_tokens(args: argparse.Namespace, model: str) -> list[int]:
+    """The prompt's token ids, tokenized as the control plane would for `model`."""
+    if args.prompt_ids is not None:
+        return args.prompt_ids
+    from specserve.shared.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    if tokenizer is None:
+        raise CliError(f"model {model!r} has no tokenizer: pass --prompt-ids")
+    if not args.chat:
+        return tokenizer.encode(args.prompt)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": args.prompt}], add_generation_prompt=True
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+# --- cache: readable output ------------------------------------------------------------------
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """Left-aligned columns, two spaces apart."""
+    cells = [[str(c) for c in headers], *([str(c) for c in row] for row in rows)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
+    )
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _render(view: str, report: dict) -> str:
+    body = {"stats": _render_stats, "workers": _render_workers, "lookup": _render_lookup}[view]
+    return f"{report['namespace']}\n{body(report)}"
+
+
+def _render_stats(s: dict) -> str:
+    summary = table(
+        ["live workers", "live entries", "fenced epochs", "fenced entries", "block keys <=",
+         "registry keys", "db keys"],
+        [[s["live_workers"], s["live_entries"], s["fenced_epochs"], s["fenced_entries"],
+          s["block_keys_upper_bound"], s["registry_keys"], s["db_keys"]]],
+    )  # fmt: skip
+    rows = [[w["worker_id"], w["epoch"], _yes(w["live"]), w["blocks"]] for w in s["workers"]]
+    return f"{summary}\n\n{table(['worker', 'epoch', 'live', 'blocks'], rows)}"
+
+
+def _ms_time(ms: int | None) -> str:
+    if not ms:
+        return "-"
+    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _render_workers(report: dict) -> str:
+    rows = [
+        [w["worker_id"], w["epoch"], _yes(w["live"]), w["state"],
+         f"{w['heartbeat_age_ms'] / 1000:.1f}s", _ms_time(w["registered_ms"]),
+         json.dumps(w["info"], separators=(",", ":"))]
+        for w in report["workers"]
+    ]  # fmt: skip
+    headers = ["worker", "epoch", "live", "state", "heartbeat age", "registered (UTC)", "info"]
+    return table(headers, rows)
+
+
+def _render_lookup(r: dict) -> str:
+    head = (
+        f"tokens {r['num_tokens']}, full blocks {r['num_full_blocks']}, "
+        f"best worker {r['best_worker'] or '-'}"
+    )
+    rows = [[w, n, r["usable_blocks"][w]] for w, n in sorted(r["matched_blocks"].items())]
+    hashes = "\n".join(f"  {i:>4}  {h}" for i, h in enumerate(r["block_hashes"]))
+    parts = [head, table(["worker", "matched blocks", "usable blocks"], rows)]
+    return "\n\n".join([*parts, f"block hashes:\n{hashes}"] if hashes else parts)
+
+
+# --- entry point -----------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """In a child of `specserve up`: exit when the launcher dies, even by SIGKILL (Linux)."""
+    parent = os.environ.get("SPECSERVE_PARENT_PID")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if str(os.getppid()) != parent:  # the launcher died before prctl took effect
+        sys.exit(1)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_level, args.log_json or None)
+    _die_with_parent()
     try:
-        return cmd_generate(args)
-    except ValueError as exc:  # bad input: a clear message, no traceback
+        configure_logging(args.log_level, args.log_json or None)
+        return args.func(args)
+    except (CliError, ValueError) as exc:  # bad input: a clear message, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import redis
-from index_testing import RedisServer, RoundTrips, drop_namespace, new_namespace
+from index_testing import RoundTrips, drop_namespace, local_redis, new_namespace
 
 from specserve.cache_index import Namespace, connect
+from specserve.cache_index.local_server import LocalRedis
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +24,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if url:
         yield url
         return
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    server = local_redis(tmp_path_factory.mktemp("redis")).start()
     try:
         yield server.url
     finally:
@@ -50,9 +51,9 @@ def ns(session_client: redis.Redis) -> Iterator[Namespace]:
 
 
 @pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
+def private_redis(tmp_path: Path) -> Iterator[LocalRedis]:
     """A second, disposable server for tests that stop Redis on purpose."""
-    server = RedisServer(tmp_path).start()
+    server = local_redis(tmp_path).start()
     yield server
     server.stop()
 

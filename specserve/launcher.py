@@ -1,0 +1,310 @@
+"""`specserve up`: a whole local service (Redis, a control plane, N workers) from one command.
+
+Every part runs as its own process, exactly as it would across machines, so `up` exercises the
+real wire protocol. Children get their own session (Ctrl-C reaches only the launcher, which then
+stops them in order) and die with the launcher even if it is killed (see `cli._die_with_parent`).
+Their output is merged into the launcher's stderr, each line prefixed with the child's name.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import IO
+
+from redis import Redis
+
+from specserve.cache_index import CacheIndexError, Namespace, connect, list_workers
+from specserve.cache_index.local_server import LocalRedis, RedisNotFound
+
+STOP_GRACE_S = 10.0
+POLL_INTERVAL_S = 0.2
+PROGRESS_EVERY_S = 15.0
+
+_stderr_lock = threading.Lock()
+
+
+class LaunchError(RuntimeError):
+    """The service could not be started (or died while starting); everything was stopped."""
+
+
+@dataclass(frozen=True)
+class UpPlan:
+    """What to start: plain values, so the launcher does not depend on the command line."""
+
+    model: str
+    block_size: int
+    hash_algo: str
+    workers: int
+    port: int
+    redis_url: str | None = None
+    control_flags: list[str] = field(default_factory=list)  # routing, policy, metrics...
+    worker_flags: list[str] = field(default_factory=list)  # engine flags, for every worker
+    log_flags: list[str] = field(default_factory=list)  # global flags for every child
+    ready_timeout_s: float = 300.0
+
+    @property
+    def url(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+    @property
+    def namespace(self) -> Namespace:
+        """Where the control plane registers the workers (named after `--model`)."""
+        from specserve.control.server import index_model_name
+
+        return Namespace(index_model_name(self.model), self.block_size, self.hash_algo)
+
+    def worker_ids(self) -> list[str]:
+        return [f"worker-{i}" for i in range(self.workers)]
+
+
+def say(line: str, name: str = "up") -> None:
+    """One progress line on stderr, prefixed like the children's lines."""
+    with _stderr_lock:
+        sys.stderr.write(f"[{name}] {line}\n")
+        sys.stderr.flush()
+
+
+def _pump(name: str, stream: IO[bytes]) -> None:
+    """Copy a child's output to our stderr line by line, prefixed with its name."""
+    prefix = f"[{name}] ".encode()
+    out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
+    for line in iter(stream.readline, b""):
+        with _stderr_lock:
+            if out is not None:
+                out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+                out.flush()
+            else:
+                sys.stderr.write(f"[{name}] {line.decode(errors='replace').rstrip()}\n")
+    stream.close()
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    pump: threading.Thread
+
+
+class Cluster:
+    """The processes of one local service, and their orderly shutdown."""
+
+    def __init__(self, plan: UpPlan) -> None:
+        self.plan = plan
+        self.children: list[Child] = []
+        self.redis: LocalRedis | None = None
+        self.redis_url = plan.redis_url or ""
+
+    # --- starting ------------------------------------------------------------------------
+
+    def start_redis(self) -> None:
+        """A private Redis unless the plan names one."""
+        if self.plan.redis_url is None:
+            try:
+                self.redis = LocalRedis(die_with_parent=True).start()
+            except RedisNotFound as exc:
+                raise LaunchError(f"{exc}, or pass --redis-url") from None
+            except RuntimeError as exc:
+                raise LaunchError(f"could not start a private Redis: {exc}") from None
+            self.redis_url = self.redis.url
+            say(f"started Redis at {self.redis_url} (pid {self.redis.proc.pid})")
+
+    def start_processes(self) -> None:
+        """The control plane, then the workers (which retry until the control plane answers)."""
+        plan = self.plan
+        control = ["control", "--bind", plan.url, "--redis-url", self.redis_url]
+        self.spawn("control", [*control, "--model", plan.model, *plan.control_flags])
+        for worker_id in plan.worker_ids():
+            worker = ["worker", "--control", plan.url, "--worker-id", worker_id]
+            self.spawn(worker_id, [*worker, *plan.worker_flags])
+
+    def spawn(self, name: str, argv: list[str]) -> Child:
+        cmd = [sys.executable, "-m", "specserve.cli", *self.plan.log_flags, *argv]
+        env = {**os.environ, "SPECSERVE_PARENT_PID": str(os.getpid())}
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        pump = threading.Thread(target=_pump, args=(name, proc.stdout), daemon=True)
+        pump.start()
+        child = Child(name, proc, pump)
+        self.children.append(child)
+        say(f"started {name} (pid {proc.pid})")
+        return child
+
+    # --- watching ------------------------------------------------------------------------
+
+    def check_children(self) -> None:
+        """Raise LaunchError naming the first child that has exited."""
+        for child in self.children:
+            code = child.proc.poll()
+            if code is not None:
+                raise LaunchError(
+                    f"{child.name} exited with status {code}; its log is above (prefixed "
+                    f"[{child.name}])"
+                )
+
+    def live_workers(self, client: Redis, since_ms: int) -> set[str]:
+        """Our workers that the control plane registered as live after `since_ms` (server clock).
+
+        The time bound ignores records left in a shared Redis by an earlier run.
+        """
+        ours = set(self.plan.worker_ids())
+        try:
+            records = list_workers(client, self.plan.namespace)
+        except CacheIndexError:
+            return set()  # Redis hiccup: ask again on the next poll
+        return {
+            r.worker_id
+            for r in records
+            if r.live and r.worker_id in ours and r.registered_ms >= since_ms
+        }
+
+    def wait_ready(self, since_ms: int) -> None:
+        plan = self.plan
+        client = connect(self.redis_url)
+        start = time.monotonic()
+        last_count, last_said = -1, start
+        try:
+            while True:
+                self.check_children()
+                live = len(self.live_workers(client, since_ms))
+                if live >= plan.workers:
+                    return
+                now = time.monotonic()
+                if live != last_count or now - last_said >= PROGRESS_EVERY_S:
+                    say(f"waiting for workers: {live}/{plan.workers} live ({now - start:.0f} s)")
+                    last_count, last_said = live, now
+                if now - start > plan.ready_timeout_s:
+                    raise LaunchError(
+                        f"only {live} of {plan.workers} workers were live after "
+                        f"{plan.ready_timeout_s:.0f} s (raise --ready-timeout for large models)"
+                    )
+                time.sleep(POLL_INTERVAL_S)
+        finally:
+            client.close()
+
+    def serve_forever(self) -> int:
+        """Until a signal arrives (KeyboardInterrupt) or a child dies (then 1)."""
+        while True:
+            try:
+                self.check_children()
+            except LaunchError as exc:
+                print(f"error: {exc}; stopping", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+
+    # --- stopping ------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """SIGTERM every child (workers first), SIGKILL what is left after 10 s, stop Redis."""
+        for child in reversed(self.children):
+            if child.proc.poll() is None:
+                child.proc.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in reversed(self.children):
+            try:
+                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                say(f"{child.name} did not stop within {STOP_GRACE_S:.0f} s: killing it")
+                child.proc.kill()
+                child.proc.wait()
+        for child in self.children:
+            child.pump.join(timeout=2.0)
+        if self.redis is not None:
+            self.redis.close()
+            self.redis = None
+
+
+def _check_port_free(port: int) -> None:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            raise LaunchError(f"port {port} is in use: pick another with --port") from None
+
+
+def _check_redis(url: str) -> int:
+    """Redis's clock in ms, which also proves it answers."""
+    client = connect(url, socket_timeout=2.0, connect_timeout=2.0)
+    try:
+        sec, usec = client.time()
+    except Exception as exc:  # any failure here means: not a reachable Redis
+        raise LaunchError(f"cannot reach Redis at {url}: {exc}") from None
+    finally:
+        client.close()
+    return sec * 1000 + usec // 1000
+
+
+@contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """SIGTERM stops `up` the way Ctrl-C does (as KeyboardInterrupt), in the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """A second Ctrl-C must not cut the shutdown short and leave orphans (it is bounded)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _say_serving(plan: UpPlan, redis_url: str) -> None:
+    workers = f"{plan.workers} worker{'s' if plan.workers != 1 else ''}"
+    line = f"specserve is serving {plan.model} at {plan.url} ({workers}, redis {redis_url})"
+    with _stderr_lock:
+        print(line, file=sys.stderr, flush=True)
+
+
+def run_up(plan: UpPlan, on_ready: Callable[[str], int] | None = None) -> int:
+    """Start the service, then answer `on_ready(url)` (and stop) or serve until interrupted."""
+    plan.namespace  # noqa: B018 - validate the model name etc. before starting anything
+    _check_port_free(plan.port)
+    cluster = Cluster(plan)
+    with _signals_interrupt():
+        try:
+            cluster.start_redis()
+            since_ms = _check_redis(cluster.redis_url)  # before any worker can register
+            cluster.start_processes()
+            cluster.wait_ready(since_ms)
+            _say_serving(plan, cluster.redis_url)
+            if on_ready is not None:
+                return on_ready(plan.url)
+            return cluster.serve_forever()
+        except KeyboardInterrupt:
+            say("interrupted: stopping")
+            return 0 if on_ready is None else 130
+        finally:
+            with _signals_ignored():
+                cluster.shutdown()
+            say("stopped")
