@@ -26,7 +26,13 @@ from specserve.worker.attention.base import SequenceStep
 from specserve.worker.kv_cache import PagedKVCache
 from specserve.worker.models import DecoderModel
 from specserve.worker.rejection_sampler import rejection_sample
-from specserve.worker.sampler import SamplerOutput, make_generator, sample, token_logprobs
+from specserve.worker.sampler import (
+    SamplerOutput,
+    make_generator,
+    reseed_for_position,
+    sample,
+    token_logprobs,
+)
 from specserve.worker.speculators import DraftInput, Speculator
 
 
@@ -238,6 +244,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         params = [s.sampling for s in sampling]
         generators = [s.generator for s in sampling]
+        for state in sampling:
+            if state.generator is not None:
+                assert state.sampling.seed is not None
+                num_output = len(state.token_ids) - state.num_prompt_tokens
+                reseed_for_position(state.generator, state.sampling.seed, num_output)
         if not any(drafts):
             out = sample(logits, params, generators)
             token_ids = out.token_ids.tolist()

@@ -62,6 +62,19 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
     return generator
 
 
+def reseed_for_position(generator: torch.Generator, seed: int, num_output_tokens: int) -> None:
+    """Seed a request's draws for the step that samples its output token `num_output_tokens`.
+
+    Keying the stream on (seed, position) rather than letting one generator run on makes a
+    seeded request's tokens independent of where it was preempted, or of a resumption on another
+    worker from the tokens it had so far: the draws at each position are the same either way.
+    """
+    x = (seed + (num_output_tokens + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF  # splitmix64 finaliser
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    generator.manual_seed((x ^ (x >> 31)) & 0x7FFFFFFFFFFFFFFF)
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingLike],
