@@ -4,7 +4,9 @@ back into the outputs a client receives (incremental text, first-output metadata
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+
+import msgspec
 
 from specserve.shared.protocol import (
     PROTOCOL_VERSION,
@@ -89,7 +91,7 @@ class Frontend:
         if sampling.ignore_eos or len(eos_token_ids) <= 1:
             return sampling
         extra = tuple(t for t in eos_token_ids[1:] if t not in sampling.stop_token_ids)
-        return replace(sampling, stop_token_ids=sampling.stop_token_ids + extra)
+        return msgspec.structs.replace(sampling, stop_token_ids=sampling.stop_token_ids + extra)
 
     def text_delta(self, req: ClientRequest, final: bool) -> str | None:
         """Text completed by the newest tokens (held back while a character is incomplete)."""

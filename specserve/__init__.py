@@ -5,10 +5,11 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from specserve.client import AsyncClient, Client
     from specserve.llm import LLM
     from specserve.shared.protocol import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "AsyncClient", "Client", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -17,6 +18,10 @@ def __getattr__(name: str):
         from specserve.llm import LLM
 
         return LLM
+    if name in ("Client", "AsyncClient"):
+        from specserve import client
+
+        return getattr(client, name)
     if name == "SamplingParams":
         from specserve.shared.protocol import SamplingParams
 

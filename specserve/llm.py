@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
+from specserve.control.frontend import Frontend
 from specserve.control.request import Request, SpecDecodingStats
 from specserve.engine import EngineArgs, InProcessEngine
 from specserve.shared.protocol import SamplingParams, TokenLogprobs
@@ -67,9 +68,7 @@ class LLM:
         for prompt, sampling in zip(prompts, params, strict=True):
             token_ids = self.encode_prompt(prompt, chat)
             request_id = f"llm-{next(self._ids)}"
-            if not sampling.ignore_eos and len(eos) > 1:  # every EOS id stops, not just the first
-                extra = tuple(t for t in eos[1:] if t not in sampling.stop_token_ids)
-                sampling = replace(sampling, stop_token_ids=sampling.stop_token_ids + extra)
+            sampling = Frontend.with_stop_ids(sampling, eos)
             engine.add_request(
                 Request(request_id, token_ids, sampling, eos_token_id=eos[0] if eos else None)
             )

@@ -9,14 +9,17 @@ import asyncio
 import re
 import signal
 import time
+import urllib.request
 
 import msgspec
 import pytest
 import zmq
-from service_harness import Service, hf_greedy
+from service_harness import WORKER_ENGINE, Service, hf_greedy
 
 from specserve.cache_index import IndexReader, connect, list_workers
+from specserve.cache_index.local_server import LocalRedis, free_port
 from specserve.client import AsyncClient, Client, RequestFailed
+from specserve.llm import LLM
 from specserve.shared import protocol
 from specserve.shared.hashing import BlockHasher, extend_block_hashes
 from specserve.shared.protocol import PROTOCOL_VERSION, GenerateRequest, SamplingParams
@@ -97,13 +100,18 @@ def test_kill_9_worker_mid_stream_loses_and_repeats_nothing(service: Service, ll
     victim = service.start_worker("w1", max_num_seqs=2)
     service.wait_workers({"w0", "w1"})
     prompts = shared_prefix_prompts(groups=4, per_group=8, prefix_len=12)
-    params = greedy(40)
+    # Even requests are greedy; odd ones sample with a seed (draws are keyed by output position,
+    # so a resumed request continues exactly as an uninterrupted one).
+    params = [
+        greedy(40) if i % 2 == 0 else SamplingParams(max_tokens=40, seed=100 + i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     streamed: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     workers_seen: dict[int, list[str]] = {i: [] for i in range(len(prompts))}
     killed: list[float] = []
 
     async def consume(client: AsyncClient, i: int) -> None:
-        async for out in client.stream(prompts[i], params):
+        async for out in client.stream(prompts[i], params[i]):
             streamed[i].extend(out.token_ids)
             if out.worker_id:
                 workers_seen[i].append(out.worker_id)
@@ -125,8 +133,11 @@ def test_kill_9_worker_mid_stream_loses_and_repeats_nothing(service: Service, ll
     moved = [i for i, seen in workers_seen.items() if seen == ["w1", "w0"]]
     assert moved and resumed >= len(moved)
     assert all(seen in (["w0"], ["w1"], ["w1", "w0"]) for seen in workers_seen.values())
+    uninterrupted = LLM(str(llama_ckpt.path), **WORKER_ENGINE).generate(prompts, params)
     for i, prompt in enumerate(prompts):
-        assert streamed[i] == hf_greedy(llama_ckpt.hf_model, prompt, 40), i
+        assert streamed[i] == uninterrupted[i].token_ids, i
+        if i % 2 == 0:
+            assert streamed[i] == hf_greedy(llama_ckpt.hf_model, prompt, 40), i
 
     # The dead worker's entries stopped counting: lookups and the registry no longer see it.
     client = connect(service.redis_url)
@@ -244,3 +255,51 @@ def test_bad_input_gets_clear_errors_and_harms_no_one(service: Service, llama_ck
     with pytest.raises(RequestFailed, match="at most 255"), Client(url, timeout=30) as client:
         client.generate([1] * 400, greedy(1))
     assert service.workers["w0"].poll() is None  # nothing took the worker down
+
+
+def test_redis_outage_keeps_serving_then_resyncs_and_metrics_are_scraped(
+    llama_ckpt, tmp_path
+) -> None:
+    (tmp_path / "redis").mkdir()
+    redis_server = LocalRedis(tmp_path / "redis").start()  # restartable on the same port
+    metrics_port = free_port()
+    service = Service(str(llama_ckpt.path), redis_server.url, tmp_path, metrics_port=metrics_port)
+    try:
+        plane = service.start_control()
+        service.start_worker("w0")
+        service.start_worker("w1")
+        service.wait_workers({"w0", "w1"})
+        prompts = shared_prefix_prompts(groups=2, per_group=3, prefix_len=16)
+        with Client(service.url, timeout=60) as client:
+            home = {i: client.generate(prompts[i], greedy(4)).worker_id for i in (0, 3)}
+            assert set(home.values()) == {"w0", "w1"}
+            redis_server.stop()
+            outs = [client.generate(p, greedy(4)) for p in prompts]
+        assert not plane.index.up
+        for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
+            assert out.token_ids == hf_greedy(llama_ckpt.hf_model, prompt, 4)
+            # Local routing from the control plane's own pools still finds the prefix.
+            assert out.worker_id == home[i // 3 * 3]
+            assert out.num_cached_tokens >= 16  # the system prompt (or all of a repeat)
+
+        redis_server.start()  # empty: no registry, no entries
+        deadline = time.monotonic() + 15
+        client = connect(redis_server.url)
+        ns = plane.workers["w0"].namespace
+        while not (plane.index.up and len(list_workers(client, ns)) == 2):
+            assert time.monotonic() < deadline, "the index was not rebuilt after Redis returned"
+            time.sleep(0.1)
+        reader = IndexReader(client, ns)
+        for i in (0, 3):
+            hashes: list = []
+            extend_block_hashes(BlockHasher(), hashes, prompts[i], BLOCK)
+            assert reader.longest_prefix(hashes)[home[i]] == len(prompts[i]) // BLOCK
+
+        body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
+        assert 'specserve_requests_total{reason="length"} 8.0' in body
+        assert 'specserve_worker_up{worker="w0"} 1.0' in body
+        assert "specserve_time_to_first_token_seconds_count 8.0" in body
+        assert re.search(r'specserve_index_errors_total\{op="\w+"\} [1-9]', body)
+    finally:
+        service.close()
+        redis_server.close()
