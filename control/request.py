@@ -42,27 +42,37 @@ class SpecDecodingStats:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
+    # accepted_counts[a]: draft rounds that accepted exactly `a` drafts. A histogram keeps
+    # `observe` O(1) on the per-request hot path; per-position rates are derived from it.
+    accepted_counts: list[int] = field(default_factory=list)
 
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
-        per_position = self.accepted_per_position
-        if len(per_position) < num_draft_tokens:
-            per_position.extend([0] * (num_draft_tokens - len(per_position)))
-        for i in range(num_accepted):
-            per_position[i] += 1
+        counts = self.accepted_counts
+        if len(counts) <= num_draft_tokens:
+            counts.extend([0] * (num_draft_tokens + 1 - len(counts)))
+        counts[num_accepted] += 1
 
     def merge(self, other: SpecDecodingStats) -> None:
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
-        per_position = self.accepted_per_position
-        if len(per_position) < len(other.accepted_per_position):
-            per_position.extend([0] * (len(other.accepted_per_position) - len(per_position)))
-        for i, n in enumerate(other.accepted_per_position):
-            per_position[i] += n
+        counts = self.accepted_counts
+        if len(counts) < len(other.accepted_counts):
+            counts.extend([0] * (len(other.accepted_counts) - len(counts)))
+        for a, n in enumerate(other.accepted_counts):
+            counts[a] += n
+
+    @property
+    def accepted_per_position(self) -> list[int]:
+        """Draft rounds whose draft at position i was accepted (every draft before it was too)."""
+        out, total = [], 0
+        for n in reversed(self.accepted_counts[1:]):
+            total += n
+            out.append(total)
+        return out[::-1]
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -22,7 +22,7 @@ import signal
 import threading
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import structlog
@@ -73,6 +73,8 @@ INDEX_HEARTBEAT_S = 1.0
 INDEX_RETRY_S = 1.0
 JANITOR_S = 2.0
 HEARTBEAT_SUFFIX = b"#hb"
+ROUTED_HINT_S = 2.0  # a routed prefix is scheduled (and in the index) well within this
+ROUTED_HINT_MAX = 16_384  # block hashes remembered per worker
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,27 @@ class WorkerHandle:
     steps: int = 0
     last_index_heartbeat: float = 0.0
     reregister_sent_at: float = 0.0
+    # Prefix blocks of requests just routed here, before the scheduler caches them (and the
+    # index learns them): block hash -> expiry. Without it, a burst of requests sharing a cold
+    # prefix would scatter over the workers before the first one is scheduled.
+    routed: OrderedDict[BlockHash, float] = field(default_factory=OrderedDict)
+
+    def remember_routed(self, hashes: list[BlockHash], now: float) -> None:
+        routed = self.routed
+        for block_hash in hashes:
+            routed[block_hash] = now + ROUTED_HINT_S
+            routed.move_to_end(block_hash)
+        while len(routed) > ROUTED_HINT_MAX:
+            routed.popitem(last=False)
+
+    def routed_prefix(self, hashes: list[BlockHash], now: float) -> int:
+        n = 0
+        for block_hash in hashes:
+            expiry = self.routed.get(block_hash)
+            if expiry is None or expiry < now:
+                break
+            n += 1
+        return n
 
     @property
     def worker_id(self) -> str:
@@ -323,7 +346,11 @@ class ControlPlane:
 
     def _dispatch(self, worker: WorkerHandle) -> None:
         scheduler = worker.scheduler
-        if worker.outstanding is not None or not scheduler.has_unfinished_requests:
+        if worker.outstanding is not None:
+            return
+        # Turnaround counts only a batch that follows its result at once, not idle time.
+        result_at, worker.result_at = worker.result_at, None
+        if not scheduler.has_unfinished_requests:
             return
         step = scheduler.schedule()
         self._index_write(worker)
@@ -335,9 +362,8 @@ class ControlPlane:
             return
         worker.outstanding = step
         worker.steps += 1
-        if worker.result_at is not None:
-            self.metrics.step_gap.observe(time.monotonic() - worker.result_at)
-            worker.result_at = None
+        if result_at is not None:
+            self.metrics.step_gap.observe(time.monotonic() - result_at)
 
     def _remove_worker(self, worker: WorkerHandle, reason: str) -> None:
         """Drop a dead (or replaced) worker and resume its requests elsewhere."""
@@ -458,6 +484,7 @@ class ControlPlane:
             self._reject(req.client, req.request_id, str(exc))
             return
         req.worker_id = worker.worker_id
+        worker.remember_routed(hashes[worker.namespace], time.monotonic())
         if req.num_resumptions == 0:
             req.num_cached_tokens = decision.cached_tokens
             self.metrics.prompt_tokens.inc(len(token_ids))
@@ -502,7 +529,8 @@ class ControlPlane:
     def _cached_tokens(
         self, hashes: dict[Namespace, list[BlockHash]], num_tokens: int
     ) -> dict[str, int]:
-        """Per worker, prompt tokens it caches: from the index, else from our own pools."""
+        """Per worker, prompt tokens it caches: from the index (else from our own pools), or
+        will cache once the requests just routed to it are scheduled."""
         blocks: dict[str, int] = {}
         if self.index.up and self.index.client is not None:
             for ns, ns_hashes in hashes.items():
@@ -525,6 +553,12 @@ class ControlPlane:
                         break
                     n += 1
                 blocks[worker.worker_id] = n
+        now = time.monotonic()
+        for worker in self.workers.values():
+            if worker.routed:
+                pending = worker.routed_prefix(hashes[worker.namespace], now)
+                if pending > blocks.get(worker.worker_id, 0):
+                    blocks[worker.worker_id] = pending
         cap = num_tokens - 1  # the last token is always recomputed
         return {
             wid: min(n * self.workers[wid].namespace.block_size, cap)

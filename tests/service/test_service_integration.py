@@ -93,6 +93,12 @@ def test_shared_prefix_requests_match_transformers_and_land_on_their_prefix(
         extend_block_hashes(BlockHasher(), hashes, list(system), BLOCK)
         assert reader.longest_prefix(hashes)[worker_id] == 6
 
+    # A burst sharing a prefix nobody caches yet stays together: the router remembers where it
+    # sent the first one before the scheduler (and the index) has seen it.
+    cold = [[240 - i for i in range(24)] + [u + 1, u + 2, u + 3] for u in range(8)]
+    burst = asyncio.run(generate_all(service.url, cold, params))
+    assert len({out.worker_id for out in burst}) == 1
+
 
 def test_kill_9_worker_mid_stream_loses_and_repeats_nothing(service: Service, llama_ckpt) -> None:
     plane = service.start_control()
