@@ -4,11 +4,10 @@ Hugging Face format by transformers (the oracle's weights)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
+from model_checkpoints import Checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,12 +27,6 @@ COMMON = dict(
     eos_token_id=None,
     pad_token_id=None,
 )
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    path: Path
-    hf_model: torch.nn.Module  # float32, eval mode
 
 
 def _save(

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import Checkpoint
+from model_checkpoints import Checkpoint
 from paged_driver import PagedDriver
 from safetensors.torch import load_file, save_file
 

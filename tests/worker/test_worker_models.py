@@ -12,8 +12,8 @@ import copy
 
 import pytest
 import torch
-from conftest import Checkpoint
 from hf_reference import hf_greedy, prompts
+from model_checkpoints import Checkpoint
 from paged_driver import PagedDriver
 
 from specserve.worker.attention.base import SequenceStep
