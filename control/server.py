@@ -73,6 +73,7 @@ INDEX_HEARTBEAT_S = 1.0
 INDEX_RETRY_S = 1.0
 JANITOR_S = 2.0
 HEARTBEAT_SUFFIX = b"#hb"
+MAX_MESSAGE_BYTES = 64 << 20
 ROUTED_HINT_S = 2.0  # a routed prefix is scheduled (and in the index) well within this
 ROUTED_HINT_MAX = 16_384  # block hashes remembered per worker
 
@@ -84,6 +85,7 @@ class ControlArgs:
     model: str = "smollm2-135m"  # the served model: its tokenizer, and what workers must load
     routing: str = "prefix"  # prefix | round-robin
     heartbeat_timeout_s: float = 3.0
+    step_timeout_s: float = 120.0  # a worker that owes a step result this long is removed
     metrics_port: int | None = None
     policy: str = "fcfs"  # fcfs | priority
     hash_algo: str = "sha256"  # sha256 | xxh3_128
@@ -99,6 +101,7 @@ class WorkerHandle:
     writer: IndexWriter | None = None
     epoch: int = -1
     outstanding: ScheduledStep | None = None
+    sent_at: float = 0.0  # when `outstanding` left
     result_at: float | None = None
     steps: int = 0
     last_index_heartbeat: float = 0.0
@@ -163,8 +166,8 @@ class ControlPlane:
         self.args = args
         self.policy = SchedulingPolicy(args.policy)
         self.router = Router(Routing(args.routing), args.load_weight)
-        if args.heartbeat_timeout_s <= 0:
-            raise ValueError("heartbeat_timeout_s must be > 0")
+        if args.heartbeat_timeout_s <= 0 or args.step_timeout_s <= 0:
+            raise ValueError("heartbeat_timeout_s and step_timeout_s must be > 0")
         self.frontend = Frontend(load_tokenizer(args.model))
         self.session = uuid.uuid4().hex[:16]
         self.metrics = ServiceMetrics()
@@ -185,6 +188,7 @@ class ControlPlane:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # a larger frame drops its peer
         self.endpoint = self._bind(args.bind)
         if args.metrics_port is not None:
             self.metrics.serve(args.metrics_port)
@@ -361,6 +365,7 @@ class ControlPlane:
             self._remove_worker(worker, "unreachable")
             return
         worker.outstanding = step
+        worker.sent_at = time.monotonic()
         worker.steps += 1
         if result_at is not None:
             self.metrics.step_gap.observe(time.monotonic() - result_at)
@@ -720,10 +725,13 @@ class ControlPlane:
     # --- periodic work ----------------------------------------------------------------------
 
     def _tick(self, now: float) -> None:
-        timeout = self.args.heartbeat_timeout_s
+        timeout, step_timeout = self.args.heartbeat_timeout_s, self.args.step_timeout_s
         for worker in list(self.workers.values()):
             if now - worker.last_seen > timeout:
                 self._remove_worker(worker, f"no heartbeat for {now - worker.last_seen:.1f}s")
+            elif worker.outstanding is not None and now - worker.sent_at > step_timeout:
+                # Alive (it heartbeats) but stuck, e.g. a hung device: its requests move on.
+                self._remove_worker(worker, f"no step result for {now - worker.sent_at:.0f}s")
         self._index_tick(now)
         for worker in self.workers.values():
             s = worker.scheduler

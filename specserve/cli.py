@@ -231,6 +231,12 @@ def _add_control(sub: argparse._SubParsersAction) -> None:
         default=3.0,
         help="seconds without a heartbeat before a worker counts as dead",
     )
+    ctl.add_argument(
+        "--step-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a worker may take for one step before its requests move elsewhere",
+    )
     _add_routing_args(ctl)
     ctl.set_defaults(func=cmd_control)
 
@@ -455,6 +461,7 @@ def control_args(args: argparse.Namespace) -> ControlArgs:
         model=args.model,
         routing=args.routing,
         heartbeat_timeout_s=args.heartbeat_timeout,
+        step_timeout_s=args.step_timeout,
         metrics_port=args.metrics_port,
         policy=args.policy,
         hash_algo=args.hash_algo,

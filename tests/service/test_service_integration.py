@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
+import threading
 import time
 import urllib.request
 
@@ -23,6 +24,7 @@ from specserve.llm import LLM
 from specserve.shared import protocol
 from specserve.shared.hashing import BlockHasher, extend_block_hashes
 from specserve.shared.protocol import PROTOCOL_VERSION, GenerateRequest, SamplingParams
+from specserve.worker.engine import EngineArgs, WorkerEngine
 
 BLOCK = 4
 
@@ -309,3 +311,51 @@ def test_redis_outage_keeps_serving_then_resyncs_and_metrics_are_scraped(
     finally:
         service.close()
         redis_server.close()
+
+
+def test_a_stuck_worker_is_removed_and_its_request_resumes(llama_ckpt, service_redis_url, tmp_path):
+    """A worker that heartbeats but never returns its step (a hung device; played here by a
+    scripted peer on a real socket) loses its requests to a healthy worker."""
+    service = Service(str(llama_ckpt.path), service_redis_url, tmp_path, step_timeout_s=1.0)
+    stop = threading.Event()
+    ctx = zmq.Context.instance()
+    info = WorkerEngine(EngineArgs(model=str(llama_ckpt.path), **WORKER_ENGINE)).info("stuck")
+    try:
+        plane = service.start_control()
+        stuck = ctx.socket(zmq.DEALER)
+        stuck.setsockopt(zmq.IDENTITY, b"stuck")
+        stuck.setsockopt(zmq.LINGER, 0)
+        stuck.connect(service.url)
+        stuck.send(protocol.encode(protocol.Register(PROTOCOL_VERSION, info)))
+        assert stuck.poll(10_000)
+        welcome = protocol.decode(stuck.recv())
+        assert isinstance(welcome, protocol.Welcome)
+
+        def beat() -> None:
+            hb = ctx.socket(zmq.DEALER)
+            hb.setsockopt(zmq.IDENTITY, b"stuck#hb")
+            hb.setsockopt(zmq.LINGER, 0)
+            hb.connect(service.url)
+            while not stop.wait(0.2):
+                hb.send(
+                    protocol.encode(protocol.Heartbeat(PROTOCOL_VERSION, "stuck", welcome.session))
+                )
+            hb.close()
+
+        threading.Thread(target=beat, daemon=True).start()
+        with Client(service.url, timeout=60) as client:
+            rid = client.submit([3, 1, 4, 1, 5], greedy(6))
+            assert stuck.poll(10_000)  # the step arrives and is never answered
+            assert isinstance(protocol.decode(stuck.recv()), protocol.StepBatch)
+            deadline = time.monotonic() + 10
+            while "stuck" in plane.workers:
+                assert time.monotonic() < deadline, "the stuck worker was not removed"
+                time.sleep(0.05)
+            service.start_worker("w0")
+            out = client.result(rid)
+        assert out.token_ids == hf_greedy(llama_ckpt.hf_model, [3, 1, 4, 1, 5], 6)
+        assert out.worker_id == "w0"
+        assert plane.metrics.sample("specserve_requests_resumed_total") == 1.0
+    finally:
+        stop.set()
+        service.close()
