@@ -628,7 +628,7 @@ class ControlPlane:
                 stats.num_drafts,
                 stats.num_draft_tokens,
                 stats.num_accepted_tokens,
-                list(stats.accepted_per_position),
+                list(stats.accepted_counts),
             )
         text = self.frontend.text_delta(req, final=True)
         if req.stream:

@@ -237,7 +237,7 @@ class SpecStats(msgspec.Struct, frozen=True, array_like=True):
     num_drafts: int
     num_draft_tokens: int
     num_accepted_tokens: int
-    accepted_per_position: list[int]
+    accepted_counts: list[int]  # [a]: draft rounds that accepted exactly `a` drafts
 
 
 class RequestOutput(msgspec.Struct, frozen=True, tag="output", forbid_unknown_fields=True):

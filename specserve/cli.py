@@ -427,7 +427,9 @@ def completion_json(completion: Any) -> dict:
         "worker_id": completion.worker_id,
     }
     if getattr(completion, "spec", None) is not None:
-        result["spec"] = msgspec.to_builtins(completion.spec)
+        from specserve.control.request import SpecDecodingStats
+
+        result["spec"] = spec_summary(SpecDecodingStats(**msgspec.structs.asdict(completion.spec)))
     return result
 
 

@@ -111,9 +111,7 @@ def output(request_id: str, token_ids: list[int], text: str | None = None, **kw)
 
 
 LOGPROBS = TokenLogprobs(chosen=[-0.5], top_ids=[[108, 7]], top_logprobs=[[-0.5, -1.25]])
-SPEC = SpecStats(
-    num_drafts=2, num_draft_tokens=4, num_accepted_tokens=3, accepted_per_position=[2, 1]
-)
+SPEC = SpecStats(num_drafts=2, num_draft_tokens=4, num_accepted_tokens=3, accepted_counts=[0, 1, 1])
 
 
 def three_outputs(request_id: str) -> list[RequestOutput]:

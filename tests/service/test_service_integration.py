@@ -359,3 +359,19 @@ def test_a_stuck_worker_is_removed_and_its_request_resumes(llama_ckpt, service_r
     finally:
         stop.set()
         service.close()
+
+
+def test_speculative_workers_stay_lossless_and_report_acceptance(service: Service, llama_ckpt):
+    plane = service.start_control()
+    service.start_worker("w0", spec_method="ngram", num_spec_tokens=3)
+    service.wait_workers({"w0"})
+    prompts = [[7, 8, 9, 7, 8, 9, 7, 8, 9, 7], [1, 2, 3, 4, 1, 2, 3, 4, 1]]
+    outs = asyncio.run(generate_all(service.url, prompts, greedy(24)))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == hf_greedy(llama_ckpt.hf_model, prompt, 24)
+    stats = [out.spec for out in outs]
+    assert all(s is not None and s.num_drafts > 0 for s in stats)
+    for s in stats:
+        assert sum(s.accepted_counts) == s.num_drafts
+        assert sum(a * n for a, n in enumerate(s.accepted_counts)) == s.num_accepted_tokens
+    assert plane.metrics.sample("specserve_acceptance_length_count") == 2.0
