@@ -58,7 +58,9 @@ class RequestUpdate:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(
+        self, config: SchedulerConfig, cache_config: CacheConfig, first_step_id: int = 0
+    ) -> None:
         self.config = config
         self.spec = config.spec
         self.kv = KVCacheManager(
@@ -76,7 +78,8 @@ class Scheduler:
         self._running_has_finished = False  # set by _finish; update_from_output compacts
         self._by_handle: dict[int, Request] = {}
         self._next_handle = 0
-        self._step_id = 0
+        self._step_id = first_step_id
+        self._early_updates: list[RequestUpdate] = []
         self._worker_known: set[str] = set()  # requests whose state the worker holds
         self._finished_handles: list[int] = []  # to tell the worker in the next step
 
@@ -86,6 +89,7 @@ class Scheduler:
         info: WorkerInfo,
         policy: SchedulingPolicy = SchedulingPolicy.FCFS,
         hash_algo: str = "sha256",
+        first_step_id: int = 0,
     ) -> Scheduler:
         """The scheduler that drives the worker `info` describes (its blocks, limits, drafter)."""
         spec = SpecConfig(info.spec_method, info.num_spec_tokens, info.drafter_max_model_len)
@@ -102,7 +106,7 @@ class Scheduler:
             enable_prefix_caching=info.enable_prefix_caching,
             hash_algo=hash_algo,
         )
-        return cls(config, cache)
+        return cls(config, cache, first_step_id)
 
     # --- requests in and out ----------------------------------------------------------------
 
@@ -203,6 +207,11 @@ class Scheduler:
                     victim_computed = deltas.pop(victim.request_id).num_computed_tokens
                     self.kv.uncache_uncomputed(victim, victim_computed)
                     spec_tokens.pop(victim.request_id, None)
+                if victim is request and not running:
+                    # Out of blocks with nothing else left to preempt: it can never fit, and
+                    # preempting it would only recompute it into the same wall.
+                    self._fail_unfittable(request)
+                    break
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -308,6 +317,22 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
+    def _fail_unfittable(self, request: Request) -> None:
+        error = (
+            f"request {request.request_id} needs more KV blocks than the whole cache holds "
+            f"({self.kv.pool.num_usable_blocks}) at {request.num_tokens} tokens; lower "
+            "max_tokens or give the worker a larger KV cache"
+        )
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        self._early_updates.append(
+            RequestUpdate(request.request_id, [], True, RequestStatus.FINISHED_ERROR, error=error)
+        )
+
+    def take_early_updates(self) -> list[RequestUpdate]:
+        """Requests that `schedule()` finished itself (they will get no step result)."""
+        updates, self._early_updates = self._early_updates, []
+        return updates
+
     def _preempt(self, request: Request) -> None:
         """Recompute later: free the blocks (they stay cached) and requeue at the front."""
         self.kv.free(request)
@@ -346,20 +371,46 @@ class Scheduler:
                 f"result for step {result.step_id} applied to step {step.batch.step_id}"
             )
         updates: list[RequestUpdate] = []
+        answered: set[int] = set()
+        scheduled = step.num_scheduled_tokens
         for res in result.results:
             request = self._by_handle.get(res.handle)
             if (
                 request is None
                 or request.status != RequestStatus.RUNNING
-                or request.request_id not in step.num_scheduled_tokens
+                or request.request_id not in scheduled
+                or res.handle in answered  # a duplicate must not apply twice
             ):
                 continue  # aborted or preempted since it was scheduled: stale output
+            answered.add(res.handle)
             update = self._apply_result(request, step, res)
             if update is not None:
                 updates.append(update)
+        if len(answered) < len(scheduled):
+            updates.extend(self._fail_unanswered(scheduled, answered))
         if self._running_has_finished:
             self.running = [r for r in self.running if not r.status.finished]
             self._running_has_finished = False
+        return updates
+
+    def _fail_unanswered(
+        self, scheduled: dict[str, int], answered: set[int]
+    ) -> list[RequestUpdate]:
+        """A scheduled request the worker returned nothing for: its KV state is unknown (its
+        computed tokens were advanced optimistically), so it fails rather than hang."""
+        updates = []
+        error = "the worker returned no result for it"
+        for request_id in scheduled:
+            request = self.requests.get(request_id)
+            if (
+                request is not None
+                and request.status == RequestStatus.RUNNING
+                and request.handle not in answered
+            ):
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                updates.append(
+                    RequestUpdate(request_id, [], True, RequestStatus.FINISHED_ERROR, error=error)
+                )
         return updates
 
     def _apply_result(

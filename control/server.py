@@ -16,6 +16,7 @@ continues with nothing lost and nothing repeated.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import re
 import signal
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import structlog
 import zmq
 from redis import Redis
+from redis.exceptions import RedisError
 
 from specserve.cache_index import (
     CacheIndexError,
@@ -57,6 +59,7 @@ from specserve.shared.protocol import (
     ProtocolError,
     Register,
     Rejected,
+    RequestResult,
     Reregister,
     SpecStats,
     StepResult,
@@ -74,6 +77,8 @@ INDEX_RETRY_S = 1.0
 JANITOR_S = 2.0
 HEARTBEAT_SUFFIX = b"#hb"
 MAX_MESSAGE_BYTES = 64 << 20
+MAX_BLOCKS = 1 << 24  # per worker; the control plane keeps a Python object per block
+MAX_VOCAB = 1 << 31
 ROUTED_HINT_S = 2.0  # a routed prefix is scheduled (and in the index) well within this
 ROUTED_HINT_MAX = 16_384  # block hashes remembered per worker
 
@@ -101,11 +106,11 @@ class WorkerHandle:
     writer: IndexWriter | None = None
     epoch: int = -1
     outstanding: ScheduledStep | None = None
+    failed: str | None = None  # why it is about to be removed (removal waits for a safe point)
     sent_at: float = 0.0  # when `outstanding` left
     result_at: float | None = None
     steps: int = 0
     last_index_heartbeat: float = 0.0
-    reregister_sent_at: float = 0.0
     # Prefix blocks of requests just routed here, before the scheduler caches them (and the
     # index learns them): block hash -> expiry. Without it, a burst of requests sharing a cold
     # prefix would scatter over the workers before the first one is scheduled.
@@ -150,6 +155,8 @@ class _IndexState:
     retry_at: float = 0.0
     last_janitor: float = 0.0
     namespaces: set[Namespace] = field(default_factory=set)
+    # Removed while Redis was away: fence them once it is back (their epochs would stay live).
+    pending_dead: list[tuple[Namespace, str, int]] = field(default_factory=list)
 
 
 def index_model_name(model: str) -> str:
@@ -174,6 +181,8 @@ class ControlPlane:
         self.workers: dict[str, WorkerHandle] = {}
         self.requests: dict[str, ClientRequest] = {}
         self.pending: deque[str] = deque()  # accepted while no worker was available
+        self._registrations = itertools.count(1)
+        self._reregistered: dict[bytes, float] = {}  # identity -> last Reregister sent
         client = (
             connect(args.redis_url, socket_timeout=0.5, connect_timeout=0.5)
             if (args.redis_url)
@@ -249,6 +258,18 @@ class ControlPlane:
             log.warning("control.bad_frame", peer=_peer(identity), reason=str(exc))
             self._send(identity, ErrorReply(PROTOCOL_VERSION, str(exc)))
             return
+        try:
+            self._handle(identity, msg)
+        except Exception as exc:  # a bug or an unforeseen input must not stop the service
+            log.exception("control.handler_failed", peer=_peer(identity), type=type(msg).__name__)
+            worker = self.workers.get(_peer(identity))
+            if worker is not None and isinstance(msg, StepResult):
+                worker.failed = f"its step result could not be applied ({exc})"
+                self._remove_worker(worker, worker.failed)
+            elif isinstance(msg, GenerateRequest | AbortRequest):
+                self._send(identity, ErrorReply(PROTOCOL_VERSION, f"internal error: {exc}"))
+
+    def _handle(self, identity: bytes, msg: protocol.Message) -> None:
         if isinstance(msg, StepResult):
             self._on_result(identity, msg)
         elif isinstance(msg, Heartbeat):
@@ -284,7 +305,14 @@ class ControlPlane:
                     f"this control plane serves {self.args.model!r}; the worker loaded "
                     f"{info.model!r}"
                 )
-            scheduler = Scheduler.for_worker(info, self.policy, self.args.hash_algo)
+            if not 2 <= info.num_blocks <= MAX_BLOCKS or not 0 < info.vocab_size <= MAX_VOCAB:
+                raise ValueError(
+                    f"num_blocks must be in [2, {MAX_BLOCKS}] and vocab_size in [1, {MAX_VOCAB}]"
+                )
+            # Step ids never repeat across registrations, so a late result of an earlier
+            # registration can never match a step of this one.
+            first_step_id = next(self._registrations) << 32
+            scheduler = Scheduler.for_worker(info, self.policy, self.args.hash_algo, first_step_id)
         except ValueError as exc:
             log.warning("worker.rejected", worker=info.worker_id, reason=str(exc))
             self._send(identity, Rejected(PROTOCOL_VERSION, str(exc)))
@@ -319,17 +347,20 @@ class ControlPlane:
         if not msg.session:
             return  # still registering
         # A worker this control plane does not know (it restarted, or dropped the worker).
-        if worker is not None and now - worker.reregister_sent_at < 1.0:
+        self._ask_to_reregister(identity.removesuffix(HEARTBEAT_SUFFIX), now)
+
+    def _ask_to_reregister(self, identity: bytes, now: float) -> None:
+        """At most one Reregister per worker identity per second: a worker answers each with a
+        registration, and a burst of them would churn its scheduler."""
+        if now - self._reregistered.get(identity, -math.inf) < 1.0:
             return
-        if worker is not None:
-            worker.reregister_sent_at = now
-        main = identity.removesuffix(HEARTBEAT_SUFFIX)
-        self._send(main, Reregister(PROTOCOL_VERSION, "unknown session; register again"))
+        self._reregistered[identity] = now
+        self._send(identity, Reregister(PROTOCOL_VERSION, "unknown session; register again"))
 
     def _on_result(self, identity: bytes, msg: StepResult) -> None:
         worker = self.workers.get(identity.decode(errors="replace"))
         if worker is None:
-            self._send(identity, Reregister(PROTOCOL_VERSION, "unknown worker; register again"))
+            self._ask_to_reregister(identity, time.monotonic())
             return
         now = time.monotonic()
         worker.last_seen = now
@@ -339,9 +370,30 @@ class ControlPlane:
             return
         worker.outstanding = None
         worker.result_at = now
+        msg = self._checked_result(worker, msg)
         updates = worker.scheduler.update_from_output(step, msg)
         self._dispatch(worker)  # keep the worker busy before anything else
         self._deliver(worker, updates)
+        if worker.failed:  # only now: resumption must start from the tokens just delivered
+            self._remove_worker(worker, worker.failed)
+
+    @staticmethod
+    def _checked_result(worker: WorkerHandle, msg: StepResult) -> StepResult:
+        """Token ids outside the vocabulary fail their request instead of reaching a client."""
+        vocab = worker.info.vocab_size
+        bad = [
+            i
+            for i, res in enumerate(msg.results)
+            if res.sampled_token_ids
+            and (min(res.sampled_token_ids) < 0 or max(res.sampled_token_ids) >= vocab)
+        ]
+        if not bad:
+            return msg
+        results = list(msg.results)
+        for i in bad:
+            error = f"worker {worker.worker_id} returned token ids outside the vocabulary"
+            results[i] = RequestResult(results[i].handle, [], error=error)
+        return StepResult(msg.version, msg.step_id, results)
 
     def _dispatch_all(self) -> None:
         for worker in list(self.workers.values()):
@@ -350,7 +402,7 @@ class ControlPlane:
 
     def _dispatch(self, worker: WorkerHandle) -> None:
         scheduler = worker.scheduler
-        if worker.outstanding is not None:
+        if worker.outstanding is not None or worker.failed:
             return
         # Turnaround counts only a batch that follows its result at once, not idle time.
         result_at, worker.result_at = worker.result_at, None
@@ -358,11 +410,14 @@ class ControlPlane:
             return
         step = scheduler.schedule()
         self._index_write(worker)
+        early = scheduler.take_early_updates()
+        if early:
+            self._deliver(worker, early)
         batch = step.batch
         if not (step.num_scheduled_tokens or batch.finished or batch.preempted):
             return
         if not self._send(worker.identity, batch):
-            self._remove_worker(worker, "unreachable")
+            worker.failed = "unreachable"  # removed at the next safe point (see _on_result)
             return
         worker.outstanding = step
         worker.sent_at = time.monotonic()
@@ -377,9 +432,12 @@ class ControlPlane:
         del self.workers[worker.worker_id]
         self.metrics.worker_up.labels(worker.worker_id).set(0)
         self.metrics.workers.set(len(self.workers))
-        if self.index.up and worker.epoch >= 0:
-            self._index_call("mark_dead", mark_dead, self.index.client, worker.namespace,
-                             worker.worker_id, epoch=worker.epoch)  # fmt: skip
+        if worker.epoch >= 0 and self.index.client is not None:
+            dead = (worker.namespace, worker.worker_id, worker.epoch)
+            if self.index.up:
+                self._fence(*dead)
+            if not self.index.up:  # Redis is away: fence the epoch once it is back
+                self.index.pending_dead.append(dead)
         orphans = [rid for rid in worker.scheduler.requests if rid in self.requests]
         log.warning("worker.removed", worker=worker.worker_id, reason=reason, resumed=len(orphans))
         for request_id in orphans:
@@ -469,7 +527,11 @@ class ControlPlane:
         token_ids = req.prompt_token_ids + req.output_token_ids
         hashes = self._block_hashes(token_ids, req.cache_salt)
         cached = self._cached_tokens(hashes, len(token_ids))
-        candidates = [Candidate(w.worker_id, w.load) for w in self.workers.values()]
+        candidates = [Candidate(w.worker_id, w.load) for w in self.workers.values() if not w.failed]
+        if not candidates:
+            self.pending.append(req.request_id)
+            req.worker_id = None
+            return
         decision = self.router.choose(candidates, len(token_ids), cached)
         worker = self.workers[decision.worker_id]
         request = Request(
@@ -512,12 +574,20 @@ class ControlPlane:
                 f"prompt token ids {bad[:5]} are outside the vocabulary (size {info.vocab_size})"
             )
         request.sampling.validate(info.vocab_size)
-        block_size = max(g.block_size for g in info.kv_groups)
-        lookahead = worker.scheduler.lookahead_tokens
-        needed = -(-(request.num_tokens + lookahead) // block_size)
+        # The longest the request can grow, not just its prompt: a request that outgrows the
+        # whole cache could only preempt itself, again and again.
+        longest = min(request.num_prompt_tokens + request.sampling.max_tokens, info.max_model_len)
+        slots = longest + worker.scheduler.lookahead_tokens
+        needed = 0
+        for group in info.kv_groups:
+            blocks = -(-slots // group.block_size)
+            if group.sliding_window is not None:  # only the window (plus a block) is held
+                blocks = min(blocks, -(-group.sliding_window // group.block_size) + 1)
+            needed += blocks
         if needed > info.num_blocks - 1:
             raise ValueError(
-                f"the prompt needs {needed} KV blocks; a worker has {info.num_blocks - 1}"
+                f"the request can grow to {longest} tokens, which needs {needed} KV blocks; a "
+                f"worker has {info.num_blocks - 1}: lower max_tokens or add KV cache memory"
             )
 
     def _block_hashes(self, token_ids: list[int], salt: str | None) -> dict[Namespace, list]:
@@ -650,7 +720,7 @@ class ControlPlane:
         """Run one index operation; on failure mark the index down (serving goes on)."""
         try:
             return fn(*args, **kwargs)
-        except CacheIndexError as exc:
+        except (CacheIndexError, RedisError) as exc:  # e.g. OOM or read-only replica too
             self.metrics.index_errors.labels(op).inc()
             if self.index.up:
                 log.warning("index.unavailable", op=op, reason=str(exc))
@@ -663,8 +733,8 @@ class ControlPlane:
     def _index_register(self, worker: WorkerHandle) -> None:
         """Register the worker under a fresh epoch and write its whole cache (usually empty)."""
         client = self.index.client
-        if client is None or (not self.index.up and self.index.retry_at > time.monotonic()):
-            return
+        if client is None or not self.index.up:
+            return  # the tick registers every worker once Redis is back
         info = {"device": worker.info.device, "num_blocks": worker.info.num_blocks,
                 "pid": worker.info.pid, "session": self.session}  # fmt: skip
         epoch = self._index_call(
@@ -681,8 +751,11 @@ class ControlPlane:
         ):
             return  # fmt: skip
         worker.writer, worker.epoch = writer, writer.epoch
-        self.index.up = True
         self.index.namespaces.add(worker.namespace)
+
+    def _fence(self, ns: Namespace, worker_id: str, epoch: int) -> None:
+        """Stop a removed worker's entries from counting (the janitor deletes them later)."""
+        self._index_call("mark_dead", mark_dead, self.index.client, ns, worker_id, epoch=epoch)
 
     def _index_write(self, worker: WorkerHandle) -> None:
         events = worker.scheduler.take_kv_events()
@@ -700,13 +773,21 @@ class ControlPlane:
             if now < index.retry_at:
                 return
             index.retry_at = now + INDEX_RETRY_S
-            index.up = True  # optimistic: registration below flips it back on failure
+            index.up = True  # optimistic: any failure below flips it back
             for worker in list(self.workers.values()):
                 self._index_register(worker)
                 if not index.up:
                     return
-            log.info("index.resynced", workers=len(self.workers))
+            for dead in index.pending_dead:
+                self._fence(*dead)
+            if index.up:
+                index.pending_dead.clear()
+            if index.up:
+                log.info("index.resynced", workers=len(self.workers))
             return
+        for worker in list(self.workers.values()):
+            if worker.writer is None:  # registered while Redis was away
+                self._index_register(worker)
         for worker in list(self.workers.values()):
             if now - worker.last_index_heartbeat < INDEX_HEARTBEAT_S:
                 continue
@@ -727,12 +808,16 @@ class ControlPlane:
     def _tick(self, now: float) -> None:
         timeout, step_timeout = self.args.heartbeat_timeout_s, self.args.step_timeout_s
         for worker in list(self.workers.values()):
-            if now - worker.last_seen > timeout:
+            if worker.failed:
+                self._remove_worker(worker, worker.failed)
+            elif now - worker.last_seen > timeout:
                 self._remove_worker(worker, f"no heartbeat for {now - worker.last_seen:.1f}s")
             elif worker.outstanding is not None and now - worker.sent_at > step_timeout:
                 # Alive (it heartbeats) but stuck, e.g. a hung device: its requests move on.
                 self._remove_worker(worker, f"no step result for {now - worker.sent_at:.0f}s")
         self._index_tick(now)
+        if len(self._reregistered) > 1024:
+            self._reregistered = {k: t for k, t in self._reregistered.items() if now - t < 60}
         for worker in self.workers.values():
             s = worker.scheduler
             self.metrics.queue_depth.labels(worker.worker_id).set(len(s.waiting))

@@ -47,11 +47,12 @@ class InProcessEngine:
 
     def step(self) -> list[RequestUpdate]:
         scheduled = self.scheduler.schedule()
+        early = self.scheduler.take_early_updates()
         batch = scheduled.batch
         if not (scheduled.num_scheduled_tokens or batch.finished or batch.preempted):
-            return []
+            return early
         batch = protocol.decode(protocol.encode(batch))
         assert isinstance(batch, protocol.StepBatch)
         result = protocol.decode(protocol.encode(self.worker.execute(batch)))
         assert isinstance(result, protocol.StepResult)
-        return self.scheduler.update_from_output(scheduled, result)
+        return early + self.scheduler.update_from_output(scheduled, result)

@@ -401,3 +401,37 @@ def test_a_prompt_that_can_never_fit_one_step_is_refused_without_chunked_prefill
     assert not s.has_unfinished_requests
     add(s, "fits", list(range(8)))
     assert s.schedule().num_scheduled_tokens == {"fits": 8}
+
+
+def test_a_request_that_outgrows_the_whole_pool_fails_instead_of_livelocking():
+    s = make_scheduler(block_size=4, num_blocks=5)  # 4 usable blocks: 16 slots
+    worker = ScriptedWorker(s)
+    req = add(s, "big", list(range(10)), SamplingParams(max_tokens=30, temperature=0.0))
+    failed = []
+    for _ in range(40):
+        step = s.schedule()
+        failed += s.take_early_updates()
+        if step.num_scheduled_tokens:
+            s.update_from_output(step, worker.result(step))
+        if not s.has_unfinished_requests:
+            break
+    assert [(u.request_id, u.status) for u in failed] == [("big", RequestStatus.FINISHED_ERROR)]
+    assert "needs more KV blocks than the whole cache holds (4) at 17 tokens" in failed[0].error
+    assert req.num_preemptions == 0
+    assert s.kv.pool.num_free_blocks == 4
+
+
+def test_a_scheduled_request_missing_from_the_result_fails_instead_of_hanging():
+    s = make_scheduler()
+    add(s, "a", [1, 2, 3])
+    add(s, "b", [4, 5, 6])
+    step = s.schedule()
+    full = ScriptedWorker(s).result(step)
+    only_b = StepResult(PROTOCOL_VERSION, step.batch.step_id, [full.results[1]] * 2)  # b twice
+    updates = s.update_from_output(step, only_b)
+    by_id = {u.request_id: u for u in updates}
+    assert by_id["a"].status == RequestStatus.FINISHED_ERROR
+    assert by_id["a"].error == "the worker returned no result for it"
+    assert by_id["b"].new_token_ids == [7]  # applied once, not twice
+    assert s.requests["b"].all_token_ids == [4, 5, 6, 7]
+    assert "a" not in s.requests
