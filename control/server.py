@@ -189,6 +189,10 @@ class ControlPlane:
             else None
         )
         self.index = _IndexState(client)
+        if client is not None:
+            self.index.up = True  # until proven otherwise: a failed ping flips it
+            if self._index_call("ping", client.ping) is None:
+                log.warning("index.unavailable", op="ping", redis_url=args.redis_url)
         self._last_tick = 0.0
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
