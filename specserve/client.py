@@ -5,6 +5,14 @@ the versioned msgspec messages of `specserve.shared.protocol`: `GenerateRequest`
 out, `RequestOutput`/`ErrorReply` back. Outputs of many requests share the socket, so both clients
 demultiplex them by request id: `Client` in the calling thread, `AsyncClient` in one background
 receive task feeding per-request queues.
+
+A request the client gives up on (a timeout, a stream closed early, an interrupted `generate`) is
+aborted, and its id is kept as a tombstone until the control plane's final output for it (finish
+reason "abort") arrives: every output for a tombstoned id is dropped, and a new request that
+reuses the id is held back until the tombstone clears, so a retry under the same id never
+receives the old request's outputs. The control plane answers each abort of a request it still
+holds with that final output and stays silent otherwise, so tombstones also expire after
+`TOMBSTONE_TTL_S`.
 """
 
 from __future__ import annotations
@@ -45,6 +53,9 @@ DEFAULT_URL = "tcp://127.0.0.1:5555"
 DEFAULT_TIMEOUT = 120.0
 # On close, queued messages (the aborts of unfinished requests) get this long to leave.
 CLOSE_LINGER_MS = 500
+# How long an aborted request's id waits for the control plane's final output before it is
+# forgotten (the control plane sends none for a request it no longer holds).
+TOMBSTONE_TTL_S = 30.0
 
 
 class ServiceError(Exception):
@@ -56,7 +67,11 @@ class ServiceError(Exception):
 
 
 class RequestTimeout(ServiceError):
-    """The request did not finish in time; the client has asked the control plane to abort it."""
+    """The request did not finish in time; the client has asked the control plane to abort it.
+
+    Also raised, with nothing sent, when the call's timeout ran out while an earlier request with
+    the same id was still being aborted (see `Client`).
+    """
 
 
 class RequestFailed(ServiceError):
@@ -190,12 +205,39 @@ def _abort_message(request_id: str) -> bytes:
     return protocol.encode(AbortRequest(version=PROTOCOL_VERSION, request_id=request_id))
 
 
+def _tombstoned_error(request_id: str, timeout: float) -> RequestTimeout:
+    return RequestTimeout(
+        f"request {request_id} was not sent: an earlier request with this id was still being "
+        f"aborted after {timeout:g} s",
+        request_id,
+    )
+
+
+def _expire(tombstones: dict[str, float], now: float) -> list[str]:
+    """Drop the expired tombstones and return their ids. Every tombstone lives as long, so
+    insertion order is expiry order and only the expired head of the dict is visited."""
+    expired = []
+    for request_id, expiry in tombstones.items():
+        if expiry > now:
+            break
+        expired.append(request_id)
+    for request_id in expired:
+        del tombstones[request_id]
+    return expired
+
+
 class Client:
     """Synchronous client on one DEALER socket, for one thread (it is not thread-safe).
 
     While it waits for one request, outputs of the others it has submitted are buffered, so many
     requests can be submitted at once and collected one by one with `result`. A request that times
     out, or whose stream is closed early, is aborted so that the control plane frees it.
+
+    Retrying such a request under the same `request_id` is safe: until the control plane has
+    confirmed the abort with the old request's final output (or `TOMBSTONE_TTL_S` has passed), the
+    new request is not sent; `generate`, `stream` and `submit` wait for that (receiving and
+    buffering other requests' outputs meanwhile) within their timeout, and raise `RequestTimeout`,
+    having sent nothing, if it does not come in time. The old request's outputs are dropped.
     """
 
     def __init__(self, url: str = DEFAULT_URL, timeout: float | None = DEFAULT_TIMEOUT) -> None:
@@ -206,6 +248,8 @@ class Client:
         self._socket.connect(url)
         # Replies of each unfinished request, in arrival order, until the caller takes them.
         self._pending: dict[str, deque[Reply]] = {}
+        # Aborted ids whose final output has not arrived yet: id -> when to forget it.
+        self._tombstones: dict[str, float] = {}
         self._closed = False
 
     def generate(
@@ -219,8 +263,12 @@ class Client:
         priority: int = 0,
         timeout: float | None = None,
     ) -> Completion:
-        """Run one request to the end. Not streamed: the control plane sends a single output."""
-        request_id = self.submit(
+        """Run one request to the end. Not streamed: the control plane sends a single output.
+
+        `timeout` bounds the whole call, including any wait for an earlier request with the same
+        id to finish aborting (see the class docstring).
+        """
+        request = build_request(
             prompt,
             sampling,
             chat=chat,
@@ -229,11 +277,14 @@ class Client:
             priority=priority,
             stream=False,
         )
+        limit = _resolve_timeout(timeout, self.timeout)
+        deadline = None if limit is None else time.monotonic() + limit
+        self._send_request(request, deadline, limit)
         try:
-            return self.result(request_id, timeout)
+            return self._collect(request.request_id, deadline, limit)
         except BaseException:  # e.g. KeyboardInterrupt: nobody will collect it, so free it
-            if request_id in self._pending:
-                self._forget_and_abort(request_id)
+            if request.request_id in self._pending:
+                self._forget_and_abort(request.request_id)
             raise
 
     def stream(
@@ -250,7 +301,8 @@ class Client:
         """Yield each output (its new tokens) as it arrives; closing the iterator early aborts.
 
         The arguments are checked at once; the request is sent when iteration starts. `timeout`
-        bounds the whole request.
+        bounds the whole request, including any wait for an earlier request with the same id to
+        finish aborting (see the class docstring).
         """
         request = build_request(
             prompt,
@@ -273,8 +325,13 @@ class Client:
         cache_salt: str | None = None,
         priority: int = 0,
         stream: bool = True,
+        timeout: float | None = None,
     ) -> str:
-        """Send a request and return its id at once; collect it with `result`."""
+        """Send a request and return its id; collect it with `result`.
+
+        It returns at once, unless an earlier request with the same id is still being aborted:
+        then it waits for that first, for up to `timeout` (see the class docstring).
+        """
         request = build_request(
             prompt,
             sampling,
@@ -284,13 +341,18 @@ class Client:
             priority=priority,
             stream=stream,
         )
-        self._send_request(request)
+        limit = _resolve_timeout(timeout, self.timeout)
+        deadline = None if limit is None else time.monotonic() + limit
+        self._send_request(request, deadline, limit)
         return request.request_id
 
     def result(self, request_id: str, timeout: float | None = None) -> Completion:
         """Wait for a submitted request to finish and return all of it."""
         limit = _resolve_timeout(timeout, self.timeout)
         deadline = None if limit is None else time.monotonic() + limit
+        return self._collect(request_id, deadline, limit)
+
+    def _collect(self, request_id: str, deadline: float | None, limit: float | None) -> Completion:
         completion = Completion(request_id)
         while True:
             output = self._next(request_id, deadline, limit)
@@ -310,6 +372,7 @@ class Client:
         for request_id in self._pending:
             self._send(_abort_message(request_id))
         self._pending.clear()
+        self._tombstones.clear()
         self._closed = True
         self._socket.close(linger=CLOSE_LINGER_MS)
         self._context.term()
@@ -327,8 +390,8 @@ class Client:
 
     def _stream(self, request: GenerateRequest, limit: float | None) -> Iterator[RequestOutput]:
         request_id = request.request_id
-        self._send_request(request)
         deadline = None if limit is None else time.monotonic() + limit
+        self._send_request(request, deadline, limit)
         try:
             while True:
                 output = self._next(request_id, deadline, limit)
@@ -339,13 +402,31 @@ class Client:
             if request_id in self._pending:  # left before the end: free it on the server
                 self._forget_and_abort(request_id)
 
-    def _send_request(self, request: GenerateRequest) -> None:
+    def _send_request(
+        self, request: GenerateRequest, deadline: float | None, limit: float | None
+    ) -> None:
         if request.request_id in self._pending:
             raise ValueError(f"request {request.request_id} is already in flight")
         frame = protocol.encode(request)
         self._check_open()
+        self._await_tombstone(request.request_id, deadline, limit)
         self._pending[request.request_id] = deque()
         self._send(frame)
+
+    def _await_tombstone(
+        self, request_id: str, deadline: float | None, limit: float | None
+    ) -> None:
+        """Receive until an earlier, aborted request with this id is confirmed gone (or its
+        tombstone expires); RequestTimeout at `deadline`."""
+        while True:
+            now = time.monotonic()
+            _expire(self._tombstones, now)
+            expiry = self._tombstones.get(request_id)
+            if expiry is None:
+                return
+            if deadline is not None and now >= deadline:
+                raise _tombstoned_error(request_id, limit or 0.0)
+            self._receive((expiry if deadline is None else min(expiry, deadline)) - now)
 
     def _next(self, request_id: str, deadline: float | None, limit: float | None) -> RequestOutput:
         """The request's next output, receiving (and buffering others' replies) until it comes."""
@@ -373,16 +454,29 @@ class Client:
         reply = parse_reply(self._socket.recv_multipart())
         if reply is None:
             return
+        if reply.request_id in self._tombstones:  # the tail of a request we aborted
+            if _ends_request(reply):
+                del self._tombstones[reply.request_id]
+            log.debug("client.reply.aborted", request_id=reply.request_id)
+            return
         buffer = self._pending.get(reply.request_id)
-        if buffer is None:  # e.g. the tail of a request that timed out
+        if buffer is None:  # e.g. the tail of an aborted request whose tombstone expired
             log.debug("client.reply.unclaimed", request_id=reply.request_id)
             return
         buffer.append(reply)
 
     def _forget_and_abort(self, request_id: str) -> None:
-        self._pending.pop(request_id, None)
-        if not self._closed:
-            self._send(_abort_message(request_id))
+        """Stop waiting for a request and abort it, leaving a tombstone for its final output."""
+        buffer = self._pending.pop(request_id, None)
+        if self._closed:
+            return
+        # A request whose last reply is already here has finished: nothing more will come.
+        if buffer is None or not any(_ends_request(reply) for reply in buffer):
+            now = time.monotonic()
+            _expire(self._tombstones, now)
+            self._tombstones.pop(request_id, None)  # keep the dict in expiry order
+            self._tombstones[request_id] = now + TOMBSTONE_TTL_S
+        self._send(_abort_message(request_id))
 
     def _send(self, frame: bytes) -> None:
         self._check_open()
@@ -399,6 +493,11 @@ class AsyncClient:
     One background task receives every message and puts it on its request's queue. Close a
     `stream` that is left early with `contextlib.aclosing` (or `aclose()`) so that its abort is
     sent at once rather than when the iterator is garbage-collected.
+
+    As with `Client`, reusing the id of a request this client aborted is safe: the new request is
+    held back (within its call's timeout, else `RequestTimeout` with nothing sent) until the
+    control plane has confirmed the abort with the old request's final output, or until
+    `TOMBSTONE_TTL_S` has passed; the old request's outputs are dropped.
     """
 
     def __init__(self, url: str = DEFAULT_URL, timeout: float | None = DEFAULT_TIMEOUT) -> None:
@@ -409,6 +508,12 @@ class AsyncClient:
         self._socket.connect(url)
         # Replies of each unfinished request; a ServiceError item wakes its waiter with an error.
         self._queues: dict[str, asyncio.Queue[Reply | ServiceError]] = {}
+        # Ids whose last reply sits in their queue, not yet taken: an abort of one gets no answer.
+        self._ended: set[str] = set()
+        # Aborted ids whose final output has not arrived yet: id -> when to forget it (loop
+        # time), and the event that wakes a new request waiting to reuse the id.
+        self._tombstones: dict[str, float] = {}
+        self._tombstone_cleared: dict[str, asyncio.Event] = {}
         self._receiver: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -423,8 +528,12 @@ class AsyncClient:
         priority: int = 0,
         timeout: float | None = None,
     ) -> Completion:
-        """Run one request to the end. Not streamed: the control plane sends a single output."""
-        request_id = await self.submit(
+        """Run one request to the end. Not streamed: the control plane sends a single output.
+
+        `timeout` bounds the whole call, including any wait for an earlier request with the same
+        id to finish aborting (see the class docstring).
+        """
+        request = build_request(
             prompt,
             sampling,
             chat=chat,
@@ -433,11 +542,14 @@ class AsyncClient:
             priority=priority,
             stream=False,
         )
+        limit = _resolve_timeout(timeout, self.timeout)
+        deadline = None if limit is None else asyncio.get_running_loop().time() + limit
+        await self._send_request(request, deadline, limit)
         try:
-            return await self.result(request_id, timeout)
+            return await self._collect(request.request_id, deadline, limit)
         except BaseException:  # e.g. cancelled: nobody will collect it, so free it
-            if request_id in self._queues:
-                await self._forget_and_abort(request_id)
+            if request.request_id in self._queues:
+                await self._forget_and_abort(request.request_id)
             raise
 
     def stream(
@@ -454,7 +566,8 @@ class AsyncClient:
         """Yield each output (its new tokens) as it arrives; closing the iterator early aborts.
 
         The arguments are checked at once; the request is sent when iteration starts. `timeout`
-        bounds the whole request.
+        bounds the whole request, including any wait for an earlier request with the same id to
+        finish aborting (see the class docstring).
         """
         request = build_request(
             prompt,
@@ -477,8 +590,13 @@ class AsyncClient:
         cache_salt: str | None = None,
         priority: int = 0,
         stream: bool = True,
+        timeout: float | None = None,
     ) -> str:
-        """Send a request and return its id at once; collect it with `result`."""
+        """Send a request and return its id; collect it with `result`.
+
+        It returns at once, unless an earlier request with the same id is still being aborted:
+        then it waits for that first, for up to `timeout` (see the class docstring).
+        """
         request = build_request(
             prompt,
             sampling,
@@ -488,13 +606,20 @@ class AsyncClient:
             priority=priority,
             stream=stream,
         )
-        await self._send_request(request)
+        limit = _resolve_timeout(timeout, self.timeout)
+        deadline = None if limit is None else asyncio.get_running_loop().time() + limit
+        await self._send_request(request, deadline, limit)
         return request.request_id
 
     async def result(self, request_id: str, timeout: float | None = None) -> Completion:
         """Wait for a submitted request to finish and return all of it."""
         limit = _resolve_timeout(timeout, self.timeout)
         deadline = None if limit is None else asyncio.get_running_loop().time() + limit
+        return await self._collect(request_id, deadline, limit)
+
+    async def _collect(
+        self, request_id: str, deadline: float | None, limit: float | None
+    ) -> Completion:
         completion = Completion(request_id)
         while True:
             output = await self._next(request_id, deadline, limit)
@@ -515,6 +640,9 @@ class AsyncClient:
             await self._send(_abort_message(request_id))
         self._closed = True
         self._fail_all(ServiceError("the client is closed"))
+        self._ended.clear()
+        for request_id in list(self._tombstones):  # wake the requests waiting on them
+            self._clear_tombstone(request_id)
         if self._receiver is not None:
             self._receiver.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -537,8 +665,8 @@ class AsyncClient:
         self, request: GenerateRequest, limit: float | None
     ) -> AsyncIterator[RequestOutput]:
         request_id = request.request_id
-        await self._send_request(request)
         deadline = None if limit is None else asyncio.get_running_loop().time() + limit
+        await self._send_request(request, deadline, limit)
         try:
             while True:
                 output = await self._next(request_id, deadline, limit)
@@ -549,14 +677,51 @@ class AsyncClient:
             if request_id in self._queues:  # left before the end: free it on the server
                 await self._forget_and_abort(request_id)
 
-    async def _send_request(self, request: GenerateRequest) -> None:
-        if request.request_id in self._queues:
-            raise ValueError(f"request {request.request_id} is already in flight")
+    async def _send_request(
+        self, request: GenerateRequest, deadline: float | None, limit: float | None
+    ) -> None:
+        request_id = request.request_id
+        if request_id in self._queues:
+            raise ValueError(f"request {request_id} is already in flight")
         frame = protocol.encode(request)
         self._check_open()
         self._ensure_receiver()
-        self._queues[request.request_id] = asyncio.Queue()
+        await self._await_tombstone(request_id, deadline, limit)
+        self._check_open()  # the client may have been closed meanwhile
+        self._ensure_receiver()
+        if request_id in self._queues:  # another task took the id meanwhile
+            raise ValueError(f"request {request_id} is already in flight")
+        self._queues[request_id] = asyncio.Queue()
         await self._send(frame)
+
+    async def _await_tombstone(
+        self, request_id: str, deadline: float | None, limit: float | None
+    ) -> None:
+        """Wait until an earlier, aborted request with this id is confirmed gone (or its
+        tombstone expires); RequestTimeout at `deadline`."""
+        loop = asyncio.get_running_loop()
+        while True:
+            now = loop.time()
+            self._expire_tombstones(now)
+            expiry = self._tombstones.get(request_id)
+            if expiry is None:
+                return
+            if deadline is not None and now >= deadline:
+                raise _tombstoned_error(request_id, limit or 0.0)
+            cleared = self._tombstone_cleared[request_id]
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(
+                    expiry if deadline is None else min(expiry, deadline)
+                ):
+                    await cleared.wait()
+
+    def _expire_tombstones(self, now: float) -> None:
+        for request_id in _expire(self._tombstones, now):
+            self._tombstone_cleared.pop(request_id).set()
+
+    def _clear_tombstone(self, request_id: str) -> None:
+        del self._tombstones[request_id]
+        self._tombstone_cleared.pop(request_id).set()
 
     async def _next(
         self, request_id: str, deadline: float | None, limit: float | None
@@ -576,6 +741,7 @@ class AsyncClient:
             raise item
         if _ends_request(item):
             self._queues.pop(request_id, None)
+            self._ended.discard(request_id)
         return check_reply(item)
 
     def _ensure_receiver(self) -> None:
@@ -589,10 +755,17 @@ class AsyncClient:
                 reply = parse_reply(await self._socket.recv_multipart())
                 if reply is None:
                     continue
+                if reply.request_id in self._tombstones:  # the tail of a request we aborted
+                    if _ends_request(reply):
+                        self._clear_tombstone(reply.request_id)
+                    log.debug("client.reply.aborted", request_id=reply.request_id)
+                    continue
                 queue = self._queues.get(reply.request_id)
-                if queue is None:  # e.g. the tail of a request that timed out
+                if queue is None:  # e.g. the tail of an aborted request whose tombstone expired
                     log.debug("client.reply.unclaimed", request_id=reply.request_id)
                     continue
+                if _ends_request(reply):
+                    self._ended.add(reply.request_id)
                 queue.put_nowait(reply)
         except asyncio.CancelledError:
             raise
@@ -605,9 +778,19 @@ class AsyncClient:
             queue.put_nowait(ServiceError(str(error), request_id))
 
     async def _forget_and_abort(self, request_id: str) -> None:
+        """Stop waiting for a request and abort it, leaving a tombstone for its final output."""
         self._queues.pop(request_id, None)
-        if not self._closed:
-            await self._send(_abort_message(request_id))
+        finished = request_id in self._ended  # its last reply is here: nothing more will come
+        self._ended.discard(request_id)
+        if self._closed:
+            return
+        if not finished:
+            now = asyncio.get_running_loop().time()
+            self._expire_tombstones(now)
+            self._tombstones.pop(request_id, None)  # keep the dict in expiry order
+            self._tombstones[request_id] = now + TOMBSTONE_TTL_S
+            self._tombstone_cleared.setdefault(request_id, asyncio.Event())
+        await self._send(_abort_message(request_id))
 
     async def _send(self, frame: bytes) -> None:
         self._check_open()

@@ -184,6 +184,7 @@ class WorkerServer:
         self.session = ""  # the control-plane session of the last Welcome
         self._registered = False
         self._last_register = -math.inf  # when Register last left the socket
+        self._register_unanswered = False  # a Register has left with no Welcome since
         self._result_sent_at: float | None = None
         self._sock: zmq.Socket | None = None
         self._heartbeater: _Heartbeater | None = None
@@ -236,6 +237,7 @@ class WorkerServer:
             return
         if _try_send(sock, protocol.Register(PROTOCOL_VERSION, self.info)):
             self._last_register = now
+            self._register_unanswered = True
             log.info("worker.register_sent", worker_id=self.worker_id, url=self.control_url)
 
     def _handle(self, frames: list[bytes]) -> int | None:
@@ -273,6 +275,7 @@ class WorkerServer:
         assert self._heartbeater is not None
         self._heartbeater.session = msg.session
         self._registered = True
+        self._register_unanswered = False
         self._result_sent_at = None
         self.stats.registrations += 1
         if msg.worker_id != self.worker_id:
@@ -282,7 +285,15 @@ class WorkerServer:
         )
 
     def _reregister(self, msg: protocol.Reregister) -> None:
-        """The control plane does not know us (it restarted): register again right away."""
+        """The control plane does not know us (it restarted): register again right away.
+
+        The control plane answers every heartbeat it cannot place with a Reregister, so they come
+        in bursts. While our own Register is still unanswered, another would only register us
+        twice: it is left to the periodic retry (every REGISTER_RETRY_S), which covers a lost one.
+        """
+        if self._register_unanswered:
+            log.debug("worker.reregister.register_pending", worker_id=self.worker_id)
+            return
         log.info("worker.reregister", worker_id=self.worker_id, reason=msg.reason)
         self._registered = False
         self._last_register = -math.inf

@@ -12,6 +12,7 @@ import contextlib
 import queue
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 import msgspec
@@ -437,3 +438,155 @@ def server_view(request_id: str, prompt: list[int], stream: bool = True) -> Gene
     return GenerateRequest(
         version=PROTOCOL_VERSION, request_id=request_id, prompt_token_ids=prompt, stream=stream
     )
+
+
+# -- retrying an aborted request under the same id ---------------------------------------------
+
+
+class AbortConfirming:
+    """Script playing the control plane for retries: the first GenerateRequest of an id hangs
+    (nothing comes back), an AbortRequest of a request it holds is answered with a late token and
+    the final output (finish_reason "abort"), and every later GenerateRequest of the id gets
+    `three_outputs`. With `answer_aborts=False` it acts as if it no longer held the request."""
+
+    def __init__(self, answer_aborts: bool = True) -> None:
+        self.answer_aborts = answer_aborts
+        self.held: set[str] = set()
+        self.seen: set[str] = set()
+
+    def __call__(self, msg: Message) -> Sequence[Message | bytes]:
+        if isinstance(msg, AbortRequest):
+            if msg.request_id not in self.held or not self.answer_aborts:
+                return []
+            self.held.discard(msg.request_id)
+            return [
+                output(msg.request_id, [99], "?"),
+                output(msg.request_id, [], finished=True, finish_reason="abort"),
+            ]
+        assert isinstance(msg, GenerateRequest)
+        if msg.request_id in self.seen:
+            return three_outputs(msg.request_id)
+        self.seen.add(msg.request_id)
+        self.held.add(msg.request_id)
+        return []
+
+
+def test_retry_after_a_timeout_gets_its_own_tokens(serve) -> None:
+    server = serve(AbortConfirming())
+    with Client(server.url, timeout=WAIT) as client:
+        with pytest.raises(RequestTimeout):
+            client.generate([1, 2, 3], request_id="job-1", timeout=0.2)
+        # The old request's abort is confirmed only now; the retry must not take it for its own.
+        assert client.generate([1, 2, 3], request_id="job-1", timeout=WAIT) == (
+            three_outputs_folded("job-1")
+        )
+        assert client._tombstones == {}
+    assert [server.next_message() for _ in range(3)] == [
+        server_view("job-1", [1, 2, 3], stream=False),
+        abort("job-1"),
+        server_view("job-1", [1, 2, 3], stream=False),
+    ]
+
+
+def test_retry_after_an_early_closed_stream_gets_only_its_own_outputs(serve) -> None:
+    attempts: list[int] = []
+
+    def script(msg: Message) -> Sequence[Message | bytes]:
+        if not isinstance(msg, GenerateRequest):
+            return []  # the request has finished: an abort gets no answer
+        attempts.append(len(attempts))
+        return [output(msg.request_id, [len(attempts)], finished=n == 2) for n in range(3)]
+
+    server = serve(script)
+    with Client(server.url, timeout=WAIT) as client:
+        outputs = client.stream([1], request_id="s1")
+        assert next(outputs).token_ids == [1]
+        outputs.close()
+        again = list(client.stream([1], request_id="s1"))
+        assert [out.token_ids for out in again] == [[2], [2], [2]]
+        assert client._tombstones == {}
+    assert [type(server.next_message()) for _ in range(3)] == [
+        GenerateRequest,
+        AbortRequest,
+        GenerateRequest,
+    ]
+
+
+def test_unanswered_abort_expires_and_bounds_the_retry(serve, monkeypatch) -> None:
+    monkeypatch.setattr(client_module, "TOMBSTONE_TTL_S", 0.5)
+    server = serve(AbortConfirming(answer_aborts=False))
+    with Client(server.url, timeout=WAIT) as client:
+        with pytest.raises(RequestTimeout):
+            client.generate([1], request_id="x1", timeout=0.1)
+        assert list(client._tombstones) == ["x1"]
+        # A retry whose timeout ends first sends nothing.
+        with pytest.raises(RequestTimeout, match="was not sent") as info:
+            client.submit([1], request_id="x1", timeout=0.05)
+        assert info.value.request_id == "x1"
+        # Once the tombstone expires, the retry goes out and is served.
+        start = time.monotonic()
+        assert client.generate([1, 2, 3], request_id="x1") == three_outputs_folded("x1")
+        assert 0.2 < time.monotonic() - start < WAIT
+        assert client._tombstones == {}
+    assert [server.next_message() for _ in range(3)] == [
+        server_view("x1", [1], stream=False),
+        abort("x1"),
+        server_view("x1", [1, 2, 3], stream=False),
+    ]
+    with pytest.raises(queue.Empty):
+        server.next_message(timeout=0.1)
+
+
+def test_async_retry_after_a_timeout_gets_its_own_tokens(serve) -> None:
+    server = serve(AbortConfirming())
+
+    async def main() -> None:
+        async with AsyncClient(server.url, timeout=WAIT) as client:
+            with pytest.raises(RequestTimeout):
+                await client.generate([1, 2, 3], request_id="job-1", timeout=0.2)
+            assert await client.generate([1, 2, 3], request_id="job-1") == (
+                three_outputs_folded("job-1")
+            )
+            # An early-closed stream is retried the same way.
+            async with contextlib.aclosing(client.stream([1], request_id="job-2")) as outputs:
+                with pytest.raises(TimeoutError):
+                    async with asyncio.timeout(0.2):
+                        await anext(outputs)
+            assert [out async for out in client.stream([1, 2, 3], request_id="job-2")] == (
+                three_outputs("job-2")
+            )
+            assert client._tombstones == {}
+
+    asyncio.run(main())
+    assert [server.next_message() for _ in range(6)] == [
+        server_view("job-1", [1, 2, 3], stream=False),
+        abort("job-1"),
+        server_view("job-1", [1, 2, 3], stream=False),
+        server_view("job-2", [1]),
+        abort("job-2"),
+        server_view("job-2", [1, 2, 3]),
+    ]
+
+
+def test_async_unanswered_abort_expires(serve, monkeypatch) -> None:
+    monkeypatch.setattr(client_module, "TOMBSTONE_TTL_S", 0.5)
+    server = serve(AbortConfirming(answer_aborts=False))
+
+    async def main() -> None:
+        async with AsyncClient(server.url, timeout=WAIT) as client:
+            with pytest.raises(RequestTimeout):
+                await client.generate([1], request_id="x1", timeout=0.1)
+            with pytest.raises(RequestTimeout, match="was not sent"):
+                await client.generate([1], request_id="x1", timeout=0.05)
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            assert await client.generate([1, 2, 3], request_id="x1") == (three_outputs_folded("x1"))
+            assert 0.2 < loop.time() - start < WAIT
+            assert client._tombstones == {}
+
+    asyncio.run(main())
+    assert [server.next_message() for _ in range(3)] == [
+        server_view("x1", [1], stream=False),
+        abort("x1"),
+        server_view("x1", [1, 2, 3], stream=False),
+    ]

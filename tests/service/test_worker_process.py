@@ -350,6 +350,31 @@ def test_reregister_and_a_new_welcome_reset_request_state(live):
     assert {b.session for b in beats} == {"session-2"}
 
 
+def test_a_reregister_burst_sends_one_register(live, llama_ckpt):
+    # The control plane answers each heartbeat it cannot place with a Reregister: five queue up.
+    for _ in range(5):
+        live.control.send(protocol.Reregister(PROTOCOL_VERSION, "unknown worker"))
+    assert live.control.recv() == Register(PROTOCOL_VERSION, live.info)
+    # Nothing more before the Welcome; the window stays under the 2 s periodic Register retry.
+    deadline = time.monotonic() + 1.0
+    extra = []
+    while time.monotonic() < deadline:
+        msg = live.control._pump(deadline)
+        if msg is not None:
+            extra.append(msg)
+    assert extra == []
+    live.welcome("session-3")
+
+    scheduler = Scheduler.for_worker(live.info)
+    for request in make_requests([4, 10], seed=6):
+        scheduler.add_request(request)
+    assert drive(live.control, scheduler) == in_process_tokens(
+        llama_ckpt.path, make_requests([4, 10], seed=6)
+    )
+    beats = live.control.wait_heartbeats(2, timeout_s=3.0)
+    assert {b.session for b in beats} == {"session-3"}
+
+
 # --- exits --------------------------------------------------------------------------------------
 
 
