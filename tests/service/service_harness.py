@@ -51,7 +51,7 @@ class Service:
             bind=self.url,
             redis_url=self.redis_url,
             model=self.model,
-            heartbeat_timeout_s=1.0,
+            heartbeat_timeout_s=2.0,
             **self.control_kwargs,  # type: ignore[arg-type]
         )
         self.plane = ControlPlane(args)
