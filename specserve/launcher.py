@@ -8,6 +8,7 @@ Their output is merged into the launcher's stderr, each line prefixed with the c
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -74,16 +75,23 @@ def say(line: str, name: str = "up") -> None:
 
 
 def _pump(name: str, stream: IO[bytes]) -> None:
-    """Copy a child's output to our stderr line by line, prefixed with its name."""
+    """Copy a child's output to our stderr line by line, marked with its name."""
     prefix = f"[{name}] ".encode()
+    field = b'{"process": ' + json.dumps(name).encode() + b", "
     out = sys.stderr.buffer if hasattr(sys.stderr, "buffer") else None
     for line in iter(stream.readline, b""):
+        if line.startswith(b"{") and not line.startswith(b"{}"):
+            # A JSON log line (--log-json): name the process inside it, so it stays one object.
+            line = field + line[1:]
+            prefix_line = line
+        else:
+            prefix_line = prefix + line
         with _stderr_lock:
             if out is not None:
-                out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+                out.write(prefix_line if line.endswith(b"\n") else prefix_line + b"\n")
                 out.flush()
             else:
-                sys.stderr.write(f"[{name}] {line.decode(errors='replace').rstrip()}\n")
+                sys.stderr.write(f"{prefix_line.decode(errors='replace').rstrip()}\n")
     stream.close()
 
 
