@@ -2,7 +2,7 @@
 
 Usage: .venv/bin/python bench/service.py [--workers 2] [--groups 6] [--users 8] [--questions 2]
     [--system-tokens 192] [--rate 2] [--max-tokens 16] [--model smollm2-135m] [--num-blocks N]
-    [--redis-url URL] [--seed 0] [--quick] [--json]
+    [--redis-url URL] [--seed 0] [--quick] [--index-only] [--json]
 
 The workload has the shape of llm-d's precise-prefix-cache benchmark, scaled to a small CPU box:
 G groups of users, each group sharing one long system prompt; each of U users per group asks Q
@@ -14,8 +14,9 @@ recomputed.
 Per routing mode, a fresh control plane (a thread of this process, so its metrics are read
 directly) and fresh worker processes (cold caches) serve the same workload with the same arrival
 times against one Redis. Both modes run one after the other in this process, so they share the
-machine's conditions as far as a sequential run can. Part 2 times the prefix index alone against
-the same Redis: `IndexReader.longest_prefix` for a 12-block prompt, `IndexWriter.apply` batches.
+machine's conditions as far as a sequential run can. Part 2 (alone with --index-only) times the
+prefix index against the same Redis (`IndexReader.longest_prefix` for a 12-block prompt,
+`IndexWriter.apply` batches) and the control plane's admission rate, with and without Redis.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import asyncio
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import platform
@@ -48,9 +50,16 @@ from specserve.cache_index import IndexReader, IndexWriter, Namespace, connect, 
 from specserve.cache_index.local_server import LocalRedis, free_port
 from specserve.client import AsyncClient, ServiceError
 from specserve.control.server import ControlArgs, ControlPlane
+from specserve.shared.config import AttentionType, KVGroupSpec
 from specserve.shared.kv_events import BlockStored
 from specserve.shared.logging import configure_logging
-from specserve.shared.protocol import SamplingParams
+from specserve.shared.protocol import (
+    PROTOCOL_VERSION,
+    GenerateRequest,
+    Register,
+    SamplingParams,
+    WorkerInfo,
+)
 
 MODES = ("round-robin", "prefix")
 BLOCK_SIZE = 16
@@ -513,6 +522,42 @@ def write_rate(client: Redis, ns: Namespace, events_per_batch: int, seconds: flo
     return blocks / spent
 
 
+class SilentPlane(ControlPlane):
+    """The real control plane with its sends dropped: admission timed without any peers."""
+
+    def _send(self, identity: bytes, msg: object) -> bool:
+        return True
+
+
+def admission_rate(model: str, redis_url: str | None, seconds: float) -> float:
+    """Requests/s the control plane admits (validate, hash, look up, route, add to a scheduler):
+    512-token prompts sharing 500 tokens, two registered workers with room for all of them."""
+    plane = SilentPlane(ControlArgs(bind="tcp://127.0.0.1:0", model=model, redis_url=redis_url))
+    tag = uuid.uuid4().hex[:6]
+    try:
+        for i in range(2):
+            info = WorkerInfo(
+                worker_id=f"admit-{tag}-{i}", model=model, device="cpu",
+                kv_groups=[KVGroupSpec(AttentionType.FULL, BLOCK_SIZE)], num_blocks=1 << 20,
+                max_model_len=4096, vocab_size=30_000, eos_token_ids=[],
+                max_num_batched_tokens=8192, max_num_seqs=1 << 20,
+            )  # fmt: skip
+            plane._on_register(info.worker_id.encode(), Register(PROTOCOL_VERSION, info))
+        shared = [TOKEN_RANGE[0] + i for i in range(500)]
+        count = itertools.count()
+
+        def admit() -> int:
+            i = next(count)
+            prompt = shared + [TOKEN_RANGE[0] + (i >> s) % 1000 for s in range(0, 120, 10)]
+            request = GenerateRequest(PROTOCOL_VERSION, f"a{i}", prompt_token_ids=prompt)
+            plane._on_generate(b"bench", request)
+            return 1
+
+        return timed_rate(admit, seconds)
+    finally:
+        plane.sock.close(linger=0)
+
+
 def drop_namespace(client: Redis, ns: Namespace) -> None:
     """The bench's private namespace only (the library itself never scans the keyspace)."""
     keys = list(client.scan_iter(match=ns.base + b"*", count=1000))
@@ -520,7 +565,7 @@ def drop_namespace(client: Redis, ns: Namespace) -> None:
         client.unlink(*keys)
 
 
-def index_bench(redis_url: str, seconds: float) -> dict[str, float]:
+def index_bench(redis_url: str, model: str, seconds: float) -> dict[str, float]:
     client = connect(redis_url)
     ns = Namespace(f"bench-{uuid.uuid4().hex[:10]}", BLOCK_SIZE)
     try:
@@ -530,6 +575,8 @@ def index_bench(redis_url: str, seconds: float) -> dict[str, float]:
             "lookups_per_s_4_workers": lookup_rate(client, ns, 4, seconds),
             "block_writes_per_s_1x12": write_rate(client, ns, 1, seconds),
             "block_writes_per_s_16x12": write_rate(client, ns, 16, seconds),
+            "admissions_per_s_redis": admission_rate(model, redis_url, seconds),
+            "admissions_per_s_local": admission_rate(model, None, seconds),
         }
     finally:
         drop_namespace(client, ns)
@@ -598,6 +645,16 @@ def print_report(args: argparse.Namespace, results: list[ModeResult], index: dic
         print(f"{name:<36} {a:>12} {b:>12} {r:>10}")
     print()
     print(f"greedy outputs identical in both modes: {same_outputs(rr, px)}/{n}")
+    print_index(index)
+    print(
+        f"summary: prefix/round-robin TTFT p50 {ratio(px.ttft_p50_ms, rr.ttft_p50_ms)}, "
+        f"p90 {ratio(px.ttft_p90_ms, rr.ttft_p90_ms)}, throughput "
+        f"{ratio(px.output_tokens_per_s, rr.output_tokens_per_s)}; prefix hit rate "
+        f"{rr.prefix_hit_rate:.2f} -> {px.prefix_hit_rate:.2f}"
+    )
+
+
+def print_index(index: dict) -> None:
     print(
         f"index alone: longest_prefix {index['lookups_per_s_2_workers']:,.0f} lookups/s "
         f"(2 workers), {index['lookups_per_s_4_workers']:,.0f} (4 workers); apply "
@@ -605,10 +662,8 @@ def print_report(args: argparse.Namespace, results: list[ModeResult], index: dic
         f"{index['block_writes_per_s_16x12']:,.0f} (16 x 12)"
     )
     print(
-        f"summary: prefix/round-robin TTFT p50 {ratio(px.ttft_p50_ms, rr.ttft_p50_ms)}, "
-        f"p90 {ratio(px.ttft_p90_ms, rr.ttft_p90_ms)}, throughput "
-        f"{ratio(px.output_tokens_per_s, rr.output_tokens_per_s)}; prefix hit rate "
-        f"{rr.prefix_hit_rate:.2f} -> {px.prefix_hit_rate:.2f}"
+        f"control-plane admission (512-token prompts): {index['admissions_per_s_redis']:,.0f} "
+        f"requests/s routing through Redis, {index['admissions_per_s_local']:,.0f} without it"
     )
 
 
@@ -654,6 +709,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--index-seconds", type=float, default=2.0)
     p.add_argument("--quick", action="store_true", help="a small run (about a minute)")
+    p.add_argument("--index-only", action="store_true", help="part 2 only: index and admission")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = p.parse_args()
     if args.quick:
@@ -677,12 +733,16 @@ def main() -> None:
     if args.num_blocks - 1 >= args.groups * (args.system_tokens // BLOCK_SIZE):
         log("note: each worker's KV cache holds every system prompt; round-robin need not evict")
     with redis_server(args.redis_url) as redis_url, tempfile.TemporaryDirectory() as logdir:
-        results = [run_mode(mode, args, redis_url, jobs, Path(logdir)) for mode in MODES]
-        index = index_bench(redis_url, args.index_seconds)
+        results = []
+        if not args.index_only:
+            results = [run_mode(mode, args, redis_url, jobs, Path(logdir)) for mode in MODES]
+        index = index_bench(redis_url, args.model, args.index_seconds)
     if args.json:
-        print(json_report(args, results, index))
-    else:
+        print(json_report(args, results, index) if results else json.dumps({"index": index}))
+    elif results:
         print_report(args, results, index)
+    else:
+        print_index(index)
 
 
 if __name__ == "__main__":
