@@ -23,31 +23,23 @@ import signal
 import threading
 import time
 import uuid
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass
 
 import structlog
 import zmq
-from redis import Redis
-from redis.exceptions import RedisError
 
 from specserve.cache_index import (
-    CacheIndexError,
-    IndexReader,
-    IndexWriter,
     Namespace,
-    cleanup_fenced,
     connect,
-    expire_stale_workers,
-    heartbeat,
-    mark_dead,
-    register_worker,
 )
 from specserve.control.frontend import ClientRequest, Frontend
+from specserve.control.index_sync import IndexSync
 from specserve.control.metrics import ServiceMetrics
 from specserve.control.request import Request, SpecDecodingStats
 from specserve.control.router import Candidate, Router, Routing
-from specserve.control.scheduler import RequestUpdate, ScheduledStep, Scheduler
+from specserve.control.scheduler import RequestUpdate, Scheduler
+from specserve.control.worker_handle import WorkerHandle
 from specserve.shared import protocol
 from specserve.shared.config import SchedulingPolicy
 from specserve.shared.hashing import BlockHash, BlockHasher, extend_block_hashes
@@ -65,7 +57,6 @@ from specserve.shared.protocol import (
     SpecStats,
     StepResult,
     Welcome,
-    WorkerInfo,
     check_worker_id,
 )
 from specserve.shared.tokenizer import load_tokenizer
@@ -73,16 +64,10 @@ from specserve.shared.tokenizer import load_tokenizer
 log = structlog.get_logger(__name__)
 
 TICK_S = 0.1
-INDEX_HEARTBEAT_S = 1.0
-INDEX_RETRY_S = 1.0
-JANITOR_S = 2.0
-STALE_WORKER_MS = 15_000  # a live worker unheard of for this long (index heartbeats: 1 s) is dead
 HEARTBEAT_SUFFIX = b"#hb"
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_BLOCKS = 1 << 24  # per worker; the control plane keeps a Python object per block
 MAX_VOCAB = 1 << 31
-ROUTED_HINT_S = 2.0  # a routed prefix is scheduled (and in the index) well within this
-ROUTED_HINT_MAX = 16_384  # block hashes remembered per worker
 
 
 @dataclass(frozen=True)
@@ -97,68 +82,6 @@ class ControlArgs:
     policy: str = "fcfs"  # fcfs | priority
     hash_algo: str = "sha256"  # sha256 | xxh3_128
     load_weight: float = 1.0  # how much a fully loaded worker outweighs a fully cached prompt
-
-
-@dataclass
-class WorkerHandle:
-    info: WorkerInfo
-    scheduler: Scheduler
-    namespace: Namespace
-    last_seen: float
-    writer: IndexWriter | None = None
-    epoch: int = -1
-    outstanding: ScheduledStep | None = None
-    failed: str | None = None  # why it is about to be removed (removal waits for a safe point)
-    sent_at: float = 0.0  # when `outstanding` left
-    result_at: float | None = None
-    steps: int = 0
-    last_index_heartbeat: float = 0.0
-    # Prefix blocks of requests just routed here, before the scheduler caches them (and the
-    # index learns them): block hash -> expiry. Without it, a burst of requests sharing a cold
-    # prefix would scatter over the workers before the first one is scheduled.
-    routed: OrderedDict[BlockHash, float] = field(default_factory=OrderedDict)
-
-    def remember_routed(self, hashes: list[BlockHash], now: float) -> None:
-        routed = self.routed
-        for block_hash in hashes:
-            routed[block_hash] = now + ROUTED_HINT_S
-            routed.move_to_end(block_hash)
-        while len(routed) > ROUTED_HINT_MAX:
-            routed.popitem(last=False)
-
-    def routed_prefix(self, hashes: list[BlockHash], now: float) -> int:
-        n = 0
-        for block_hash in hashes:
-            expiry = self.routed.get(block_hash)
-            if expiry is None or expiry < now:
-                break
-            n += 1
-        return n
-
-    @property
-    def worker_id(self) -> str:
-        return self.info.worker_id
-
-    @property
-    def identity(self) -> bytes:
-        return self.info.worker_id.encode()
-
-    @property
-    def load(self) -> float:
-        s = self.scheduler
-        queued = (len(s.running) + len(s.waiting)) / s.config.max_num_seqs
-        return max(queued, s.kv.usage())
-
-
-@dataclass
-class _IndexState:
-    client: Redis | None
-    up: bool = False
-    retry_at: float = 0.0
-    last_janitor: float = 0.0
-    namespaces: set[Namespace] = field(default_factory=set)
-    # Removed while Redis was away: fence them once it is back (their epochs would stay live).
-    pending_dead: list[tuple[Namespace, str, int]] = field(default_factory=list)
 
 
 def index_model_name(model: str) -> str:
@@ -190,11 +113,7 @@ class ControlPlane:
             if (args.redis_url)
             else None
         )
-        self.index = _IndexState(client)
-        if client is not None:
-            self.index.up = True  # until proven otherwise: a failed ping flips it
-            if self._index_call("ping", client.ping) is None:
-                log.warning("index.unavailable", op="ping", redis_url=args.redis_url)
+        self.index = IndexSync(client, self.workers, self.metrics, self.session)
         self._last_tick = 0.0
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -330,7 +249,7 @@ class ControlPlane:
         namespace = Namespace(index_model_name(info.model), hash_block_size, self.args.hash_algo)
         worker = WorkerHandle(info, scheduler, namespace, last_seen=time.monotonic())
         self.workers[info.worker_id] = worker
-        self._index_register(worker)
+        self.index.register(worker)
         self._send(identity, Welcome(PROTOCOL_VERSION, info.worker_id, self.session, worker.epoch))
         self.metrics.worker_up.labels(info.worker_id).set(1)
         self.metrics.workers.set(len(self.workers))
@@ -415,7 +334,7 @@ class ControlPlane:
         if not scheduler.has_unfinished_requests:
             return
         step = scheduler.schedule()
-        self._index_write(worker)
+        self.index.write(worker)
         early = scheduler.take_early_updates()
         if early:
             self._deliver(worker, early)
@@ -438,12 +357,7 @@ class ControlPlane:
         del self.workers[worker.worker_id]
         self.metrics.worker_up.labels(worker.worker_id).set(0)
         self.metrics.workers.set(len(self.workers))
-        if worker.epoch >= 0 and self.index.client is not None:
-            dead = (worker.namespace, worker.worker_id, worker.epoch)
-            if self.index.up:
-                self._fence(*dead)
-            if not self.index.up:  # Redis is away: fence the epoch once it is back
-                self.index.pending_dead.append(dead)
+        self.index.remove(worker)
         orphans = [rid for rid in worker.scheduler.requests if rid in self.requests]
         log.warning("worker.removed", worker=worker.worker_id, reason=reason, resumed=len(orphans))
         for request_id in orphans:
@@ -613,18 +527,11 @@ class ControlPlane:
         """Per worker, prompt tokens it caches: from the index (else from our own pools), or
         will cache once the requests just routed to it are scheduled."""
         blocks: dict[str, int] = {}
-        if self.index.up and self.index.client is not None:
-            for ns, ns_hashes in hashes.items():
-                if not ns_hashes:
-                    continue
-                start = time.perf_counter()
-                found = self._index_call(
-                    "lookup", IndexReader(self.index.client, ns).longest_prefix, ns_hashes
-                )
-                if found is None:
-                    break
-                self.metrics.index_lookup.observe(time.perf_counter() - start)
-                blocks.update(found)
+        for ns, ns_hashes in hashes.items():
+            found = self.index.lookup(ns, ns_hashes) if ns_hashes else {}
+            if found is None:
+                break
+            blocks.update(found)
         if not self.index.up:
             for worker in self.workers.values():
                 pool = worker.scheduler.kv.pool
@@ -720,97 +627,6 @@ class ControlPlane:
         self._send(req.client, out)
         log.debug("request.finished", request_id=req.request_id, reason=reason, error=error)
 
-    # --- the prefix index -------------------------------------------------------------------
-
-    def _index_call(self, op: str, fn, *args, **kwargs):
-        """Run one index operation; on failure mark the index down (serving goes on)."""
-        try:
-            return fn(*args, **kwargs)
-        except (CacheIndexError, RedisError) as exc:  # e.g. OOM or read-only replica too
-            self.metrics.index_errors.labels(op).inc()
-            if self.index.up:
-                log.warning("index.unavailable", op=op, reason=str(exc))
-            self.index.up = False
-            self.index.retry_at = time.monotonic() + INDEX_RETRY_S
-            for worker in self.workers.values():
-                worker.writer = None
-            return None
-
-    def _index_register(self, worker: WorkerHandle) -> None:
-        """Register the worker under a fresh epoch and write its whole cache (usually empty)."""
-        client = self.index.client
-        if client is None or not self.index.up:
-            return  # the tick registers every worker once Redis is back
-        info = {"device": worker.info.device, "num_blocks": worker.info.num_blocks,
-                "pid": worker.info.pid, "session": self.session}  # fmt: skip
-        epoch = self._index_call(
-            "register", register_worker, client, worker.namespace, worker.worker_id, info
-        )
-        if epoch is None:
-            return
-        pool = worker.scheduler.kv.pool
-        writer = IndexWriter(client, worker.namespace, worker.worker_id, epoch,
-                             snapshot=pool.cached_entries)  # fmt: skip
-        if (
-            pool.num_cached_blocks()
-            and self._index_call("resync", writer.resync, pool.cached_entries()) is None
-        ):
-            return  # fmt: skip
-        worker.writer, worker.epoch = writer, writer.epoch
-        self.index.namespaces.add(worker.namespace)
-
-    def _fence(self, ns: Namespace, worker_id: str, epoch: int) -> None:
-        """Stop a removed worker's entries from counting (the janitor deletes them later)."""
-        self._index_call("mark_dead", mark_dead, self.index.client, ns, worker_id, epoch=epoch)
-
-    def _index_write(self, worker: WorkerHandle) -> None:
-        events = worker.scheduler.take_kv_events()
-        if worker.writer is None or not events:
-            return
-        self._index_call("write", worker.writer.apply, events)
-        if worker.writer is not None:  # a resync or clear may have moved it to a new epoch
-            worker.epoch = worker.writer.epoch
-
-    def _index_tick(self, now: float) -> None:
-        index = self.index
-        if index.client is None:
-            return
-        if not index.up:
-            if now < index.retry_at:
-                return
-            index.retry_at = now + INDEX_RETRY_S
-            index.up = True  # optimistic: any failure below flips it back
-            for worker in list(self.workers.values()):
-                self._index_register(worker)
-                if not index.up:
-                    return
-            for dead in index.pending_dead:
-                self._fence(*dead)
-            if index.up:
-                index.pending_dead.clear()
-            if index.up:
-                log.info("index.resynced", workers=len(self.workers))
-            return
-        for worker in list(self.workers.values()):
-            if worker.writer is None:  # registered while Redis was away
-                self._index_register(worker)
-        for worker in list(self.workers.values()):
-            if now - worker.last_index_heartbeat < INDEX_HEARTBEAT_S:
-                continue
-            worker.last_index_heartbeat = now
-            alive = self._index_call(
-                "heartbeat", heartbeat, index.client, worker.namespace, worker.worker_id,
-                worker.epoch,
-            )  # fmt: skip
-            if alive is False:  # fenced behind our back (e.g. Redis restarted): start over
-                self._index_register(worker)
-        if now - index.last_janitor >= JANITOR_S:
-            index.last_janitor = now
-            for ns in list(index.namespaces):
-                # Workers nobody heartbeats any more (their control plane died) stop counting.
-                self._index_call("expire", expire_stale_workers, index.client, ns, STALE_WORKER_MS)
-                self._index_call("cleanup", cleanup_fenced, index.client, ns, max_batches=4)
-
     # --- periodic work ----------------------------------------------------------------------
 
     def _tick(self, now: float) -> None:
@@ -823,7 +639,7 @@ class ControlPlane:
             elif worker.outstanding is not None and now - worker.sent_at > step_timeout:
                 # Alive (it heartbeats) but stuck, e.g. a hung device: its requests move on.
                 self._remove_worker(worker, f"no step result for {now - worker.sent_at:.0f}s")
-        self._index_tick(now)
+        self.index.tick(now)
         if len(self._reregistered) > 1024:
             self._reregistered = {k: t for k, t in self._reregistered.items() if now - t < 60}
         for worker in self.workers.values():

@@ -1,0 +1,66 @@
+"""The control plane's view of one registered worker: its scheduler, its index writer, the step
+it owes, and where the router recently sent prefixes."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from specserve.cache_index import IndexWriter, Namespace
+from specserve.control.scheduler import ScheduledStep, Scheduler
+from specserve.shared.hashing import BlockHash
+from specserve.shared.protocol import WorkerInfo
+
+ROUTED_HINT_S = 2.0  # a routed prefix is scheduled (and in the index) well within this
+ROUTED_HINT_MAX = 16_384  # block hashes remembered per worker
+
+
+@dataclass
+class WorkerHandle:
+    info: WorkerInfo
+    scheduler: Scheduler
+    namespace: Namespace
+    last_seen: float
+    writer: IndexWriter | None = None
+    epoch: int = -1
+    outstanding: ScheduledStep | None = None
+    failed: str | None = None  # why it is about to be removed (removal waits for a safe point)
+    sent_at: float = 0.0  # when `outstanding` left
+    result_at: float | None = None
+    steps: int = 0
+    last_index_heartbeat: float = 0.0
+    # Prefix blocks of requests just routed here, before the scheduler caches them (and the
+    # index learns them): block hash -> expiry. Without it, a burst of requests sharing a cold
+    # prefix would scatter over the workers before the first one is scheduled.
+    routed: OrderedDict[BlockHash, float] = field(default_factory=OrderedDict)
+
+    def remember_routed(self, hashes: list[BlockHash], now: float) -> None:
+        routed = self.routed
+        for block_hash in hashes:
+            routed[block_hash] = now + ROUTED_HINT_S
+            routed.move_to_end(block_hash)
+        while len(routed) > ROUTED_HINT_MAX:
+            routed.popitem(last=False)
+
+    def routed_prefix(self, hashes: list[BlockHash], now: float) -> int:
+        n = 0
+        for block_hash in hashes:
+            expiry = self.routed.get(block_hash)
+            if expiry is None or expiry < now:
+                break
+            n += 1
+        return n
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def identity(self) -> bytes:
+        return self.info.worker_id.encode()
+
+    @property
+    def load(self) -> float:
+        s = self.scheduler
+        queued = (len(s.running) + len(s.waiting)) / s.config.max_num_seqs
+        return max(queued, s.kv.usage())
