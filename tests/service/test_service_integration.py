@@ -313,10 +313,10 @@ def test_redis_outage_keeps_serving_then_resyncs_and_metrics_are_scraped(
         redis_server.close()
 
 
-def test_a_stuck_worker_is_removed_and_its_request_resumes(llama_ckpt, service_redis_url, tmp_path):
+def test_a_stuck_worker_is_removed_and_its_request_resumes(llama_ckpt, redis_url, tmp_path):
     """A worker that heartbeats but never returns its step (a hung device; played here by a
     scripted peer on a real socket) loses its requests to a healthy worker."""
-    service = Service(str(llama_ckpt.path), service_redis_url, tmp_path, step_timeout_s=1.0)
+    service = Service(str(llama_ckpt.path), redis_url, tmp_path, step_timeout_s=1.0)
     stop = threading.Event()
     ctx = zmq.Context.instance()
     info = WorkerEngine(EngineArgs(model=str(llama_ckpt.path), **WORKER_ENGINE)).info("stuck")
