@@ -23,7 +23,7 @@ import math
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -213,17 +213,54 @@ def _tombstoned_error(request_id: str, timeout: float) -> RequestTimeout:
     )
 
 
-def _expire(tombstones: dict[str, float], now: float) -> list[str]:
-    """Drop the expired tombstones and return their ids. Every tombstone lives as long, so
-    insertion order is expiry order and only the expired head of the dict is visited."""
-    expired = []
-    for request_id, expiry in tombstones.items():
-        if expiry > now:
-            break
-        expired.append(request_id)
-    for request_id in expired:
-        del tombstones[request_id]
-    return expired
+class _Tombstones:
+    """Ids of requests this client aborted whose final output has not arrived yet: id -> when to
+    forget it. Every tombstone lives as long, so insertion order is expiry order and expiring
+    visits only the dict's expired head. `on_clear` hears of every id that leaves."""
+
+    def __init__(self, on_clear: Callable[[str], None] | None = None) -> None:
+        self._expiry: dict[str, float] = {}
+        self._on_clear = on_clear
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._expiry)
+
+    def expiry(self, request_id: str, now: float) -> float | None:
+        """When the id's tombstone expires; None when it has none (expired ones are dropped)."""
+        self.expire(now)
+        return self._expiry.get(request_id)
+
+    def add(self, request_id: str, now: float) -> None:
+        self.expire(now)
+        self._expiry.pop(request_id, None)  # re-inserted at the end: keeps expiry order
+        self._expiry[request_id] = now + TOMBSTONE_TTL_S
+
+    def expire(self, now: float) -> None:
+        expired = []
+        for request_id, expiry in self._expiry.items():
+            if expiry > now:
+                break
+            expired.append(request_id)
+        for request_id in expired:
+            self._clear(request_id)
+
+    def swallow(self, reply: Reply) -> bool:
+        """True when the reply is the tail of a request we aborted (its final one clears it)."""
+        if reply.request_id not in self._expiry:
+            return False
+        if _ends_request(reply):
+            self._clear(reply.request_id)
+        log.debug("client.reply.aborted", request_id=reply.request_id)
+        return True
+
+    def clear_all(self) -> None:
+        for request_id in list(self._expiry):
+            self._clear(request_id)
+
+    def _clear(self, request_id: str) -> None:
+        del self._expiry[request_id]
+        if self._on_clear is not None:
+            self._on_clear(request_id)
 
 
 class Client:
@@ -248,8 +285,7 @@ class Client:
         self._socket.connect(url)
         # Replies of each unfinished request, in arrival order, until the caller takes them.
         self._pending: dict[str, deque[Reply]] = {}
-        # Aborted ids whose final output has not arrived yet: id -> when to forget it.
-        self._tombstones: dict[str, float] = {}
+        self._tombstones = _Tombstones()
         self._closed = False
 
     def generate(
@@ -372,7 +408,7 @@ class Client:
         for request_id in self._pending:
             self._send(_abort_message(request_id))
         self._pending.clear()
-        self._tombstones.clear()
+        self._tombstones.clear_all()
         self._closed = True
         self._socket.close(linger=CLOSE_LINGER_MS)
         self._context.term()
@@ -420,8 +456,7 @@ class Client:
         tombstone expires); RequestTimeout at `deadline`."""
         while True:
             now = time.monotonic()
-            _expire(self._tombstones, now)
-            expiry = self._tombstones.get(request_id)
+            expiry = self._tombstones.expiry(request_id, now)
             if expiry is None:
                 return
             if deadline is not None and now >= deadline:
@@ -454,10 +489,7 @@ class Client:
         reply = parse_reply(self._socket.recv_multipart())
         if reply is None:
             return
-        if reply.request_id in self._tombstones:  # the tail of a request we aborted
-            if _ends_request(reply):
-                del self._tombstones[reply.request_id]
-            log.debug("client.reply.aborted", request_id=reply.request_id)
+        if self._tombstones.swallow(reply):
             return
         buffer = self._pending.get(reply.request_id)
         if buffer is None:  # e.g. the tail of an aborted request whose tombstone expired
@@ -472,10 +504,7 @@ class Client:
             return
         # A request whose last reply is already here has finished: nothing more will come.
         if buffer is None or not any(_ends_request(reply) for reply in buffer):
-            now = time.monotonic()
-            _expire(self._tombstones, now)
-            self._tombstones.pop(request_id, None)  # keep the dict in expiry order
-            self._tombstones[request_id] = now + TOMBSTONE_TTL_S
+            self._tombstones.add(request_id, time.monotonic())
         self._send(_abort_message(request_id))
 
     def _send(self, frame: bytes) -> None:
@@ -510,10 +539,9 @@ class AsyncClient:
         self._queues: dict[str, asyncio.Queue[Reply | ServiceError]] = {}
         # Ids whose last reply sits in their queue, not yet taken: an abort of one gets no answer.
         self._ended: set[str] = set()
-        # Aborted ids whose final output has not arrived yet: id -> when to forget it (loop
-        # time), and the event that wakes a new request waiting to reuse the id.
-        self._tombstones: dict[str, float] = {}
+        # Aborted ids (in loop time), and the events that wake a new request waiting to reuse one.
         self._tombstone_cleared: dict[str, asyncio.Event] = {}
+        self._tombstones = _Tombstones(on_clear=self._wake_reuser)
         self._receiver: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -641,8 +669,7 @@ class AsyncClient:
         self._closed = True
         self._fail_all(ServiceError("the client is closed"))
         self._ended.clear()
-        for request_id in list(self._tombstones):  # wake the requests waiting on them
-            self._clear_tombstone(request_id)
+        self._tombstones.clear_all()  # wakes the requests waiting to reuse those ids
         if self._receiver is not None:
             self._receiver.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -702,26 +729,22 @@ class AsyncClient:
         loop = asyncio.get_running_loop()
         while True:
             now = loop.time()
-            self._expire_tombstones(now)
-            expiry = self._tombstones.get(request_id)
+            expiry = self._tombstones.expiry(request_id, now)
             if expiry is None:
                 return
             if deadline is not None and now >= deadline:
                 raise _tombstoned_error(request_id, limit or 0.0)
-            cleared = self._tombstone_cleared[request_id]
+            cleared = self._tombstone_cleared.setdefault(request_id, asyncio.Event())
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout_at(
                     expiry if deadline is None else min(expiry, deadline)
                 ):
                     await cleared.wait()
 
-    def _expire_tombstones(self, now: float) -> None:
-        for request_id in _expire(self._tombstones, now):
-            self._tombstone_cleared.pop(request_id).set()
-
-    def _clear_tombstone(self, request_id: str) -> None:
-        del self._tombstones[request_id]
-        self._tombstone_cleared.pop(request_id).set()
+    def _wake_reuser(self, request_id: str) -> None:
+        event = self._tombstone_cleared.pop(request_id, None)
+        if event is not None:
+            event.set()
 
     async def _next(
         self, request_id: str, deadline: float | None, limit: float | None
@@ -755,10 +778,7 @@ class AsyncClient:
                 reply = parse_reply(await self._socket.recv_multipart())
                 if reply is None:
                     continue
-                if reply.request_id in self._tombstones:  # the tail of a request we aborted
-                    if _ends_request(reply):
-                        self._clear_tombstone(reply.request_id)
-                    log.debug("client.reply.aborted", request_id=reply.request_id)
+                if self._tombstones.swallow(reply):
                     continue
                 queue = self._queues.get(reply.request_id)
                 if queue is None:  # e.g. the tail of an aborted request whose tombstone expired
@@ -785,11 +805,7 @@ class AsyncClient:
         if self._closed:
             return
         if not finished:
-            now = asyncio.get_running_loop().time()
-            self._expire_tombstones(now)
-            self._tombstones.pop(request_id, None)  # keep the dict in expiry order
-            self._tombstones[request_id] = now + TOMBSTONE_TTL_S
-            self._tombstone_cleared.setdefault(request_id, asyncio.Event())
+            self._tombstones.add(request_id, asyncio.get_running_loop().time())
         await self._send(_abort_message(request_id))
 
     async def _send(self, frame: bytes) -> None:
