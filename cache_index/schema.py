@@ -32,6 +32,15 @@ def hash_fingerprint(algo: str, seed: str) -> str:
     return hashlib.sha256(f"{algo}\x00{seed}".encode()).hexdigest()[:8]
 
 
+def key_model_name(model: str) -> str:
+    """The model's name in index keys: itself when it fits the schema, else its last path
+    component followed by a stable digest of the whole (checkpoint paths can be long or unusual)."""
+    if _MODEL_RE.fullmatch(model):
+        return model
+    tail = re.sub(r"[^A-Za-z0-9._-]", "_", model.rstrip("/").rsplit("/", 1)[-1])[:48] or "model"
+    return f"{tail}-{hashlib.sha256(model.encode()).hexdigest()[:12]}"
+
+
 def digest_key(block_hash: BlockHash) -> bytes:
     """The 16 leading bytes of a block hash, as used in keys."""
     if len(block_hash) < DIGEST_BYTES:

@@ -15,10 +15,8 @@ continues with nothing lost and nothing repeated.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import math
-import re
 import signal
 import threading
 import time
@@ -29,10 +27,8 @@ from dataclasses import dataclass
 import structlog
 import zmq
 
-from specserve.cache_index import (
-    Namespace,
-    connect,
-)
+from specserve.cache_index import Namespace, connect
+from specserve.cache_index.schema import key_model_name
 from specserve.control.frontend import ClientRequest, Frontend
 from specserve.control.index_sync import IndexSync
 from specserve.control.metrics import ServiceMetrics
@@ -84,15 +80,6 @@ class ControlArgs:
     load_weight: float = 1.0  # how much a fully loaded worker outweighs a fully cached prompt
 
 
-def index_model_name(model: str) -> str:
-    """The model's name in index keys: itself when it fits the key schema, else a stable digest
-    of it behind its last path component (checkpoint paths can be long or unusual)."""
-    if re.fullmatch(r"[A-Za-z0-9._/+-]{1,128}", model):
-        return model
-    tail = re.sub(r"[^A-Za-z0-9._-]", "_", model.rstrip("/").rsplit("/", 1)[-1])[:48] or "model"
-    return f"{tail}-{hashlib.sha256(model.encode()).hexdigest()[:12]}"
-
-
 class ControlPlane:
     def __init__(self, args: ControlArgs) -> None:
         self.args = args
@@ -108,11 +95,9 @@ class ControlPlane:
         self.pending: deque[str] = deque()  # accepted while no worker was available
         self._registrations = itertools.count(1)
         self._reregistered: dict[bytes, float] = {}  # identity -> last Reregister sent
-        client = (
-            connect(args.redis_url, socket_timeout=0.5, connect_timeout=0.5)
-            if (args.redis_url)
-            else None
-        )
+        client = None
+        if args.redis_url:
+            client = connect(args.redis_url, socket_timeout=0.5, connect_timeout=0.5)
         self.index = IndexSync(client, self.workers, self.metrics, self.session)
         self._last_tick = 0.0
         self.ctx = zmq.Context.instance()
@@ -245,8 +230,7 @@ class ControlPlane:
         old = self.workers.get(info.worker_id)
         if old is not None:
             self._remove_worker(old, "re-registered")
-        hash_block_size = math.gcd(*(g.block_size for g in info.kv_groups))
-        namespace = Namespace(index_model_name(info.model), hash_block_size, self.args.hash_algo)
+        namespace = Namespace.for_cache(key_model_name(info.model), scheduler.kv.config)
         worker = WorkerHandle(info, scheduler, namespace, last_seen=time.monotonic())
         self.workers[info.worker_id] = worker
         self.index.register(worker)

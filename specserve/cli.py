@@ -585,10 +585,10 @@ def discover_namespaces(client: Redis) -> list[Namespace]:
 
 def _cache_namespaces(client: Redis, args: argparse.Namespace) -> list[Namespace]:
     from specserve.cache_index import Namespace
-    from specserve.control.server import index_model_name
+    from specserve.cache_index.schema import key_model_name
 
     if args.model is not None:
-        return [Namespace(index_model_name(args.model), args.block_size, args.hash_algo)]
+        return [Namespace(key_model_name(args.model), args.block_size, args.hash_algo)]
     return discover_namespaces(client)
 
 

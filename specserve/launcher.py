@@ -25,6 +25,7 @@ from redis import Redis
 
 from specserve.cache_index import CacheIndexError, Namespace, connect, list_workers
 from specserve.cache_index.local_server import LocalRedis, RedisNotFound
+from specserve.cache_index.schema import key_model_name
 
 STOP_GRACE_S = 10.0
 POLL_INTERVAL_S = 0.2
@@ -59,9 +60,7 @@ class UpPlan:
     @property
     def namespace(self) -> Namespace:
         """Where the control plane registers the workers (named after `--model`)."""
-        from specserve.control.server import index_model_name
-
-        return Namespace(index_model_name(self.model), self.block_size, self.hash_algo)
+        return Namespace(key_model_name(self.model), self.block_size, self.hash_algo)
 
     def worker_ids(self) -> list[str]:
         return [f"worker-{i}" for i in range(self.workers)]

@@ -26,6 +26,7 @@ from specserve.cache_index.local_server import (
     find_server_binary,
     free_port,
 )
+from specserve.cache_index.schema import key_model_name
 from specserve.cli import (
     build_parser,
     control_args,
@@ -36,7 +37,7 @@ from specserve.cli import (
     up_plan,
     worker_engine_args,
 )
-from specserve.control.server import ControlArgs, index_model_name
+from specserve.control.server import ControlArgs
 from specserve.shared.hashing import BlockHasher, extend_block_hashes
 from specserve.shared.kv_events import BlockStored
 from specserve.shared.protocol import SamplingParams
@@ -329,7 +330,7 @@ def model_keys_dropped(llama_ckpt, redis_url: str) -> Iterator[None]:
     """Leave the session's Redis as found: remove what a service registered for the model."""
     yield
     client = redis.Redis.from_url(redis_url)
-    pattern = f"ssi:{{{index_model_name(str(llama_ckpt.path))}|*".encode()
+    pattern = f"ssi:{{{key_model_name(str(llama_ckpt.path))}|*".encode()
     keys = list(client.scan_iter(match=pattern, count=1000))
     if keys:
         client.unlink(*keys)
