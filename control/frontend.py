@@ -15,6 +15,7 @@ from specserve.shared.protocol import (
     SamplingParams,
     SpecStats,
     TokenLogprobs,
+    check_token_ids,
 )
 from specserve.shared.tokenizer import DetokenizeOffsets, Tokenizer
 
@@ -58,11 +59,7 @@ class Frontend:
             raise ValueError("give exactly one of prompt (text) and prompt_token_ids")
         if msg.prompt_token_ids is not None:
             ids = list(msg.prompt_token_ids)
-            bad = [t for t in ids if not 0 <= t < vocab_size]
-            if bad:
-                raise ValueError(
-                    f"prompt token ids {bad[:5]} are outside the vocabulary (size {vocab_size})"
-                )
+            check_token_ids(ids, vocab_size, "prompt token ids")
             if msg.chat:
                 raise ValueError("chat applies to text prompts only")
         else:

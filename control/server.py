@@ -53,6 +53,7 @@ from specserve.shared.protocol import (
     SpecStats,
     StepResult,
     Welcome,
+    check_token_ids,
     check_worker_id,
 )
 from specserve.shared.tokenizer import load_tokenizer
@@ -472,11 +473,7 @@ class ControlPlane:
     @staticmethod
     def _check_fits(worker: WorkerHandle, request: Request) -> None:
         info = worker.info
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < info.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt token ids {bad[:5]} are outside the vocabulary (size {info.vocab_size})"
-            )
+        check_token_ids(request.prompt_token_ids, info.vocab_size, "prompt token ids")
         request.sampling.validate(info.vocab_size)
         # The longest the request can grow, not just its prompt: a request that outgrows the
         # whole cache could only preempt itself, again and again.

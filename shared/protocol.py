@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 
 import msgspec
 
@@ -33,6 +34,13 @@ def check_worker_id(worker_id: str) -> str:
             f"worker id {worker_id!r} must be 1-64 characters from [{WORKER_ID_CHARS}]"
         )
     return worker_id
+
+
+def check_token_ids(token_ids: Iterable[int], vocab_size: int, what: str) -> None:
+    """Raise ValueError naming (up to five of) the ids outside [0, vocab_size)."""
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{what} {bad[:5]} are outside the vocabulary (size {vocab_size})")
 
 
 class ProtocolError(ValueError):
@@ -87,11 +95,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if vocab_size is not None:
-            bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-            if bad:
-                raise ValueError(
-                    f"stop_token_ids {bad} are outside the vocabulary (size {vocab_size})"
-                )
+            check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
 
 
 class NewRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

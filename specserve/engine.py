@@ -35,11 +35,7 @@ class InProcessEngine:
 
     def add_request(self, request: Request) -> None:
         request.sampling.validate(self.vocab_size)
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})"
-            )
+        protocol.check_token_ids(request.prompt_token_ids, self.vocab_size, "prompt token ids")
         self.scheduler.add_request(request)
 
     def has_unfinished_requests(self) -> bool:

@@ -21,6 +21,7 @@ from specserve.shared.protocol import (
     StepBatch,
     StepResult,
     TokenLogprobs,
+    check_token_ids,
 )
 from specserve.worker.attention.base import SequenceStep
 from specserve.worker.kv_cache import PagedKVCache
@@ -125,9 +126,7 @@ class ModelRunner:
 
     def _add_request(self, new: NewRequest) -> RequestState:
         vocab = self.config.vocab_size
-        bad = [t for t in new.token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (size {vocab})")
+        check_token_ids(new.token_ids, vocab, "token ids")
         if len(new.block_ids) != len(self.config.kv_groups):
             raise ValueError(
                 f"{len(new.block_ids)} block tables for {len(self.config.kv_groups)} KV groups"
