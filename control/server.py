@@ -38,7 +38,7 @@ from specserve.control.scheduler import RequestUpdate, Scheduler
 from specserve.control.worker_handle import WorkerHandle
 from specserve.shared import protocol
 from specserve.shared.config import SchedulingPolicy
-from specserve.shared.hashing import BlockHash, BlockHasher, extend_block_hashes
+from specserve.shared.hashing import BlockHash, extend_block_hashes
 from specserve.shared.protocol import (
     PROTOCOL_VERSION,
     AbortRequest,
@@ -448,6 +448,9 @@ class ControlPlane:
             cache_salt=req.cache_salt,
         )
         request.all_token_ids.extend(req.output_token_ids)  # resuming: generated so far
+        if worker.scheduler.kv.enable_caching:
+            # Hashed for routing with this scheduler's own hasher: it need not hash them again.
+            request.block_hashes = list(hashes[worker.namespace])
         try:
             self._check_fits(worker, request)
             worker.scheduler.add_request(request)
@@ -492,13 +495,13 @@ class ControlPlane:
             )
 
     def _block_hashes(self, token_ids: list[int], salt: str | None) -> dict[Namespace, list]:
+        """The prompt's block hashes once per namespace, exactly as the schedulers hash it."""
         out: dict[Namespace, list[BlockHash]] = {}
         for worker in self.workers.values():
-            ns = worker.namespace
+            ns, kv = worker.namespace, worker.scheduler.kv
             if ns not in out:
                 hashes: list[BlockHash] = []
-                hasher = BlockHasher(ns.hash_algo, ns.hash_seed)
-                extend_block_hashes(hasher, hashes, token_ids, ns.block_size, salt)
+                extend_block_hashes(kv.hasher, hashes, token_ids, kv.hash_block_size, salt)
                 out[ns] = hashes
         return out
 
