@@ -283,7 +283,7 @@ class ControlPlane:
         msg = self._checked_result(worker, msg)
         updates = worker.scheduler.update_from_output(step, msg)
         self._dispatch(worker)  # keep the worker busy before anything else
-        self._deliver(worker, updates)
+        self._deliver(updates)
         if worker.failed:  # only now: resumption must start from the tokens just delivered
             self._remove_worker(worker, worker.failed)
 
@@ -322,7 +322,7 @@ class ControlPlane:
         self.index.write(worker)
         early = scheduler.take_early_updates()
         if early:
-            self._deliver(worker, early)
+            self._deliver(early)
         batch = step.batch
         if not (step.num_scheduled_tokens or batch.finished or batch.preempted):
             return
@@ -331,7 +331,6 @@ class ControlPlane:
             return
         worker.outstanding = step
         worker.sent_at = time.monotonic()
-        worker.steps += 1
         if result_at is not None:
             self.metrics.step_gap.observe(time.monotonic() - result_at)
 
@@ -540,7 +539,7 @@ class ControlPlane:
 
     # --- outputs ----------------------------------------------------------------------------
 
-    def _deliver(self, worker: WorkerHandle, updates: list[RequestUpdate]) -> None:
+    def _deliver(self, updates: list[RequestUpdate]) -> None:
         now = time.monotonic()
         for update in updates:
             req = self.requests.get(update.request_id)

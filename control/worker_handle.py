@@ -27,7 +27,6 @@ class WorkerHandle:
     failed: str | None = None  # why it is about to be removed (removal waits for a safe point)
     sent_at: float = 0.0  # when `outstanding` left
     result_at: float | None = None
-    steps: int = 0
     last_index_heartbeat: float = 0.0
     # Prefix blocks of requests just routed here, before the scheduler caches them (and the
     # index learns them): block hash -> expiry. Without it, a burst of requests sharing a cold
