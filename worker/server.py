@@ -184,7 +184,6 @@ class WorkerServer:
         self.session = ""  # the control-plane session of the last Welcome
         self._registered = False
         self._last_register = -math.inf  # when Register last left the socket
-        self._register_unanswered = False  # a Register has left with no Welcome since
         self._result_sent_at: float | None = None
         self._sock: zmq.Socket | None = None
         self._heartbeater: _Heartbeater | None = None
@@ -237,7 +236,6 @@ class WorkerServer:
             return
         if _try_send(sock, protocol.Register(PROTOCOL_VERSION, self.info)):
             self._last_register = now
-            self._register_unanswered = True
             log.info("worker.register_sent", worker_id=self.worker_id, url=self.control_url)
 
     def _handle(self, frames: list[bytes]) -> int | None:
@@ -275,7 +273,6 @@ class WorkerServer:
         assert self._heartbeater is not None
         self._heartbeater.session = msg.session
         self._registered = True
-        self._register_unanswered = False
         self._result_sent_at = None
         self.stats.registrations += 1
         if msg.worker_id != self.worker_id:
@@ -283,6 +280,11 @@ class WorkerServer:
         log.info(
             "worker.registered", worker_id=self.worker_id, session=msg.session, epoch=msg.epoch
         )
+
+    @property
+    def _register_unanswered(self) -> bool:
+        """A Register has left (since the last Reregister was acted on) with no Welcome yet."""
+        return not self._registered and self._last_register != -math.inf
 
     def _reregister(self, msg: protocol.Reregister) -> None:
         """The control plane does not know us (it restarted): register again right away.
