@@ -10,25 +10,10 @@ import threading
 import time
 from pathlib import Path
 
-import torch
-
 from specserve.cache_index.local_server import free_port
 from specserve.control.server import ControlArgs, ControlPlane
 
 WORKER_ENGINE = dict(num_blocks=160, block_size=4, max_model_len=256, max_num_seqs=16)
-
-
-def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy continuation: the oracle."""
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=max_new_tokens,
-            min_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 class Service:

@@ -15,7 +15,8 @@ import urllib.request
 import msgspec
 import pytest
 import zmq
-from service_harness import WORKER_ENGINE, Service, hf_greedy
+from hf_reference import hf_greedy
+from service_harness import WORKER_ENGINE, Service
 
 from specserve.cache_index import IndexReader, connect, list_workers
 from specserve.cache_index.local_server import LocalRedis, free_port

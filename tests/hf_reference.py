@@ -1,4 +1,4 @@
-"""Reference outputs from transformers for the worker tests."""
+"""Reference outputs from transformers (the oracle) for the worker and service tests."""
 
 from __future__ import annotations
 
