@@ -20,6 +20,7 @@ from torch import nn
 from specserve.worker.attention.base import AttentionBackend
 from specserve.worker.attention.torch_backend import TorchAttentionBackend
 from specserve.worker.config import ModelConfig
+from specserve.worker.linear import pack_weights
 from specserve.worker.models import DecoderModel
 
 logger = logging.getLogger(__name__)
@@ -106,12 +107,14 @@ def assign_weights(
     device: torch.device | str,
 ) -> _M:
     """Fill a model built on the meta device with our-named `weights` (cast to `dtype`, moved
-    to `device`, assigned without copies), move its `inv_freq` along, and return it frozen in
-    eval mode. Shared by the target and the drafters, which all keep `inv_freq` unbuffered."""
+    to `device`, assigned without copies), move its `inv_freq` along, pack its linear weights
+    for the CPU (`worker.linear`), and return it frozen in eval mode. Shared by the target and
+    the drafters, which all keep `inv_freq` unbuffered."""
     converted = {name: t.to(device=device, dtype=dtype) for name, t in weights.items()}
     model.load_state_dict(converted, strict=True, assign=True)
     model.inv_freq = model.inv_freq.to(device)
     model.requires_grad_(False)
+    pack_weights(model)
     return model.eval()
 
 

@@ -23,6 +23,7 @@ from torch import nn
 from specserve.worker.attention.base import AttentionBackend, AttentionMetadata
 from specserve.worker.config import ModelConfig, RopeScaling
 from specserve.worker.kv_cache import PagedKVCache
+from specserve.worker.linear import Linear, linear, pack_weight
 
 
 class RMSNorm(nn.Module):
@@ -110,10 +111,8 @@ class Attention(nn.Module):
         kv_size = config.num_kv_heads * config.head_dim
         self.split = (q_size, kv_size, kv_size)
         in_features = config.hidden_size if in_features is None else in_features
-        self.qkv_proj = nn.Linear(
-            in_features, sum(self.split), config.attention_bias, device, dtype
-        )
-        self.o_proj = nn.Linear(q_size, config.hidden_size, config.o_proj_bias, device, dtype)
+        self.qkv_proj = Linear(in_features, sum(self.split), config.attention_bias, device, dtype)
+        self.o_proj = Linear(q_size, config.hidden_size, config.o_proj_bias, device, dtype)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
@@ -154,8 +153,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
         inter = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, config.mlp_bias, device, dtype)
-        self.down_proj = nn.Linear(inter, config.hidden_size, config.mlp_bias, device, dtype)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * inter, config.mlp_bias, device, dtype)
+        self.down_proj = Linear(inter, config.hidden_size, config.mlp_bias, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -222,9 +221,10 @@ class DecoderModel(nn.Module):
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.lm_head: nn.Linear | None = None
+        self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, False, device, dtype)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, device, dtype)
+        self.tied_head_packed: torch.Tensor | None = None  # the embedding, packed as LM head
         # Not a buffer: the model may be built on the meta device and loaded with `assign=True`.
         self.inv_freq = rope_inv_freq(config)
 
@@ -273,5 +273,13 @@ class DecoderModel(nn.Module):
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[N, hidden]` final hidden states -> `[N, vocab]` logits."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        return linear(hidden, self.embed_tokens.weight, None, self.tied_head_packed)
+
+    def pack_weights(self) -> int:
+        """Pack a tied LM head (`worker.linear.pack_weights` packs the `Linear`s themselves)."""
+        if self.lm_head is not None:
+            return 0
+        self.tied_head_packed = pack_weight(self.embed_tokens.weight)
+        return int(self.tied_head_packed is not None)

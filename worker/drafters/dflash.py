@@ -54,6 +54,7 @@ from specserve.worker.drafters import (
     read_tensors,
 )
 from specserve.worker.kv_cache import PagedKVCache
+from specserve.worker.linear import Linear
 from specserve.worker.loader import assign_weights, map_decoder_layer
 from specserve.worker.models import (
     DecoderLayer,
@@ -186,7 +187,7 @@ class DFlashDrafter(HiddenStateDrafter[DFlashConfig]):
         layer = config.layer
         hidden = layer.hidden_size
         fc_in = len(config.target_layer_ids) * target.hidden_size
-        self.fc = nn.Linear(fc_in, hidden, False, device, dtype)
+        self.fc = Linear(fc_in, hidden, False, device, dtype)
         self.hidden_norm = RMSNorm(hidden, layer.rms_norm_eps, dtype, device)
         self.layers = nn.ModuleList(
             DecoderLayer(layer, i, 0, backend, dtype, device) for i in range(layer.num_layers)

@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specserve.worker.attention.base import AttentionBackend, AttentionMetadata, SequenceStep
@@ -62,6 +61,7 @@ from specserve.worker.drafters import (
     read_tensors,
 )
 from specserve.worker.kv_cache import PagedKVCache
+from specserve.worker.linear import Linear
 from specserve.worker.loader import assign_weights, map_decoder_layer
 from specserve.worker.models import (
     DecoderLayer,
@@ -203,7 +203,7 @@ class Eagle3Drafter(HiddenStateDrafter[Eagle3Config]):
         super().__init__(config, target, backend)
         layer = config.layer
         hidden = layer.hidden_size
-        self.fc = nn.Linear(fc_in_features, hidden, fc_bias, device, dtype)
+        self.fc = Linear(fc_in_features, hidden, fc_bias, device, dtype)
         self.layers = nn.ModuleList(
             [Eagle3FirstLayer(layer, config.norm_before_residual, backend, dtype, device)]
             + [
@@ -215,9 +215,9 @@ class Eagle3Drafter(HiddenStateDrafter[Eagle3Config]):
         self.embed_tokens: nn.Embedding | None = None
         if own_embed_tokens:
             self.embed_tokens = nn.Embedding(target.vocab_size, hidden, device=device, dtype=dtype)
-        self.lm_head: nn.Linear | None = None
+        self.lm_head: Linear | None = None
         if own_lm_head:
-            self.lm_head = nn.Linear(hidden, draft_vocab_size, False, device, dtype)
+            self.lm_head = Linear(hidden, draft_vocab_size, False, device, dtype)
         # Not buffers: built on the meta device and loaded with `assign=True` (as the target).
         self.inv_freq = rope_inv_freq(layer)
         self.draft_to_target: torch.Tensor | None = None  # [draft_vocab] target ids
@@ -278,7 +278,7 @@ class Eagle3Drafter(HiddenStateDrafter[Eagle3Config]):
         """`[N, H]` -> `[N, target_vocab]`; ids outside a reduced draft vocab get `-inf`."""
         if self.lm_head is None:
             return self.target.compute_logits(normed)
-        logits = F.linear(normed, self.lm_head.weight)
+        logits = self.lm_head(normed)
         if self.draft_to_target is None:
             return logits
         full = logits.new_full((logits.shape[0], self.target.vocab_size), float("-inf"))

@@ -1,0 +1,69 @@
+"""Linear layers packed for oneDNN compute the same matmul as `F.linear`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specserve.worker.linear import Linear, can_pack, pack_weight, pack_weights
+from specserve.worker.loader import load_model
+from tests.model_checkpoints import Checkpoint
+
+needs_onednn = pytest.mark.skipif(
+    not can_pack(torch.empty(2, 2)), reason="this torch build has no oneDNN linear"
+)
+
+
+@needs_onednn
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("rows", [1, 7, 16, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_equals_f_linear(
+    dtype: torch.dtype, tol: float, rows: int, with_bias: bool
+) -> None:
+    g = torch.Generator().manual_seed(rows)
+    layer = Linear(576, 960, bias=with_bias, dtype=dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(960, 576, generator=g) / 24)
+        if with_bias:
+            layer.bias.copy_(torch.randn(960, generator=g))
+    x = torch.randn(rows, 576, generator=g).to(dtype)
+    bias = layer.bias.double() if with_bias else None
+    expected = F.linear(x.double(), layer.weight.double(), bias)
+    assert layer.pack_weights() == 1
+    assert layer.packed is not None
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == (rows, 960)
+    scale = expected.abs().max().item()
+    assert (got.double() - expected).abs().max().item() <= tol * scale
+
+
+def test_weights_oneDNN_cannot_run_stay_unpacked() -> None:
+    assert pack_weight(torch.randn(8, 4, dtype=torch.float64)) is None
+    assert pack_weight(torch.randn(8, 4, dtype=torch.float16)) is None
+    assert pack_weight(torch.randn(8)) is None
+    layer = Linear(4, 8, dtype=torch.float64)
+    assert layer.pack_weights() == 0 and layer.packed is None
+    x = torch.randn(3, 4, dtype=torch.float64)
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+@needs_onednn
+@pytest.mark.parametrize("name", ["llama_ckpt", "qwen2_ckpt"])
+def test_model_packs_every_linear_and_its_lm_head(request: pytest.FixtureRequest, name: str):
+    """A loaded CPU model runs all its matmuls, the LM head included, on packed weights
+    (Llama's head is its own matrix, the Qwen2 checkpoint's is tied to the embeddings)."""
+    ckpt: Checkpoint = request.getfixturevalue(name)
+    model = load_model(ckpt.path, torch.float32, "cpu")
+    tied = model.config.tie_word_embeddings
+    assert tied == (name == "qwen2_ckpt")
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None for m in linears)
+    assert (model.tied_head_packed is not None) == tied
+    assert pack_weights(model) == len(linears) + int(tied)  # idempotent: packs afresh
+    hidden = torch.randn(5, model.config.hidden_size)
+    head = model.embed_tokens.weight if tied else model.lm_head.weight
+    expected = F.linear(hidden.double(), head.double())
+    got = model.compute_logits(hidden)
+    assert (got.double() - expected).abs().max().item() < 1e-4
