@@ -53,6 +53,16 @@ def kv_row_index(slots: torch.Tensor, block_size: int) -> torch.Tensor:
     return (slots // block_size) * (2 * block_size) + slots % block_size
 
 
+def kv_write_rows(slot_mapping: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V rows (`kv_row_index`) where the tokens at `slot_mapping` are written.
+
+    Negative slots (padding) are sent to the null block, which is harmless and keeps the
+    write free of host-device synchronisation.
+    """
+    k_rows = kv_row_index(slot_mapping.clamp(min=NULL_BLOCK * block_size), block_size)
+    return k_rows, k_rows + block_size
+
+
 class PagedKVCache:
     """Per-layer paged K/V storage plus the layer -> KV group map."""
 
@@ -106,14 +116,19 @@ class PagedKVCache:
     def write(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
-        """Store `k`, `v` (`[T, num_kv_heads, head_dim]`) at `slot_mapping` (`[T]`, int64).
+        """Store `k`, `v` (`[T, num_kv_heads, head_dim]`) at `slot_mapping` (`[T]`, int64)."""
+        self.write_rows(layer, k, v, kv_write_rows(slot_mapping, self.block_size))
 
-        Negative slots (padding) are sent to the null block, which is harmless and keeps the
-        write free of host-device synchronisation.
-        """
+    def write_rows(
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rows: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
+        """Store `k`, `v` at the K and V rows from `kv_write_rows` (computed once per step)."""
         cache = self.layers[layer]
-        slot_mapping = slot_mapping.clamp(min=NULL_BLOCK * self.block_size)
-        rows = cache.view(-1, *cache.shape[3:])
-        k_rows = kv_row_index(slot_mapping, self.block_size)
-        rows.index_copy_(0, k_rows, k.to(cache.dtype))
-        rows.index_copy_(0, k_rows + self.block_size, v.to(cache.dtype))
+        flat = cache.view(-1, *cache.shape[3:])
+        k_rows, v_rows = rows
+        flat.index_copy_(0, k_rows, k.to(cache.dtype))
+        flat.index_copy_(0, v_rows, v.to(cache.dtype))

@@ -142,7 +142,7 @@ class Attention(nn.Module):
             qk = apply_rope(qkv[:, : q_size + kv_size].view(-1, heads, self.head_dim), cos, sin)
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         group_meta = metadata.groups[group]
-        kv_cache.write(self.layer_id, k, v, group_meta.slot_mapping)
+        kv_cache.write_rows(self.layer_id, k, v, group_meta.kv_write_rows(kv_cache.block_size))
         out = self.backend.forward(q, kv_cache.layer(self.layer_id), group_meta, self.scale)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 

@@ -9,12 +9,16 @@ A forward step runs a flattened ragged batch: request r owns the contiguous toke
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
 from specserve.worker.config import KVLayerGroup
+from specserve.worker.kv_cache import kv_write_rows
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,26 @@ class GroupAttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] int64, where each new token's K/V is written
     sliding_window: int | None
+
+    def kv_write_rows(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`kv_write_rows(slot_mapping)`, computed by the group's first layer for all."""
+        return once_per_step(
+            self,
+            ("kv_write_rows", block_size),
+            lambda: kv_write_rows(self.slot_mapping, block_size),
+        )
+
+
+def once_per_step(metadata: object, key: Hashable, compute: Callable[[], _T]) -> _T:
+    """`compute()`, remembered on a (frozen) metadata object under `key`.
+
+    Metadata is built afresh for every step and shared by all layers, so a value derived from
+    it is computed by the first layer that needs it and can never be stale.
+    """
+    memo: dict[Hashable, Any] = metadata.__dict__.setdefault("_once_per_step", {})
+    if key not in memo:
+        memo[key] = compute()
+    return memo[key]
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from specserve.worker.attention.base import (
     GroupAttentionMetadata,
     SequenceStep,
     block_table_tensor,
+    once_per_step,
     slot_mapping,
     validate_steps,
 )
@@ -30,13 +31,30 @@ from specserve.worker.kv_cache import kv_row_index
 
 @dataclass(frozen=True)
 class PaddedBatch:
-    """Requests padded to `[B, Q]` queries and `[B, L]` keys for one SDPA call."""
+    """Requests padded to `[B, Q]` queries and `[B, L]` keys for one SDPA call.
+
+    `whole` marks a batch that is the entire step with no padding (every request has Q query
+    rows, in order): a decode-only step, or one prefill. Its queries are the step's rows as
+    they are, so `forward` skips the gather of queries and the scatter of outputs.
+    """
 
     query_index: torch.Tensor  # [B, Q] rows of the flattened batch (padding points at row 0)
-    k_rows: torch.Tensor  # [B * L] K row of each gathered key (`kv_row_index`); V is bs rows on
+    k_rows: torch.Tensor  # [B * L] K row of each gathered key (`kv_row_index`)
+    v_rows: torch.Tensor  # [B * L] V row of each gathered key (`block_size` rows on)
     mask: torch.Tensor  # [B, 1, Q, L] bool, True where the query attends to the key
     out_rows: torch.Tensor  # [N] rows of the flattened batch that this batch computes
     out_select: torch.Tensor  # [N] their index into the flattened `[B * Q]` output
+    whole: bool
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """`mask` as 0 / -inf in the model's dtype: SDPA's CPU kernel takes it faster than a
+        boolean mask, which it would convert in every layer."""
+
+        def build() -> torch.Tensor:
+            zeros = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            return zeros.masked_fill_(~self.mask, float("-inf"))
+
+        return once_per_step(self, ("additive_mask", dtype), build)
 
 
 @dataclass(frozen=True)
@@ -81,20 +99,41 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         assert isinstance(metadata, TorchGroupMetadata)
-        out = torch.empty_like(query)
-        num_heads, head_dim = query.shape[1], query.shape[2]
-        rows = kv_cache.view(-1, *kv_cache.shape[3:])  # [num_blocks * 2 * bs, Hkv, D]
-        block_size = kv_cache.shape[2]
+        _, num_heads, head_dim = query.shape
+        num_kv_heads = kv_cache.shape[3]
+        rows = kv_cache.view(-1, num_kv_heads, head_dim)  # [num_blocks * 2 * bs, Hkv, D]
+        out = None if metadata.batches[0].whole else torch.empty_like(query)
         for batch in metadata.batches:
-            q = query[batch.query_index].transpose(1, 2)  # [B, H, Q, D]
-            shape = (q.shape[0], -1, *kv_cache.shape[3:])  # [B, L, Hkv, D]
+            b, q_len = batch.query_index.shape
+            shape = (b, -1, num_kv_heads, head_dim)  # [B, L, Hkv, D]
             k = rows.index_select(0, batch.k_rows).view(shape).transpose(1, 2)
-            v = rows.index_select(0, batch.k_rows + block_size).view(shape).transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=batch.mask, scale=scale, enable_gqa=True
-            )
-            o = o.transpose(1, 2).reshape(-1, num_heads, head_dim)
+            v = rows.index_select(0, batch.v_rows).view(shape).transpose(1, 2)
+            if batch.whole:
+                q = query.view(b, q_len, num_heads, head_dim)
+            else:
+                q = query[batch.query_index]  # [B, Q, H, D]
+            if q_len == 1:
+                # One query per request: the G query heads that share a KV head become G rows
+                # of one [B, Hkv, G, D] problem, cheaper than SDPA's GQA expansion.
+                q = q.view(b, num_kv_heads, num_heads // num_kv_heads, head_dim)
+                o = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=batch.additive_mask(q.dtype), scale=scale
+                )
+                o = o.view(b, num_heads, head_dim)
+            else:
+                o = F.scaled_dot_product_attention(
+                    q.transpose(1, 2),
+                    k,
+                    v,
+                    attn_mask=batch.additive_mask(q.dtype),
+                    scale=scale,
+                    enable_gqa=True,
+                )
+                o = o.transpose(1, 2).reshape(-1, num_heads, head_dim)
+            if out is None:  # `whole`: this batch is the step
+                return o
             out[batch.out_rows] = o[batch.out_select]
+        assert out is not None
         return out
 
 
@@ -148,10 +187,13 @@ def _padded_batch(
         tables[rows].gather(1, gather_pos // block_size) * block_size + gather_pos % block_size
     )
     flat_valid = q_valid.flatten()
+    k_rows = kv_row_index(kv_slots, block_size).flatten()
     return PaddedBatch(
         query_index=torch.where(q_valid, starts + q_idx, 0),
-        k_rows=kv_row_index(kv_slots, block_size).flatten(),
+        k_rows=k_rows,
+        v_rows=k_rows + block_size,
         mask=mask[:, None],
         out_rows=(starts + q_idx).flatten()[flat_valid],
         out_select=torch.nonzero(flat_valid).flatten(),
+        whole=len(rows) == len(steps) and all(s.query_len == max_q for s in sub),
     )
