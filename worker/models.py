@@ -69,21 +69,23 @@ def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 def rope_cos_sin(
     inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[T, head_dim]` cos and sign-folded sin for the half-split ("rotate_half") layout.
+    """`[T, 1, head_dim]` cos and sign-folded sin for the half-split ("rotate_half") layout.
 
     Rotating `x = [x1, x2]` gives `[x1 cos - x2 sin, x2 cos + x1 sin]`, i.e. `x * cos +
-    [x2, x1] * [-sin, sin]`: folding the sign into sin once per step saves a negation per layer.
+    [x2, x1] * [-sin, sin]`: folding the sign into sin once per step saves a negation per layer,
+    and the head axis of size 1 broadcasts over any number of heads.
     """
     freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
     cos, sin = freqs.cos(), freqs.sin()
-    return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+    cos = torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :]
+    sin = torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :]
+    return cos, sin
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x [T, heads, head_dim]` with `rope_cos_sin`'s tables (`[T, head_dim]`)."""
-    t, heads, dim = x.shape
-    swapped = x.reshape(t, heads, 2, dim // 2).flip(2).reshape(t, heads, dim)
-    return x * cos[:, None, :] + swapped * sin[:, None, :]
+    """Rotate `x [T, heads, head_dim]` with `rope_cos_sin`'s tables; rolling the last axis by
+    half swaps the halves into `[x2, x1]`."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
 
 
 class Attention(nn.Module):
