@@ -3,6 +3,9 @@
 Both run the same dequantized GGUF weights in the same dtype on the same threads, in the same
 process:
     .venv/bin/python bench/generate.py [--quick] [--dtype float32|bfloat16]
+
+The two engines are timed in alternation (ours, theirs, ours, ...), so a change in the
+machine's speed during the run reaches both sides alike.
 """
 
 from __future__ import annotations
@@ -22,15 +25,30 @@ from specserve.shared.logging import configure_logging
 from specserve.shared.protocol import SamplingParams
 
 
-def _time(fn: Callable[[], object], repeats: int) -> float:
-    """Median wall time of `repeats` runs after one warm-up run."""
-    fn()
-    times = []
+def _time_pair(
+    ours: Callable[[], object], theirs: Callable[[], object], repeats: int
+) -> tuple[float, float]:
+    """Median wall times of `ours` and `theirs`, run in alternation after one warm-up each."""
+    ours()
+    theirs()
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, bucket in ((ours, times[0]), (theirs, times[1])):
+            start = time.perf_counter()
+            fn()
+            bucket.append(time.perf_counter() - start)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _prompts(batch: int, length: int, seed: int) -> list[list[int]]:
@@ -66,11 +84,19 @@ def ours_generate(llm: LLM, prompts: list[list[int]], new_tokens: int) -> None:
     llm.engine.scheduler.kv.reset_prefix_cache()  # every repeat pays its full prefill
 
 
-def decode_rate(run: Callable[[int], None], batch: int, new_tokens: int, repeats: int) -> float:
-    """Decode tokens/s: (t(N new tokens) - t(1 new token)) removes the prefill."""
-    full = _time(lambda: run(new_tokens), repeats)
-    prefill_only = _time(lambda: run(1), repeats)
-    return batch * (new_tokens - 1) / (full - prefill_only)
+def decode_rates(
+    ours: Callable[[int], None],
+    theirs: Callable[[int], None],
+    batch: int,
+    new_tokens: int,
+    repeats: int,
+) -> tuple[float, float]:
+    """Decode tokens/s of both: (t(N new tokens) - t(1 new token)) removes the prefill."""
+    full = _time_pair(lambda: ours(new_tokens), lambda: theirs(new_tokens), repeats)
+    prefill_only = _time_pair(lambda: ours(1), lambda: theirs(1), repeats)
+    return tuple(  # type: ignore[return-value]
+        batch * (new_tokens - 1) / (f - p) for f, p in zip(full, prefill_only, strict=True)
+    )
 
 
 def main() -> None:
@@ -92,23 +118,25 @@ def main() -> None:
     rows = []
     (prompt,) = _prompts(1, prefill_len, 0)
     print(f"prefill: 1 x {prefill_len} tokens ...", flush=True)
-    ours = _time(lambda: ours_generate(llm, [prompt], 1), repeats)
-    theirs = _time(lambda: hf_generate(hf, [prompt], 1), repeats)
+    ours, theirs = _time_pair(
+        lambda: ours_generate(llm, [prompt], 1), lambda: hf_generate(hf, [prompt], 1), repeats
+    )
     rows.append((f"prefill tokens/s (1 x {prefill_len})", prefill_len / ours, prefill_len / theirs))
 
     for batch in (1, 16):
         batch_prompts = _prompts(batch, 32, batch)
         print(f"decode: batch {batch}, {new_tokens} new tokens ...", flush=True)
-        ours_rate = decode_rate(
-            lambda n, p=batch_prompts: ours_generate(llm, p, n), batch, new_tokens, repeats
-        )
-        hf_rate = decode_rate(
-            lambda n, p=batch_prompts: hf_generate(hf, p, n), batch, new_tokens, repeats
+        ours_rate, hf_rate = decode_rates(
+            lambda n, p=batch_prompts: ours_generate(llm, p, n),
+            lambda n, p=batch_prompts: hf_generate(hf, p, n),
+            batch,
+            new_tokens,
+            repeats,
         )
         rows.append((f"decode tokens/s (batch {batch})", ours_rate, hf_rate))
 
     print()
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+    print(f"machine: {_cpu_name()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__} with {threads} threads, {args.dtype}")  # fmt: skip
     print(f"{'metric':<30} {'specserve':>12} {'transformers':>14} {'ratio':>8}")
     for name, ours_value, hf_value in rows:
