@@ -89,6 +89,29 @@ def test_mixed_batch_matches_dense_reference(window: int | None) -> None:
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
 
 
+WHOLE_STEPS = {
+    "decodes": [(1, 7, True), (1, 13, True), (1, 2, True)],
+    "one prefill": [(6, 9, True)],
+    "equal chunks": [(3, 9, True), (3, 5, True)],
+    "draft blocks": [(4, 4, False), (4, 10, False)],
+}
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("specs", WHOLE_STEPS.values(), ids=WHOLE_STEPS.keys())
+def test_whole_step_batches_match_dense_reference(
+    specs: list[tuple[int, int, bool]], window: int | None
+) -> None:
+    """A step that is one unpadded batch skips the query gather and output scatter; one of
+    decodes also runs its grouped query heads as rows of one SDPA problem."""
+    group = KVLayerGroup(AttentionType.FULL, None, (0,))
+    steps = [SequenceStep(q, n, [list(range(1, 5))], c) for q, n, c in specs]
+    (batch,) = TorchAttentionBackend().build_metadata(steps, [group], BS, "cpu").groups[0].batches
+    assert batch.whole
+    out, expected = _run_case(specs, window)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+
+
 def test_non_causal_block_sees_later_block_tokens() -> None:
     """The draft block's first query must differ from what a causal query would compute."""
     out_nc, _ = _run_case([(5, 16, False)], None)
@@ -147,6 +170,21 @@ def test_kv_cache_layout_and_write() -> None:
     written = (cache.layer(2)[1:] != 0).flatten(2).any(-1)  # [blocks, K/V] outside the null block
     assert int(written.sum()) == 4  # 2 real slots x (K, V)
     assert not cache.layer(0).any()
+
+
+def test_write_rows_are_computed_once_per_step_from_that_steps_slots() -> None:
+    """Every layer of a step reuses the rows its first layer computed; the next step's
+    metadata object computes its own, so no layer ever writes with another step's slots."""
+    group = KVLayerGroup(AttentionType.FULL, None, (0,))
+    backend = TorchAttentionBackend()
+    step1 = backend.build_metadata([SequenceStep(1, 6, [[7, 3]])], [group], BS, "cpu").groups[0]
+    step2 = backend.build_metadata([SequenceStep(1, 7, [[7, 3]])], [group], BS, "cpu").groups[0]
+    rows1 = step1.kv_write_rows(BS)
+    assert step1.kv_write_rows(BS) is rows1  # memoised for the other layers
+    # position 5 -> block 3, offset 1; cache rows are [block][K/V][offset]
+    assert [r.tolist() for r in rows1] == [[3 * 2 * BS + 1], [3 * 2 * BS + BS + 1]]
+    rows2 = step2.kv_write_rows(BS)
+    assert [r.tolist() for r in rows2] == [[3 * 2 * BS + 2], [3 * 2 * BS + BS + 2]]
 
 
 def test_num_blocks_for_budget() -> None:
