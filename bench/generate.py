@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
+from machine import cpu_model
 
 from specserve.llm import LLM
 from specserve.shared.gguf_metadata import find_bundled_gguf
@@ -38,17 +38,6 @@ def _time_pair(
             fn()
             bucket.append(time.perf_counter() - start)
     return statistics.median(times[0]), statistics.median(times[1])
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _prompts(batch: int, length: int, seed: int) -> list[list[int]]:
@@ -136,7 +125,7 @@ def main() -> None:
         rows.append((f"decode tokens/s (batch {batch})", ours_rate, hf_rate))
 
     print()
-    print(f"machine: {_cpu_name()}, {os.cpu_count()} cores, "
+    print(f"machine: {cpu_model()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__} with {threads} threads, {args.dtype}")  # fmt: skip
     print(f"{'metric':<30} {'specserve':>12} {'transformers':>14} {'ratio':>8}")
     for name, ours_value, hf_value in rows:

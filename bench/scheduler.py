@@ -36,6 +36,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from machine import cpu_model
+
 from specserve.control.request import Request
 from specserve.control.scheduler import ScheduledStep, Scheduler
 from specserve.shared.config import CacheConfig, KVGroupSpec, SchedulerConfig, SpecConfig
@@ -371,17 +373,6 @@ def hash_throughput(algo: str, token_ids: list[int], repeats: int) -> float:
 
 
 # --- main -----------------------------------------------------------------------------------
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main() -> None:
