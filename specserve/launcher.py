@@ -235,8 +235,11 @@ class Cluster:
             self.redis = None
 
 
-def _check_port_free(port: int) -> None:
+def check_port_free(port: int) -> None:
+    """Fail early when something listens on `port`. SO_REUSEADDR, as ZeroMQ sets it when it
+    binds, so the connections a previous run left in TIME_WAIT do not count as "in use"."""
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:
@@ -296,7 +299,7 @@ def _say_serving(plan: UpPlan, redis_url: str) -> None:
 def run_up(plan: UpPlan, on_ready: Callable[[str], int] | None = None) -> int:
     """Start the service, then answer `on_ready(url)` (and stop) or serve until interrupted."""
     plan.namespace  # noqa: B018 - validate the model name etc. before starting anything
-    _check_port_free(plan.port)
+    check_port_free(plan.port)
     cluster = Cluster(plan)
     with _signals_interrupt():
         try:

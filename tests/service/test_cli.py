@@ -38,6 +38,7 @@ from specserve.cli import (
     worker_engine_args,
 )
 from specserve.control.server import ControlArgs
+from specserve.launcher import LaunchError, check_port_free
 from specserve.shared.hashing import BlockHasher, extend_block_hashes
 from specserve.shared.kv_events import BlockStored
 from specserve.shared.protocol import SamplingParams
@@ -303,6 +304,23 @@ def test_up_against_dead_redis_or_busy_port_exits_2():
         busy.listen()
         port = busy.getsockname()[1]
         assert_user_error(specserve("up", "--port", str(port)), f"port {port} is in use")
+
+
+def test_port_left_in_time_wait_by_a_previous_run_counts_as_free():
+    """Running `up` again right after a run must not fail on the previous run's closed
+    connections (TIME_WAIT), only on a live listener."""
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        accepted.close()  # the listening side closes first: its end goes to TIME_WAIT
+        client.close()
+        with pytest.raises(LaunchError, match=f"port {port} is in use"):
+            check_port_free(port)  # still listening
+    check_port_free(port)  # listener gone, a TIME_WAIT connection left on the port
 
 
 # --- up: the whole service as processes -------------------------------------------------------
