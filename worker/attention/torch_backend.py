@@ -1,9 +1,10 @@
 """Pure-PyTorch attention over the paged KV cache (CPU and CUDA).
 
 Requests are split into two padded batches: single-token queries (decode) and the rest
-(prefill chunks, verification blocks, draft blocks). Each batch gathers its requests' K/V from
-the cache in one indexing op and runs one `scaled_dot_product_attention` call with an explicit
-boolean mask, so a step costs two attention calls per layer whatever its size.
+(prefill chunks, verification blocks, draft blocks). Each batch gathers its requests' K and V
+pages from the cache (a block's K is one contiguous row of the cache, so the copy moves whole
+pages) and runs one `scaled_dot_product_attention` call with an explicit mask, so a step costs
+two attention calls per layer whatever its size.
 """
 
 from __future__ import annotations
@@ -24,14 +25,14 @@ from specserve.worker.attention.base import (
     slot_mapping,
     validate_steps,
 )
-from specserve.worker.attention.metadata import first_visible_position, query_starts
+from specserve.worker.attention.metadata import kv_span, query_starts
 from specserve.worker.config import KVLayerGroup
-from specserve.worker.kv_cache import kv_row_index
 
 
 @dataclass(frozen=True)
 class PaddedBatch:
-    """Requests padded to `[B, Q]` queries and `[B, L]` keys for one SDPA call.
+    """Requests padded to `[B, Q]` queries and `[B, L]` keys (`L = P * block_size` for P
+    pages) for one SDPA call.
 
     `whole` marks a batch that is the entire step with no padding (every request has Q query
     rows, in order): a decode-only step, or one prefill. Its queries are the step's rows as
@@ -39,8 +40,8 @@ class PaddedBatch:
     """
 
     query_index: torch.Tensor  # [B, Q] rows of the flattened batch (padding points at row 0)
-    k_rows: torch.Tensor  # [B * L] K row of each gathered key (`kv_row_index`)
-    v_rows: torch.Tensor  # [B * L] V row of each gathered key (`block_size` rows on)
+    k_pages: torch.Tensor  # [B * P] K page of each gathered block (cache viewed as pages)
+    v_pages: torch.Tensor  # [B * P] V page of each gathered block (the K page + 1)
     mask: torch.Tensor  # [B, 1, Q, L] bool, True where the query attends to the key
     out_rows: torch.Tensor  # [N] rows of the flattened batch that this batch computes
     out_select: torch.Tensor  # [N] their index into the flattened `[B * Q]` output
@@ -101,13 +102,13 @@ class TorchAttentionBackend(AttentionBackend):
         assert isinstance(metadata, TorchGroupMetadata)
         _, num_heads, head_dim = query.shape
         num_kv_heads = kv_cache.shape[3]
-        rows = kv_cache.view(-1, num_kv_heads, head_dim)  # [num_blocks * 2 * bs, Hkv, D]
+        pages = kv_cache.view(-1, kv_cache[0, 0].numel())  # [num_blocks * 2, bs * Hkv * D]
         out = None if metadata.batches[0].whole else torch.empty_like(query)
         for batch in metadata.batches:
             b, q_len = batch.query_index.shape
             shape = (b, -1, num_kv_heads, head_dim)  # [B, L, Hkv, D]
-            k = rows.index_select(0, batch.k_rows).view(shape).transpose(1, 2)
-            v = rows.index_select(0, batch.v_rows).view(shape).transpose(1, 2)
+            k = pages.index_select(0, batch.k_pages).view(shape).transpose(1, 2)
+            v = pages.index_select(0, batch.v_pages).view(shape).transpose(1, 2)
             if batch.whole:
                 q = query.view(b, q_len, num_heads, head_dim)
             else:
@@ -147,10 +148,12 @@ def _padded_batch(
 ) -> PaddedBatch:
     """Index tensors and mask for requests `rows`, built with tensor ops (no per-token loops).
 
-    Keys are gathered from the first position any query of the request can see: 0 for full
-    attention, `first_position - window + 1` for a sliding window. A key at position `k` is
-    visible to a query at position `p` when `k <= p` (causal) or `k < seq_len` (draft block),
-    and, with a window, when `k > p - window` (transformers' sliding-window rule).
+    Keys are gathered as whole pages (one K or V block is one contiguous row of the cache),
+    over each request's `kv_span`: from the page holding the first key any of its queries can
+    see (0 for full attention, `first_position - window + 1` for a sliding window) to the page
+    holding its last token. Key j of a request is position `first_block * block_size + j`. A key
+    at `k` is visible to a query at `p` when `k < seq_len` and `k <= p` (causal) or always (draft
+    block), and, with a window, when `k > p - window` (transformers' sliding-window rule).
     """
     device = tables.device
 
@@ -158,40 +161,37 @@ def _padded_batch(
         return torch.tensor(values, dtype=dtype, device=device)[:, None]
 
     sub = [steps[r] for r in rows]
+    spans = [kv_span(s, block_size, window) for s in sub]
     q_lens = column([s.query_len for s in sub], torch.int64)
     seq_lens = column([s.seq_len for s in sub], torch.int64)
     causal = column([s.causal for s in sub], torch.bool)
     starts = column([query_starts[r] for r in rows], torch.int64)
-    firsts = seq_lens - q_lens
-    kv_starts = column([first_visible_position(s, window) for s in sub], torch.int64)
+    first_pages = column([span.first_block for span in spans], torch.int64)
+    last_pages = column([span.first_block + span.num_pages - 1 for span in spans], torch.int64)
 
     # Sizes come from the host-side lists, so building never waits on the device.
     max_q = max(s.query_len for s in sub)
-    max_kv = max(s.seq_len - first_visible_position(s, window) for s in sub)
+    max_pages = max(span.num_pages for span in spans)
     q_idx = torch.arange(max_q, device=device)[None, :]
     q_valid = q_idx < q_lens  # [B, Q]
-    q_pos = firsts + q_idx
-    k_pos = kv_starts + torch.arange(max_kv, device=device)[None, :]  # [B, L]
-    k_valid = k_pos < seq_lens
+    q_pos = seq_lens - q_lens + q_idx
+    k_pos = first_pages * block_size + torch.arange(max_pages * block_size, device=device)[None]
 
     limit = torch.where(causal, q_pos, seq_lens - 1)  # last visible key per query
-    mask = k_valid[:, None, :] & (k_pos[:, None, :] <= limit[:, :, None])
+    mask = (k_pos < seq_lens)[:, None, :] & (k_pos[:, None, :] <= limit[:, :, None])
     if window is not None:
         mask &= k_pos[:, None, :] > q_pos[:, :, None] - window
     # Padded query rows get one visible key so the softmax stays finite; their output is dropped.
     mask[:, :, 0] |= ~q_valid
 
-    # Padding keys re-read the request's last key: real data, so masked-out scores stay finite.
-    gather_pos = torch.minimum(k_pos, seq_lens - 1)
-    kv_slots = (
-        tables[rows].gather(1, gather_pos // block_size) * block_size + gather_pos % block_size
-    )
+    # Padding pages re-read the request's last page: real data, so masked-out scores stay finite.
+    pages = torch.minimum(first_pages + torch.arange(max_pages, device=device)[None], last_pages)
+    k_pages = (tables[rows].gather(1, pages) * 2).flatten()  # K of block b is cache page 2b
     flat_valid = q_valid.flatten()
-    k_rows = kv_row_index(kv_slots, block_size).flatten()
     return PaddedBatch(
         query_index=torch.where(q_valid, starts + q_idx, 0),
-        k_rows=k_rows,
-        v_rows=k_rows + block_size,
+        k_pages=k_pages,
+        v_pages=k_pages + 1,
         mask=mask[:, None],
         out_rows=(starts + q_idx).flatten()[flat_valid],
         out_select=torch.nonzero(flat_valid).flatten(),
