@@ -236,10 +236,12 @@ class Cluster:
 
 
 def check_port_free(port: int) -> None:
-    """Fail early when something listens on `port`. SO_REUSEADDR, as ZeroMQ sets it when it
-    binds, so the connections a previous run left in TIME_WAIT do not count as "in use"."""
+    """Fail early when something listens on `port`. On Linux the probe binds with SO_REUSEADDR,
+    as ZeroMQ does, so the connections a previous run left in TIME_WAIT do not count as "in
+    use" while a live listener still does (elsewhere that option would also hide listeners)."""
     with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if sys.platform.startswith("linux"):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:

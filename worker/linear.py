@@ -21,21 +21,27 @@ _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether oneDNN can run this weight: a CPU fp32/bf16 matrix on a build that has it."""
-    return (
+    """Whether oneDNN can run this weight: a CPU fp32/bf16 matrix on a build that has it (bf16
+    only on CPUs with the instructions oneDNN's bf16 kernels need)."""
+    if not (
         weight.device.type == "cpu"
         and weight.dtype in _PACKABLE_DTYPES
         and weight.dim() == 2
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+    ):
+        return False
+    return weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight reordered for oneDNN, or None where `F.linear` must be used."""
     if not can_pack(weight):
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    except RuntimeError:  # a CPU or build oneDNN turns down: the plain path still works
+        return None
 
 
 def linear(
@@ -44,20 +50,39 @@ def linear(
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, through the packed weight when there is one."""
-    if packed is None:
+    """`F.linear(x, weight, bias)`, through the packed weight when there is one (and `x` is a
+    CPU tensor of the weight's dtype: otherwise `F.linear` gives its usual clear error)."""
+    if packed is None or x.dtype != weight.dtype or x.device.type != "cpu":
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` that uses a packed copy of its weight once `pack_weights()` has made one."""
+    """`nn.Linear` that uses a packed copy of its weight once `pack_weights()` has made one.
+
+    Moving or casting the module (`.to()`, `.half()`, ...) or loading a state dict into it
+    packs the new weight again, so the copy never goes stale.
+    """
 
     packed: torch.Tensor | None = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_load_state_dict_post_hook(lambda module, _: module.repack())
 
     def pack_weights(self) -> int:
         self.packed = pack_weight(self.weight)
         return int(self.packed is not None)
+
+    def repack(self) -> None:
+        """Pack the current weight again if a packed copy is in use."""
+        if self.packed is not None:
+            self.pack_weights()
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+        module = super()._apply(fn, recurse)
+        self.repack()
+        return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed)

@@ -285,3 +285,10 @@ class DecoderModel(nn.Module):
             return 0
         self.tied_head_packed = pack_weight(self.embed_tokens.weight)
         return int(self.tied_head_packed is not None)
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+        """Moving or casting the model packs a tied LM head's new embedding again."""
+        module = super()._apply(fn, recurse)
+        if self.tied_head_packed is not None:
+            self.pack_weights()
+        return module

@@ -67,3 +67,35 @@ def test_model_packs_every_linear_and_its_lm_head(request: pytest.FixtureRequest
     expected = F.linear(hidden.double(), head.double())
     got = model.compute_logits(hidden)
     assert (got.double() - expected).abs().max().item() < 1e-4
+
+
+@needs_onednn
+def test_moving_casting_or_reloading_packs_the_new_weight() -> None:
+    """A packed copy never outlives its weight: `.to()` and `load_state_dict` pack again."""
+    layer = Linear(16, 8)
+    assert layer.pack_weights() == 1
+    x = torch.randn(3, 16)
+    new_weight = torch.randn(8, 16)
+    layer.load_state_dict({"weight": new_weight, "bias": torch.zeros(8)})
+    torch.testing.assert_close(layer(x), F.linear(x, new_weight), atol=1e-5, rtol=1e-5)
+    layer.to(torch.float64)  # oneDNN cannot run float64: back to F.linear
+    assert layer.packed is None
+    assert torch.equal(layer(x.double()), F.linear(x.double(), layer.weight, layer.bias))
+
+
+@needs_onednn
+def test_input_of_another_dtype_gets_f_linears_error() -> None:
+    layer = Linear(16, 8)
+    layer.pack_weights()
+    with pytest.raises(RuntimeError, match="dtype"):
+        layer(torch.randn(3, 16, dtype=torch.float64))
+
+
+@needs_onednn
+def test_casting_a_model_repacks_its_tied_head(qwen2_ckpt: Checkpoint) -> None:
+    model = load_model(qwen2_ckpt.path, torch.float32, "cpu")
+    assert model.tied_head_packed is not None
+    model.to(torch.float64)
+    assert model.tied_head_packed is None
+    hidden = torch.randn(2, model.config.hidden_size, dtype=torch.float64)
+    assert torch.equal(model.compute_logits(hidden), F.linear(hidden, model.embed_tokens.weight))

@@ -120,7 +120,7 @@ class TorchAttentionBackend(AttentionBackend):
                 o = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=batch.additive_mask(q.dtype), scale=scale
                 )
-                o = o.view(b, num_heads, head_dim)
+                o = o.reshape(b, num_heads, head_dim)  # kernels may return it transposed
             else:
                 o = F.scaled_dot_product_attention(
                     q.transpose(1, 2),
