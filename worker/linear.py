@@ -2,9 +2,15 @@
 
 On CPU, torch's default `F.linear` runs a GEMM that reads the weight in its plain layout on
 every call. oneDNN can reorder a weight once into the blocked layout its kernels stream, and the
-small-M GEMMs of decoding then run 2-3x faster (fp32: 120 SmolLM2 linears at M=16 take 13.6 ms
-instead of 40.6 ms on a 2-core AVX-512 machine; see docs/benchmarks.md). The math is the same
-matmul in the same dtype; only the summation order differs (|diff| ~1e-6 in fp32).
+small-M GEMMs of batched decoding then run 1.5-3x faster (fp32, SmolLM2's 120 linears at M=16:
+13.6 ms instead of 40.6 ms on a 2-core AVX-512 AMD machine, 36 ms instead of 57 ms on an Intel
+one; see docs/benchmarks.md). The math is the same matmul in the same dtype; only the summation
+order differs (|diff| ~1e-6 in fp32).
+
+Which kernel wins at a handful of rows depends on the CPU: the AMD machine runs even M=1 faster
+packed, while on the Intel one MKL's plain GEMV path wins up to M=3. So a model large enough for
+it to matter times both over its own weights at load (`calibrate_min_rows`, well under a second)
+and each packed weight remembers from how many rows on it is used.
 
 The plain weight stays where it is, because drafters and tests read it; the packed copy (an
 opaque oneDNN tensor) is used by `forward` only, so a packed model holds its linear weights
@@ -13,11 +19,34 @@ twice. CUDA, float16 and float64 weights, and builds without oneDNN, keep `F.lin
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+logger = logging.getLogger(__name__)
+
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+# Models whose packed weights are smaller than this keep the default (packed from 1 row): their
+# matmuls are too short for the choice to matter, and tests of small models stay deterministic.
+CALIBRATE_MIN_BYTES = 32 * 2**20
+CALIBRATION_ROWS = (1, 2, 4, 8, 16)
+
+
+@dataclass(eq=False)
+class PackedWeight:
+    """`weight` reordered for oneDNN (`tensor`), used for inputs of at least `min_rows` rows."""
+
+    tensor: torch.Tensor
+    weight: torch.Tensor
+    min_rows: int = 1
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.tensor, bias, "none", [], "")
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -34,27 +63,34 @@ def can_pack(weight: torch.Tensor) -> bool:
     return weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+def pack_weight(weight: torch.Tensor, min_rows: int = 1) -> PackedWeight | None:
     """The weight reordered for oneDNN, or None where `F.linear` must be used."""
     if not can_pack(weight):
         return None
     try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
     except RuntimeError:  # a CPU or build oneDNN turns down: the plain path still works
         return None
+    return PackedWeight(tensor, weight, min_rows)
 
 
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    packed: torch.Tensor | None = None,
+    packed: PackedWeight | None = None,
 ) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, through the packed weight when there is one (and `x` is a
-    CPU tensor of the weight's dtype: otherwise `F.linear` gives its usual clear error)."""
-    if packed is None or x.dtype != weight.dtype or x.device.type != "cpu":
+    """`F.linear(x, weight, bias)`, through the packed weight when there is one, `x` has at
+    least its `min_rows` rows, and `x` is a CPU tensor of the weight's dtype (otherwise
+    `F.linear` gives its usual clear error)."""
+    if (
+        packed is None
+        or x.numel() < packed.min_rows * x.shape[-1]
+        or x.dtype != weight.dtype
+        or x.device.type != "cpu"
+    ):
         return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return packed(x, bias)
 
 
 class Linear(nn.Linear):
@@ -64,20 +100,20 @@ class Linear(nn.Linear):
     packs the new weight again, so the copy never goes stale.
     """
 
-    packed: torch.Tensor | None = None
+    packed: PackedWeight | None = None
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.register_load_state_dict_post_hook(lambda module, _: module.repack())
 
-    def pack_weights(self) -> int:
+    def pack_weights(self) -> list[PackedWeight]:
         self.packed = pack_weight(self.weight)
-        return int(self.packed is not None)
+        return [self.packed] if self.packed is not None else []
 
     def repack(self) -> None:
-        """Pack the current weight again if a packed copy is in use."""
+        """Pack the current weight again if a packed copy is in use (same `min_rows`)."""
         if self.packed is not None:
-            self.pack_weights()
+            self.packed = pack_weight(self.weight, self.packed.min_rows)
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
         module = super()._apply(fn, recurse)
@@ -88,7 +124,48 @@ class Linear(nn.Linear):
         return linear(x, self.weight, self.bias, self.packed)
 
 
-def pack_weights(module: nn.Module) -> int:
+def pack_weights(module: nn.Module, calibrate: bool = True) -> list[PackedWeight]:
     """Call `pack_weights()` on every submodule that has one (each `Linear`, and e.g. a model
-    whose LM head reuses its embedding); returns how many weights were packed."""
-    return sum(m.pack_weights() for m in module.modules() if hasattr(m, "pack_weights"))
+    whose LM head reuses its embedding); with `calibrate`, a model whose packed weights reach
+    `CALIBRATE_MIN_BYTES` then times from how many rows on they beat `F.linear`."""
+    packed = [p for m in module.modules() if hasattr(m, "pack_weights") for p in m.pack_weights()]
+    nbytes = sum(p.weight.numel() * p.weight.element_size() for p in packed)
+    if calibrate and nbytes >= CALIBRATE_MIN_BYTES:
+        min_rows = calibrate_min_rows(packed)
+        for p in packed:
+            p.min_rows = min_rows
+        logger.info(
+            "%d packed linear weights (%.0f MB): used from %d rows on, F.linear below",
+            len(packed),
+            nbytes / 2**20,
+            min_rows,
+        )
+    return packed
+
+
+def calibrate_min_rows(
+    packed: Sequence[PackedWeight], candidates: Sequence[int] = CALIBRATION_ROWS
+) -> int:
+    """The fewest rows in `candidates` at which one pass over all `packed` weights is faster
+    packed than with `F.linear` (best of 3, alternating); twice the largest if none is.
+
+    The pass streams every weight once, as a decode step does, so memory bandwidth is part of
+    what is measured rather than weights sitting in cache."""
+    for rows in candidates:
+        inputs = {
+            (p.weight.shape[1], p.weight.dtype): torch.randn(rows, p.weight.shape[1]).to(
+                p.weight.dtype
+            )
+            for p in packed
+        }
+        best = [float("inf"), float("inf")]
+        for _ in range(3):
+            for i, use_packed in enumerate((False, True)):
+                start = time.perf_counter()
+                for p in packed:
+                    x = inputs[(p.weight.shape[1], p.weight.dtype)]
+                    p(x, None) if use_packed else F.linear(x, p.weight)
+                best[i] = min(best[i], time.perf_counter() - start)
+        if best[1] <= best[0]:
+            return rows
+    return 2 * candidates[-1]

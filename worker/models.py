@@ -23,7 +23,7 @@ from torch import nn
 from specserve.worker.attention.base import AttentionBackend, AttentionMetadata
 from specserve.worker.config import ModelConfig, RopeScaling
 from specserve.worker.kv_cache import PagedKVCache
-from specserve.worker.linear import Linear, linear, pack_weight
+from specserve.worker.linear import Linear, PackedWeight, linear, pack_weight
 
 
 class RMSNorm(nn.Module):
@@ -226,7 +226,7 @@ class DecoderModel(nn.Module):
         self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, device, dtype)
-        self.tied_head_packed: torch.Tensor | None = None  # the embedding, packed as LM head
+        self.tied_head_packed: PackedWeight | None = None  # the embedding, packed as LM head
         # Not a buffer: the model may be built on the meta device and loaded with `assign=True`.
         self.inv_freq = rope_inv_freq(config)
 
@@ -279,16 +279,17 @@ class DecoderModel(nn.Module):
             return self.lm_head(hidden)
         return linear(hidden, self.embed_tokens.weight, None, self.tied_head_packed)
 
-    def pack_weights(self) -> int:
+    def pack_weights(self) -> list[PackedWeight]:
         """Pack a tied LM head (`worker.linear.pack_weights` packs the `Linear`s themselves)."""
         if self.lm_head is not None:
-            return 0
+            return []
         self.tied_head_packed = pack_weight(self.embed_tokens.weight)
-        return int(self.tied_head_packed is not None)
+        return [self.tied_head_packed] if self.tied_head_packed is not None else []
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
         """Moving or casting the model packs a tied LM head's new embedding again."""
         module = super()._apply(fn, recurse)
         if self.tied_head_packed is not None:
-            self.pack_weights()
+            min_rows = self.tied_head_packed.min_rows
+            self.tied_head_packed = pack_weight(self.embed_tokens.weight, min_rows)
         return module

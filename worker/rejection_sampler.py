@@ -28,7 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.worker.sampler import SamplingLike, filtered_probs, validate_sampling
+from specserve.worker.sampler import (
+    SamplingLike,
+    argmax_rows,
+    filtered_probs,
+    validate_sampling,
+)
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,7 @@ def rejection_sample(
     final_row = layout.first_row + num_accepted
     if greedy:
         rows = torch.tensor(greedy, device=device)
-        final[rows] = logits[final_row[rows]].argmax(dim=-1)
+        final[rows] = argmax_rows(logits[final_row[rows]])
     if randoms:
         final[state.requests] = state.final_tokens(num_accepted)
     return _assemble(layout, num_accepted.tolist(), final.tolist())
@@ -154,7 +159,7 @@ def _drafts_of(layout: _Layout, requests: list[int]) -> torch.Tensor:
 
 def _greedy_accept(logits: torch.Tensor, layout: _Layout, drafts: torch.Tensor) -> torch.Tensor:
     """A greedy draft survives when it is the target's argmax (placeholders never are)."""
-    argmax = logits[layout.draft_row[drafts]].argmax(dim=-1)
+    argmax = argmax_rows(logits[layout.draft_row[drafts]])
     return layout.valid[drafts] & (layout.draft_ids[drafts] == argmax)
 
 
@@ -242,7 +247,7 @@ class _RandomState:
             # p == q on the support leaves nothing: fall back to p rather than race all zeros.
             empty = residual.sum(dim=-1) <= 0
             dist[rejected] = torch.where(empty[:, None], p[rejected], residual)
-        return (dist / self.noise).argmax(dim=-1)
+        return argmax_rows(dist / self.noise)
 
     def _draft_dist(self, drafts: torch.Tensor, vocab: int) -> torch.Tensor:
         """[n, V] q of the given drafts: draft probs or one-hot, all zero for placeholders."""

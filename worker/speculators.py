@@ -24,6 +24,7 @@ from specserve.worker.drafters.eagle3 import Eagle3Drafter, load_eagle3
 from specserve.worker.kv_cache import PagedKVCache
 from specserve.worker.models import DecoderModel
 from specserve.worker.ngram import NgramProposer
+from specserve.worker.sampler import argmax_rows
 
 
 class DraftSlotError(RuntimeError):
@@ -63,7 +64,7 @@ def choose_drafts(
     softmax(logits / temperature) with the request's generator, and the distributions come back
     for exact verification; greedy requests keep argmax (their verification ignores q).
     """
-    tokens = logits.argmax(dim=-1)
+    tokens = argmax_rows(logits)
     if not sample or all(inp.temperature == 0 for inp in inputs):
         return tokens, None
     probs = torch.nn.functional.one_hot(tokens, logits.shape[-1]).float()

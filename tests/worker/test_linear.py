@@ -5,8 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from specserve.worker.linear import Linear, can_pack, pack_weight, pack_weights
+from specserve.worker import linear as linear_module
+from specserve.worker.linear import (
+    Linear,
+    calibrate_min_rows,
+    can_pack,
+    pack_weight,
+    pack_weights,
+)
 from specserve.worker.loader import load_model
 from tests.model_checkpoints import Checkpoint
 
@@ -31,7 +39,7 @@ def test_packed_linear_equals_f_linear(
     x = torch.randn(rows, 576, generator=g).to(dtype)
     bias = layer.bias.double() if with_bias else None
     expected = F.linear(x.double(), layer.weight.double(), bias)
-    assert layer.pack_weights() == 1
+    assert len(layer.pack_weights()) == 1
     assert layer.packed is not None
     got = layer(x)
     assert got.dtype == dtype and got.shape == (rows, 960)
@@ -44,7 +52,7 @@ def test_weights_oneDNN_cannot_run_stay_unpacked() -> None:
     assert pack_weight(torch.randn(8, 4, dtype=torch.float16)) is None
     assert pack_weight(torch.randn(8)) is None
     layer = Linear(4, 8, dtype=torch.float64)
-    assert layer.pack_weights() == 0 and layer.packed is None
+    assert layer.pack_weights() == [] and layer.packed is None
     x = torch.randn(3, 4, dtype=torch.float64)
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
 
@@ -61,7 +69,7 @@ def test_model_packs_every_linear_and_its_lm_head(request: pytest.FixtureRequest
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed is not None for m in linears)
     assert (model.tied_head_packed is not None) == tied
-    assert pack_weights(model) == len(linears) + int(tied)  # idempotent: packs afresh
+    assert len(pack_weights(model)) == len(linears) + int(tied)  # idempotent: packs afresh
     hidden = torch.randn(5, model.config.hidden_size)
     head = model.embed_tokens.weight if tied else model.lm_head.weight
     expected = F.linear(hidden.double(), head.double())
@@ -73,7 +81,7 @@ def test_model_packs_every_linear_and_its_lm_head(request: pytest.FixtureRequest
 def test_moving_casting_or_reloading_packs_the_new_weight() -> None:
     """A packed copy never outlives its weight: `.to()` and `load_state_dict` pack again."""
     layer = Linear(16, 8)
-    assert layer.pack_weights() == 1
+    assert len(layer.pack_weights()) == 1
     x = torch.randn(3, 16)
     new_weight = torch.randn(8, 16)
     layer.load_state_dict({"weight": new_weight, "bias": torch.zeros(8)})
@@ -99,3 +107,51 @@ def test_casting_a_model_repacks_its_tied_head(qwen2_ckpt: Checkpoint) -> None:
     assert model.tied_head_packed is None
     hidden = torch.randn(2, model.config.hidden_size, dtype=torch.float64)
     assert torch.equal(model.compute_logits(hidden), F.linear(hidden, model.embed_tokens.weight))
+
+
+@needs_onednn
+def test_inputs_below_min_rows_take_f_linear() -> None:
+    """Below its `min_rows` a packed layer is exactly `F.linear`; from it on, the packed GEMM
+    (which sums in another order, so it is close but not bitwise equal here)."""
+    g = torch.Generator().manual_seed(3)
+    layer = Linear(576, 960)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(960, 576, generator=g) / 24)
+    (packed,) = layer.pack_weights()
+    packed.min_rows = 4
+    calls = []
+    original = linear_module.PackedWeight.__call__
+
+    def spy(self, x, bias):  # type: ignore[no-untyped-def]
+        calls.append(x.shape[0])
+        return original(self, x, bias)
+
+    linear_module.PackedWeight.__call__ = spy  # type: ignore[method-assign]
+    try:
+        for rows in (1, 3, 4, 9):
+            x = torch.randn(rows, 576, generator=g)
+            got = layer(x)
+            if rows < 4:
+                assert torch.equal(got, F.linear(x, layer.weight, layer.bias))
+            torch.testing.assert_close(
+                got, F.linear(x, layer.weight, layer.bias), atol=2e-5, rtol=1e-4
+            )
+    finally:
+        linear_module.PackedWeight.__call__ = original  # type: ignore[method-assign]
+    assert calls == [4, 9]
+    layer.to(torch.float32)  # repacking keeps the calibrated threshold
+    assert layer.packed is not None and layer.packed is not packed and layer.packed.min_rows == 4
+
+
+@needs_onednn
+def test_calibration_picks_a_candidate_and_large_models_get_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    layers = nn.Sequential(*(Linear(256, 1024) for _ in range(4)))
+    packed = pack_weights(layers)  # 4 MB: under the calibration size, packed from 1 row
+    assert [p.min_rows for p in packed] == [1] * 4
+    assert calibrate_min_rows(packed, (1, 2, 4)) in (1, 2, 4, 8)
+    monkeypatch.setattr(linear_module, "CALIBRATE_MIN_BYTES", 1)
+    monkeypatch.setattr(linear_module, "calibrate_min_rows", lambda packed: 6)
+    assert [p.min_rows for p in pack_weights(layers)] == [6] * 4
+    assert all(m.packed is not None and m.packed.min_rows == 6 for m in layers)

@@ -10,6 +10,7 @@ import torch
 from specserve.shared.protocol import SamplingParams
 from specserve.worker.sampler import (
     RowSampling,
+    argmax_rows,
     filtered_probs,
     make_generator,
     sample,
@@ -129,3 +130,12 @@ def test_invalid_params_raise(kwargs: dict[str, float], message: str) -> None:
         validate_sampling(**args)
     with pytest.raises(ValueError, match=message):
         sample(torch.randn(1, V), [RowSampling(**args)])
+
+
+def test_argmax_rows_takes_the_first_of_tied_maxima() -> None:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 3, (64, 49152), generator=g).float()  # every row has many ties
+    x[7] = 0.0
+    got = argmax_rows(x)
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert got[7].item() == 0
