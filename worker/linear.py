@@ -19,16 +19,16 @@ twice. CUDA, float16 and float64 weights, and builds without oneDNN, keep `F.lin
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import structlog
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-logger = logging.getLogger(__name__)
+log = structlog.get_logger(__name__)
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # Models whose packed weights are smaller than this keep the default (packed from 1 row): their
@@ -131,14 +131,16 @@ def pack_weights(module: nn.Module, calibrate: bool = True) -> list[PackedWeight
     packed = [p for m in module.modules() if hasattr(m, "pack_weights") for p in m.pack_weights()]
     nbytes = sum(p.weight.numel() * p.weight.element_size() for p in packed)
     if calibrate and nbytes >= CALIBRATE_MIN_BYTES:
+        start = time.perf_counter()
         min_rows = calibrate_min_rows(packed)
         for p in packed:
             p.min_rows = min_rows
-        logger.info(
-            "%d packed linear weights (%.0f MB): used from %d rows on, F.linear below",
-            len(packed),
-            nbytes / 2**20,
-            min_rows,
+        log.info(
+            "linear.packed",
+            weights=len(packed),
+            megabytes=round(nbytes / 2**20),
+            packed_from_rows=min_rows,
+            calibration_seconds=round(time.perf_counter() - start, 2),
         )
     return packed
 
