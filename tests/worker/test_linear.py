@@ -150,7 +150,9 @@ def test_calibration_picks_a_candidate_and_large_models_get_it(
     layers = nn.Sequential(*(Linear(256, 1024) for _ in range(4)))
     packed = pack_weights(layers)  # 4 MB: under the calibration size, packed from 1 row
     assert [p.min_rows for p in packed] == [1] * 4
+    rng = torch.get_rng_state()
     assert calibrate_min_rows(packed, (1, 2, 4)) in (1, 2, 4, 8)
+    assert torch.equal(torch.get_rng_state(), rng)  # loading a model draws no random numbers
     monkeypatch.setattr(linear_module, "CALIBRATE_MIN_BYTES", 1)
     monkeypatch.setattr(linear_module, "calibrate_min_rows", lambda packed: 6)
     assert [p.min_rows for p in pack_weights(layers)] == [6] * 4
