@@ -74,6 +74,12 @@ def pack_weight(weight: torch.Tensor, min_rows: int = 1) -> PackedWeight | None:
     return PackedWeight(tensor, weight, min_rows)
 
 
+def pack_again(packed: PackedWeight | None, weight: torch.Tensor) -> PackedWeight | None:
+    """`weight` packed with `packed`'s `min_rows`, if `packed` is in use (after `weight` was
+    moved, cast or reloaded); None stays None."""
+    return None if packed is None else pack_weight(weight, packed.min_rows)
+
+
 def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -112,8 +118,7 @@ class Linear(nn.Linear):
 
     def repack(self) -> None:
         """Pack the current weight again if a packed copy is in use (same `min_rows`)."""
-        if self.packed is not None:
-            self.packed = pack_weight(self.weight, self.packed.min_rows)
+        self.packed = pack_again(self.packed, self.weight)
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
         module = super()._apply(fn, recurse)

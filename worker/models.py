@@ -23,7 +23,7 @@ from torch import nn
 from specserve.worker.attention.base import AttentionBackend, AttentionMetadata
 from specserve.worker.config import ModelConfig, RopeScaling
 from specserve.worker.kv_cache import PagedKVCache
-from specserve.worker.linear import Linear, PackedWeight, linear, pack_weight
+from specserve.worker.linear import Linear, PackedWeight, linear, pack_again, pack_weight
 
 
 class RMSNorm(nn.Module):
@@ -289,7 +289,5 @@ class DecoderModel(nn.Module):
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
         """Moving or casting the model packs a tied LM head's new embedding again."""
         module = super()._apply(fn, recurse)
-        if self.tied_head_packed is not None:
-            min_rows = self.tied_head_packed.min_rows
-            self.tied_head_packed = pack_weight(self.embed_tokens.weight, min_rows)
+        self.tied_head_packed = pack_again(self.tied_head_packed, self.embed_tokens.weight)
         return module

@@ -53,7 +53,7 @@ from specserve.worker.drafters import (
     read_config,
     read_tensors,
 )
-from specserve.worker.kv_cache import PagedKVCache
+from specserve.worker.kv_cache import PagedKVCache, kv_write_rows
 from specserve.worker.linear import Linear
 from specserve.worker.loader import assign_weights, map_decoder_layer
 from specserve.worker.models import (
@@ -245,6 +245,7 @@ class DFlashDrafter(HiddenStateDrafter[DFlashConfig]):
             )
         x = self.hidden_norm(context.to(self.dtype))
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
+        rows = kv_write_rows(slot_mapping, kv_cache.block_size)  # the same for every layer
         for layer in self.layers:
             attn = layer.attn
             q_size, kv_size, _ = attn.split
@@ -255,7 +256,7 @@ class DFlashDrafter(HiddenStateDrafter[DFlashConfig]):
             v = v.reshape(-1, attn.num_kv_heads, attn.head_dim)
             if attn.k_norm is not None:
                 k = attn.k_norm(k)
-            kv_cache.write(attn.layer_id, apply_rope(k, cos, sin), v, slot_mapping)
+            kv_cache.write_rows(attn.layer_id, apply_rope(k, cos, sin), v, rows)
 
     @torch.no_grad()
     def forward(
