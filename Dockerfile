@@ -14,6 +14,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /opt/specserve
+# A C compiler: CPU workers build their decode-attention kernel on first use (without one they
+# fall back to the slower gather + SDPA path).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 # torch first and pinned, from the index that matches the device (an unpinned torch from PyPI
 # would pull a multi-GB CUDA build into a CPU image).
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"

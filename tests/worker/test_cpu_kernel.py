@@ -1,0 +1,119 @@
+"""The compiled CPU decode-attention kernel: against the dense float64 reference, against the
+SDPA path it replaces, and its fallback when it cannot be built.
+
+Tolerances against the float64 reference: float32 atol 2e-6, bfloat16 atol 1e-2 (the output
+is rounded to bfloat16, |out| < 2 here); kernel vs SDPA path in float32: atol 1e-6.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_worker_attention import MIXED, _run_case
+
+from specserve.worker.attention import cpu_kernel
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernel._compiler() is None, reason="no C compiler: the kernel cannot be built here"
+)
+
+DECODES = [(1, 1, True), (1, 16, True), (1, 17, True), (1, 150, True), (1, 47, True)]
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts kernel calls (batch size of each), so a test fails if attention bypassed it."""
+    calls: list[int] = []
+    real = cpu_kernel.paged_decode_attention
+
+    def spy(query: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        calls.append(query.shape[0])
+        return real(query, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_kernel, "paged_decode_attention", spy)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [None, 5, 40])
+@pytest.mark.parametrize(("block_size", "head_dim"), [(4, 8), (16, 64), (16, 128), (8, 48)])
+def test_decodes_match_dense_reference(
+    dtype: torch.dtype, window: int | None, block_size: int, head_dim: int, kernel_calls
+) -> None:
+    """Context lengths of one key, exactly one page, a page plus one and many pages; windows
+    shorter and longer than the context; head dims of the unrolled (64, 128) and general paths."""
+    out, expected = _run_case(DECODES, window, dtype, block_size, head_dim)
+    assert kernel_calls == [len(DECODES)]
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 3, 5])
+def test_mixed_batch_decodes_use_kernel(window: int | None, kernel_calls) -> None:
+    """Decode rows of a mixed step go through the kernel and land in their rows of the output;
+    prefill chunks and draft blocks stay on SDPA."""
+    out, expected = _run_case(MIXED, window, torch.float32)
+    assert kernel_calls == [sum(q == 1 for q, _, _ in MIXED)]
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[torch.float32], rtol=0)
+
+
+def test_kernel_matches_sdpa_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    specs = [(1, n, True) for n in (3, 31, 64, 200, 9)]
+    kernel_out, _ = _run_case(specs, None, torch.float32, 16, 64)
+    monkeypatch.setattr(cpu_kernel, "supports", lambda *_: False)
+    sdpa_out, _ = _run_case(specs, None, torch.float32, 16, 64)
+    torch.testing.assert_close(kernel_out, sdpa_out, atol=1e-6, rtol=0)
+
+
+def test_float64_keeps_sdpa(kernel_calls) -> None:
+    out, expected = _run_case(DECODES, None, torch.float64)
+    assert kernel_calls == []
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=0)
+
+
+def test_mismatched_shapes_raise() -> None:
+    cache = torch.zeros(4, 2, 4, 2, 8)
+    query = torch.zeros(1, 4, 16)  # head_dim 16 against a cache of 8
+    pages = torch.zeros(1, 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="does not fit cache"):
+        cpu_kernel.paged_decode_attention(
+            query,
+            cache,
+            pages,
+            torch.zeros(1, dtype=torch.int64),
+            torch.ones(1, dtype=torch.int64),
+            None,
+            1.0,
+        )
+
+
+@pytest.fixture
+def fresh_load(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    """`load()` with an empty kernel cache, and the process's cached library restored after."""
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    cpu_kernel.load.cache_clear()
+    yield cpu_kernel.load
+    cpu_kernel.load.cache_clear()
+
+
+def test_builds_into_cache_dir(fresh_load, tmp_path) -> None:
+    assert fresh_load() is not None
+    (lib,) = (tmp_path / "kernels").glob("paged_decode-*.so")
+    assert lib.stat().st_size > 0
+    assert not [p for p in (tmp_path / "kernels").iterdir() if p.is_dir()]  # no leftover tmp
+
+
+def test_without_compiler_falls_back_to_sdpa(
+    fresh_load, monkeypatch: pytest.MonkeyPatch, kernel_calls
+) -> None:
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    assert fresh_load() is None
+    out, expected = _run_case(DECODES, None, torch.float32)
+    assert kernel_calls == []
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[torch.float32], rtol=0)
+
+
+def test_switched_off_by_environment(fresh_load, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECSERVE_CPU_KERNELS", "0")
+    assert fresh_load() is None
