@@ -2,7 +2,10 @@
 
 Both run the same dequantized GGUF weights in the same dtype on the same threads, in the same
 process:
-    .venv/bin/python bench/generate.py [--quick] [--dtype float32|bfloat16]
+    .venv/bin/python bench/generate.py [--quick] [--dtype float32|bfloat16] [--long-context N]
+
+`--long-context N` adds a batch-16 decode row with N-token prompts, where attention over the
+paged cache, rather than the weights, dominates a step.
 
 The two engines are timed in alternation (ours, theirs, ours, ...), so a change in the
 machine's speed during the run reaches both sides alike.
@@ -92,6 +95,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--long-context", type=int, default=0, metavar="N")
     args = parser.parse_args()
     configure_logging("warning")
     threads = torch.get_num_threads()
@@ -100,7 +104,15 @@ def main() -> None:
     prefill_len = 256 if args.quick else 512
 
     print("loading specserve (bundled SmolLM2-135M GGUF) ...", flush=True)
-    llm = LLM("smollm2-135m", dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=4096)
+    # Room for 16 long requests without preemption (the default budget holds ~11k tokens).
+    num_blocks = 16 * -(-(args.long_context + new_tokens) // 16) + 64 if args.long_context else None
+    llm = LLM(
+        "smollm2-135m",
+        dtype=args.dtype,
+        max_num_seqs=64,
+        max_num_batched_tokens=4096,
+        num_blocks=num_blocks,
+    )
     print("loading transformers from the same GGUF ...", flush=True)
     hf = load_transformers(getattr(torch, args.dtype))
 
@@ -112,9 +124,10 @@ def main() -> None:
     )
     rows.append((f"prefill tokens/s (1 x {prefill_len})", prefill_len / ours, prefill_len / theirs))
 
-    for batch in (1, 16):
-        batch_prompts = _prompts(batch, 32, batch)
-        print(f"decode: batch {batch}, {new_tokens} new tokens ...", flush=True)
+    decode_cases = [(1, 32), (16, 32)] + ([(16, args.long_context)] if args.long_context else [])
+    for batch, prompt_len in decode_cases:
+        batch_prompts = _prompts(batch, prompt_len, batch)
+        print(f"decode: batch {batch}, {prompt_len}-token prompts, {new_tokens} new tokens ...")
         ours_rate, hf_rate = decode_rates(
             lambda n, p=batch_prompts: ours_generate(llm, p, n),
             lambda n, p=batch_prompts: hf_generate(hf, p, n),
@@ -122,14 +135,18 @@ def main() -> None:
             new_tokens,
             repeats,
         )
-        rows.append((f"decode tokens/s (batch {batch})", ours_rate, hf_rate))
+        context = "" if prompt_len == 32 else f", {prompt_len}-token prompts"
+        rows.append((f"decode tokens/s (batch {batch}{context})", ours_rate, hf_rate))
 
     print()
     print(f"machine: {cpu_model()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__} with {threads} threads, {args.dtype}")  # fmt: skip
-    print(f"{'metric':<30} {'specserve':>12} {'transformers':>14} {'ratio':>8}")
+    width = max(len(name) for name, _, _ in rows)
+    print(f"{'metric':<{width}} {'specserve':>12} {'transformers':>14} {'ratio':>8}")
     for name, ours_value, hf_value in rows:
-        print(f"{name:<30} {ours_value:>12.1f} {hf_value:>14.1f} {ours_value / hf_value:>7.2f}x")
+        print(
+            f"{name:<{width}} {ours_value:>12.1f} {hf_value:>14.1f} {ours_value / hf_value:>7.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The compiled CPU decode-attention kernel: against the dense float64 reference, against the
-SDPA path it replaces, and its fallback when it cannot be built.
+"""The compiled CPU kernels: decode attention against the dense float64 reference and the SDPA
+path it replaces, the fused norm/activation kernels against the PyTorch ops they replace, and
+the fallback when the library cannot be built.
 
 Tolerances against the float64 reference: float32 atol 2e-6, bfloat16 atol 1e-2 (the output
 is rounded to bfloat16, |out| < 2 here); kernel vs SDPA path in float32: atol 1e-6.
@@ -11,10 +12,11 @@ import pytest
 import torch
 from test_worker_attention import MIXED, _run_case
 
-from specserve.worker.attention import cpu_kernel
+from specserve.worker import cpu_kernels
+from specserve.worker.models import RMSNorm
 
 pytestmark = pytest.mark.skipif(
-    cpu_kernel._compiler() is None, reason="no C compiler: the kernel cannot be built here"
+    cpu_kernels._compiler() is None, reason="no C compiler: the kernel cannot be built here"
 )
 
 DECODES = [(1, 1, True), (1, 16, True), (1, 17, True), (1, 150, True), (1, 47, True)]
@@ -25,13 +27,13 @@ TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1e-2}
 def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts kernel calls (batch size of each), so a test fails if attention bypassed it."""
     calls: list[int] = []
-    real = cpu_kernel.paged_decode_attention
+    real = cpu_kernels.paged_decode_attention
 
     def spy(query: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         calls.append(query.shape[0])
         return real(query, *args, **kwargs)
 
-    monkeypatch.setattr(cpu_kernel, "paged_decode_attention", spy)
+    monkeypatch.setattr(cpu_kernels, "paged_decode_attention", spy)
     return calls
 
 
@@ -61,7 +63,7 @@ def test_mixed_batch_decodes_use_kernel(window: int | None, kernel_calls) -> Non
 def test_kernel_matches_sdpa_path(monkeypatch: pytest.MonkeyPatch) -> None:
     specs = [(1, n, True) for n in (3, 31, 64, 200, 9)]
     kernel_out, _ = _run_case(specs, None, torch.float32, 16, 64)
-    monkeypatch.setattr(cpu_kernel, "supports", lambda *_: False)
+    monkeypatch.setattr(cpu_kernels, "attention_supported", lambda *_: False)
     sdpa_out, _ = _run_case(specs, None, torch.float32, 16, 64)
     torch.testing.assert_close(kernel_out, sdpa_out, atol=1e-6, rtol=0)
 
@@ -77,7 +79,7 @@ def test_mismatched_shapes_raise() -> None:
     query = torch.zeros(1, 4, 16)  # head_dim 16 against a cache of 8
     pages = torch.zeros(1, 1, dtype=torch.int64)
     with pytest.raises(ValueError, match="does not fit cache"):
-        cpu_kernel.paged_decode_attention(
+        cpu_kernels.paged_decode_attention(
             query,
             cache,
             pages,
@@ -92,14 +94,14 @@ def test_mismatched_shapes_raise() -> None:
 def fresh_load(monkeypatch: pytest.MonkeyPatch, tmp_path):
     """`load()` with an empty kernel cache, and the process's cached library restored after."""
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
-    cpu_kernel.load.cache_clear()
-    yield cpu_kernel.load
-    cpu_kernel.load.cache_clear()
+    cpu_kernels.load.cache_clear()
+    yield cpu_kernels.load
+    cpu_kernels.load.cache_clear()
 
 
 def test_builds_into_cache_dir(fresh_load, tmp_path) -> None:
     assert fresh_load() is not None
-    (lib,) = (tmp_path / "kernels").glob("paged_decode-*.so")
+    (lib,) = (tmp_path / "kernels").glob("specserve_kernels-*.so")
     assert lib.stat().st_size > 0
     assert not [p for p in (tmp_path / "kernels").iterdir() if p.is_dir()]  # no leftover tmp
 
@@ -117,3 +119,58 @@ def test_without_compiler_falls_back_to_sdpa(
 def test_switched_off_by_environment(fresh_load, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECSERVE_CPU_KERNELS", "0")
     assert fresh_load() is None
+
+
+# The fused element-wise kernels against the PyTorch paths they replace (kernels switched off).
+# float32: atol 1e-6 (only the order of the sum of squares and the expf differ); bfloat16: the
+# same roundings in the same places, so at most two bfloat16 steps apart (rtol 2**-6: silu(gate)
+# one step off carries through the product with up), and the residual sum bitwise equal.
+ROW_TOLERANCE = {
+    torch.float32: {"atol": 1e-6, "rtol": 1e-6},
+    torch.bfloat16: {"atol": 0, "rtol": 2**-6},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 5, 64])  # 64 x 1536 runs the OpenMP-parallel branch
+def test_add_and_norm_match_torch(dtype: torch.dtype, rows: int, monkeypatch) -> None:
+    torch.manual_seed(rows)
+    dim = 1536
+    norm = RMSNorm(dim, 1e-5, dtype, "cpu")
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim))
+    wide = torch.randn(rows, 2 * dim).to(dtype)
+    x = wide[:, :dim]  # strided rows, as a slice of a fused projection is
+    delta = (torch.randn(rows, dim) * 3).to(dtype)
+    calls = []
+    real = cpu_kernels.add_rms_norm
+    monkeypatch.setattr(cpu_kernels, "add_rms_norm", lambda *a: calls.append(1) or real(*a))
+    fused_norm = norm(x)
+    fused_sum, fused_sum_norm = norm.add_and_norm(x, delta)
+    assert len(calls) == 2
+    with monkeypatch.context() as torch_path:
+        torch_path.setattr(cpu_kernels, "rows_supported", lambda *_: False)
+        ref_norm = norm(x)
+        ref_sum, ref_sum_norm = norm.add_and_norm(x, delta)
+    assert torch.equal(fused_sum, ref_sum)
+    torch.testing.assert_close(fused_norm, ref_norm, **ROW_TOLERANCE[dtype])
+    torch.testing.assert_close(fused_sum_norm, ref_sum_norm, **ROW_TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_silu_mul_matches_torch(dtype: torch.dtype, rows: int) -> None:
+    torch.manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * 1536) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), expected, **ROW_TOLERANCE[dtype])
+
+
+def test_row_kernels_turn_down_what_they_cannot_run() -> None:
+    x = torch.zeros(2, 8)
+    assert cpu_kernels.rows_supported(x, x)
+    assert not cpu_kernels.rows_supported(x.double())
+    assert not cpu_kernels.rows_supported(x, x.to(torch.bfloat16))  # mixed dtypes
+    assert not cpu_kernels.rows_supported(torch.zeros(2, 3, 8))  # 3-D (per-head q/k norms)
+    assert not cpu_kernels.rows_supported(x.t())  # columns not contiguous

@@ -2,7 +2,7 @@
  *
  * One query token per request attends to that request's keys where they lie in the cache,
  * so nothing is gathered or padded: the cost is one pass over the keys and one over the
- * values. Built and loaded by worker/attention/cpu_kernel.py (see there for how and when).
+ * values. Built and loaded by worker/cpu_kernels.py (see there for how and when).
  *
  * Cache layout (the FlashInfer one): [num_blocks, 2, block_size, kv_heads, head_dim], K at
  * index 0 and V at index 1 of the second axis. Request b's keys are its pages

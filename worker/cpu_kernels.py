@@ -1,0 +1,248 @@
+"""Compiled CPU kernels (`csrc/*.c`): built once with the system C compiler, loaded with ctypes.
+
+- `paged_decode_attention`: decoding with SDPA first gathers every request's K and V pages into
+  a padded batch, so each layer copies the whole context and then reads it again, and the
+  padding grows with the longest request (at 16 requests of 1k tokens, three quarters of a
+  step). The kernel reads the pages where they lie, once.
+- `add_rms_norm` and `silu_mul`: a decoder layer's element-wise glue, which PyTorch runs as
+  3-9 small ops each (a dispatch and a pass over memory apiece), in one call.
+
+The C files are compiled on first use (`$CC`, else `cc`/`gcc`) into
+`$SPECSERVE_CACHE_DIR/kernels` (default `~/.cache/specserve/kernels`), keyed by the sources, the
+flags and the CPU, and reused afterwards. Without a compiler, or with `SPECSERVE_CPU_KERNELS=0`,
+the callers keep their PyTorch paths (same results up to float32 summation order), and the log
+says so once. The kernels run on torch's own OpenMP threads: the library's `libgomp.so.1`
+resolves to the copy torch has already loaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import structlog
+import torch
+
+log = structlog.get_logger(__name__)
+
+SOURCES = tuple(
+    Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "fused_ops.c")
+)
+# -ffast-math only when compiling (vectorised expf and reductions); linking without it keeps
+# crtfastmath.o, which would set flush-to-zero for the whole process, out of the library.
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
+LINK_FLAGS = ("-shared", "-fopenmp", "-lm")
+DTYPES = (torch.float32, torch.bfloat16)
+_C_INT64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+def enabled() -> bool:
+    return os.environ.get("SPECSERVE_CPU_KERNELS", "1") != "0"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPECSERVE_CACHE_DIR") or Path.home() / ".cache" / "specserve"
+    return Path(root) / "kernels"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _cpu_signature() -> str:
+    """The CPU's feature flags: a library built with -march=native must not move to another CPU."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build(compiler: str) -> Path:
+    """Compile `SOURCES` into the cache (atomically: concurrent workers may build at once)."""
+    flags = " ".join(COMPILE_FLAGS + LINK_FLAGS)
+    parts = [*(src.read_bytes() for src in SOURCES), compiler.encode(), flags.encode()]
+    key = hashlib.sha256(b"\0".join([*parts, _cpu_signature().encode()])).hexdigest()[:16]
+    target = cache_dir() / f"specserve_kernels-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        objects = [str(Path(tmp) / f"{src.stem}.o") for src in SOURCES]
+        commands = [
+            [compiler, *COMPILE_FLAGS, "-c", str(src), "-o", obj]
+            for src, obj in zip(SOURCES, objects, strict=True)
+        ]
+        lib = Path(tmp) / target.name
+        commands.append([compiler, *objects, *LINK_FLAGS, "-o", str(lib)])
+        for cmd in commands:
+            subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+        os.replace(lib, target)
+    log.info("cpu_kernels.built", path=str(target), seconds=round(time.perf_counter() - start, 2))
+    return target
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built if needed; None (logged once) where it cannot be had."""
+    if not enabled():
+        log.info("cpu_kernels.disabled", reason="SPECSERVE_CPU_KERNELS=0")
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        log.warning("cpu_kernels.unavailable", reason="no C compiler (set CC)")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", None) or str(exc)
+        log.warning("cpu_kernels.unavailable", reason=detail.strip()[-500:])
+        return None
+    i64, f32, flag = _C_INT64, ctypes.c_float, ctypes.c_int
+    signatures = {
+        "paged_decode_attention": (
+            ctypes.c_int,
+            [_PTR, i64, _PTR, _PTR, _PTR, _PTR, _PTR, *[i64] * 7, f32, flag],
+        ),
+        "add_rms_norm": (None, [_PTR, i64, _PTR, i64, _PTR, _PTR, _PTR, i64, i64, f32, flag]),
+        "silu_mul": (None, [_PTR, i64, _PTR, i64, i64, flag]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+def rows_supported(*tensors: torch.Tensor) -> bool:
+    """Whether the row-wise kernels can take these tensors: CPU, float32/bfloat16, one dtype,
+    2-D with contiguous rows (rows themselves may be strided)."""
+    dtype = tensors[0].dtype
+    return (
+        dtype in DTYPES
+        and all(
+            t.device.type == "cpu" and t.dtype == dtype and t.dim() == 2 and t.stride(1) == 1
+            for t in tensors
+        )
+        and load() is not None
+    )
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(s, rms_norm(s) * weight)` for `s = x + delta` (`s = x` without delta); `[T, H]` rows.
+    Call `rows_supported` first."""
+    lib = load()
+    assert lib is not None, "add_rms_norm called where rows_supported() is False"
+    rows, dim = x.shape
+    out = torch.empty((rows, dim), dtype=x.dtype)
+    total = x if delta is None else torch.empty((rows, dim), dtype=x.dtype)
+    lib.add_rms_norm(
+        x.data_ptr(),
+        x.stride(0),
+        None if delta is None else delta.data_ptr(),
+        0 if delta is None else delta.stride(0),
+        total.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        rows,
+        dim,
+        eps,
+        int(x.dtype == torch.bfloat16),
+    )
+    return total, out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` for `gate_up = [gate | up]` (`[T, 2I]` -> `[T, I]`). Call
+    `rows_supported` first."""
+    lib = load()
+    assert lib is not None, "silu_mul called where rows_supported() is False"
+    rows, width = gate_up.shape
+    out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+    lib.silu_mul(
+        gate_up.data_ptr(),
+        gate_up.stride(0),
+        out.data_ptr(),
+        rows,
+        width // 2,
+        int(gate_up.dtype == torch.bfloat16),
+    )
+    return out
+
+
+def attention_supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether `paged_decode_attention` can run this layer (CPU, float32/bfloat16, one dtype)."""
+    return (
+        query.device.type == "cpu"
+        and query.dtype in DTYPES
+        and kv_cache.dtype == query.dtype
+        and kv_cache.is_contiguous()
+        and query.stride(-1) == 1
+        and query.stride(-2) == query.shape[-1]
+        and load() is not None
+    )
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    k_pages: torch.Tensor,
+    first_key_pos: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """`[B, H, D]` attention of one query per request over its pages of `kv_cache`.
+
+    `k_pages [B, P]` are the K pages of each request's blocks (cache viewed as
+    `[num_blocks * 2, page]`, so block b's K is page 2b and V page 2b + 1), the first holding
+    position `first_key_pos[b]`; request b sees positions `[seq_lens[b] - window, seq_lens[b])`
+    (all of them below `seq_lens[b]` without a window). Call `attention_supported` first.
+    """
+    lib = load()
+    assert lib is not None, "paged_decode_attention called where attention_supported() is False"
+    batch, heads, dim = query.shape
+    _, _, block_size, kv_heads, cache_dim = kv_cache.shape
+    if cache_dim != dim or heads % kv_heads or k_pages.shape[0] != batch:
+        raise ValueError(
+            f"query {tuple(query.shape)} does not fit cache {tuple(kv_cache.shape)} "
+            f"and {k_pages.shape[0]} page rows"
+        )
+    pages = k_pages.contiguous()
+    first = first_key_pos.contiguous()
+    lens = seq_lens.contiguous()
+    out = torch.empty((batch, heads, dim), dtype=query.dtype)
+    failed = lib.paged_decode_attention(
+        query.data_ptr(),
+        query.stride(0),
+        kv_cache.data_ptr(),
+        pages.data_ptr(),
+        first.data_ptr(),
+        lens.data_ptr(),
+        out.data_ptr(),
+        batch,
+        heads,
+        kv_heads,
+        dim,
+        block_size,
+        pages.shape[1],
+        window or 0,
+        scale,
+        int(query.dtype == torch.bfloat16),
+    )
+    if failed:
+        raise RuntimeError(f"paged decode attention failed for {failed} (request, head) pairs")
+    return out

@@ -1,0 +1,99 @@
+/* Element-wise glue of a decoder layer, fused (CPU): RMSNorm with its residual add, and SwiGLU's
+ * silu(gate) * up. In PyTorch each is 3-9 small ops, each a dispatch and a pass over memory.
+ * Built and loaded by worker/cpu_kernels.py.
+ *
+ * The math is the decoder's (worker/models.py) step by step, in float32, rounding to bfloat16
+ * exactly where the bfloat16 model rounds: the residual sum, the normalised value before the
+ * weight, the product with the weight, silu(gate) and the product with up. Only the order of
+ * the sum of squares differs.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_load(const uint16_t *p, int64_t i) {
+    uint32_t bits = (uint32_t)p[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t bf16_round(float f) { /* round to nearest even, NaN kept quiet */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float bf16_rounded(float f) {
+    uint32_t bits = (uint32_t)bf16_round(f) << 16;
+    float r;
+    memcpy(&r, &bits, sizeof r);
+    return r;
+}
+
+/* Row r: s = x[r] (+ delta[r] when delta is given, stored to sum_out[r]);
+ * out[r] = weight * (s * rsqrt(mean(s^2) + eps)). Rows are `*_stride` elements apart. */
+void add_rms_norm(const void *x, int64_t x_stride, const void *delta, int64_t delta_stride,
+                  void *sum_out, const void *weight, void *out, int64_t rows, int64_t dim,
+                  float eps, int is_bf16) {
+#pragma omp parallel for schedule(static) if (rows * dim > 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        float s[dim];
+        if (is_bf16) {
+            const uint16_t *xr = (const uint16_t *)x + r * x_stride;
+            for (int64_t i = 0; i < dim; i++) s[i] = bf16_load(xr, i);
+            if (delta != NULL) {
+                const uint16_t *dr = (const uint16_t *)delta + r * delta_stride;
+                uint16_t *so = (uint16_t *)sum_out + r * dim;
+                for (int64_t i = 0; i < dim; i++) {
+                    so[i] = bf16_round(s[i] + bf16_load(dr, i));
+                    s[i] = bf16_load(so, i);
+                }
+            }
+        } else {
+            const float *xr = (const float *)x + r * x_stride;
+            if (delta != NULL) {
+                const float *dr = (const float *)delta + r * delta_stride;
+                float *so = (float *)sum_out + r * dim;
+                for (int64_t i = 0; i < dim; i++) s[i] = so[i] = xr[i] + dr[i];
+            } else {
+                memcpy(s, xr, dim * sizeof(float));
+            }
+        }
+        float squares = 0.0f;
+        for (int64_t i = 0; i < dim; i++) squares += s[i] * s[i];
+        float inv = 1.0f / sqrtf(squares / (float)dim + eps);
+        if (is_bf16) {
+            const uint16_t *w = (const uint16_t *)weight;
+            uint16_t *o = (uint16_t *)out + r * dim;
+            for (int64_t i = 0; i < dim; i++)
+                o[i] = bf16_round(bf16_load(w, i) * bf16_rounded(s[i] * inv));
+        } else {
+            const float *w = (const float *)weight;
+            float *o = (float *)out + r * dim;
+            for (int64_t i = 0; i < dim; i++) o[i] = s[i] * inv * w[i];
+        }
+    }
+}
+
+/* out[r] = silu(gate_up[r, :dim]) * gate_up[r, dim:], rows of gate_up `stride` elements apart. */
+void silu_mul(const void *gate_up, int64_t stride, void *out, int64_t rows, int64_t dim,
+              int is_bf16) {
+#pragma omp parallel for schedule(static) if (rows * dim > 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        if (is_bf16) {
+            const uint16_t *g = (const uint16_t *)gate_up + r * stride, *u = g + dim;
+            uint16_t *o = (uint16_t *)out + r * dim;
+            for (int64_t i = 0; i < dim; i++) {
+                float x = bf16_load(g, i);
+                o[i] = bf16_round(bf16_rounded(x / (1.0f + expf(-x))) * bf16_load(u, i));
+            }
+        } else {
+            const float *g = (const float *)gate_up + r * stride, *u = g + dim;
+            float *o = (float *)out + r * dim;
+            for (int64_t i = 0; i < dim; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        }
+    }
+}
