@@ -72,7 +72,8 @@ def _cpu_signature() -> str:
 def _build(compiler: str) -> Path:
     """Compile `SOURCES` into the cache (atomically: concurrent workers may build at once)."""
     flags = " ".join(COMPILE_FLAGS + LINK_FLAGS)
-    parts = [*(src.read_bytes() for src in SOURCES), compiler.encode(), flags.encode()]
+    inputs = sorted(SOURCES[0].parent.glob("*.[ch]"))  # the sources and the headers they include
+    parts = [*(path.read_bytes() for path in inputs), compiler.encode(), flags.encode()]
     key = hashlib.sha256(b"\0".join([*parts, _cpu_signature().encode()])).hexdigest()[:16]
     target = cache_dir() / f"specserve_kernels-{key}.so"
     if target.exists():

@@ -19,20 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_float(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) { /* round to nearest even, NaN kept quiet */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
+#include "bf16.h"
 
 /* `rows` rows of `dim` values, `stride` elements apart, as contiguous float32 in `dst`. */
 static void load_rows(float *dst, const void *src, int64_t rows, int64_t dim, int64_t stride,
@@ -40,7 +27,7 @@ static void load_rows(float *dst, const void *src, int64_t rows, int64_t dim, in
     for (int64_t r = 0; r < rows; r++) {
         if (is_bf16) {
             const uint16_t *s = (const uint16_t *)src + r * stride;
-            for (int64_t d = 0; d < dim; d++) dst[r * dim + d] = bf16_to_float(s[d]);
+            for (int64_t d = 0; d < dim; d++) dst[r * dim + d] = bf16_load(s, d);
         } else {
             memcpy(dst + r * dim, (const float *)src + r * stride, dim * sizeof(float));
         }
@@ -155,7 +142,7 @@ int paged_decode_attention(const void *query, int64_t q_row_stride, const void *
         char *orow = (char *)out + ((b * heads) + h * group) * dim * esize;
         for (int64_t i = 0; i < group * dim; i++) {
             if (is_bf16)
-                ((uint16_t *)orow)[i] = float_to_bf16(of[i]);
+                ((uint16_t *)orow)[i] = bf16_round(of[i]);
             else
                 ((float *)orow)[i] = of[i];
         }
