@@ -174,3 +174,13 @@ def test_row_kernels_turn_down_what_they_cannot_run() -> None:
     assert not cpu_kernels.rows_supported(x, x.to(torch.bfloat16))  # mixed dtypes
     assert not cpu_kernels.rows_supported(torch.zeros(2, 3, 8))  # 3-D (per-head q/k norms)
     assert not cpu_kernels.rows_supported(x.t())  # columns not contiguous
+
+
+def test_pages_that_do_not_cover_the_keys_raise() -> None:
+    """A page list shorter than the visible keys is refused (both KV heads), not read past."""
+    cache = torch.randn(4, 2, 4, 2, 8)
+    query = torch.randn(1, 4, 8)
+    pages = torch.tensor([[2]])  # one page of 4 keys for a sequence of 6
+    first, seq_lens = torch.zeros(1, dtype=torch.int64), torch.tensor([6])
+    with pytest.raises(RuntimeError, match=r"failed for 2 \(request, head\) pairs"):
+        cpu_kernels.paged_decode_attention(query, cache, pages, first, seq_lens, None, 1.0)

@@ -86,6 +86,10 @@ static inline __attribute__((always_inline)) int attend(float *restrict out_f, c
             }
             n += count;
         }
+        if (n != n_keys) { /* the pages do not cover the visible keys: refuse, never read junk */
+            free(scores);
+            return 1;
+        }
         if (pass == 0) { /* softmax numerators in place; normalised after the V pass */
             for (int64_t g = 0; g < group; g++) {
                 float *s = scores + g * n_keys;
