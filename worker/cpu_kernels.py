@@ -69,14 +69,15 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
-def _build(compiler: str) -> Path:
-    """Compile `SOURCES` into the cache (atomically: concurrent workers may build at once)."""
+def _build(compiler: str, rebuild: bool = False) -> Path:
+    """Compile `SOURCES` into the cache (atomically: concurrent workers may build at once);
+    `rebuild` replaces a cached library that would not load."""
     flags = " ".join(COMPILE_FLAGS + LINK_FLAGS)
     inputs = sorted(SOURCES[0].parent.glob("*.[ch]"))  # the sources and the headers they include
     parts = [*(path.read_bytes() for path in inputs), compiler.encode(), flags.encode()]
     key = hashlib.sha256(b"\0".join([*parts, _cpu_signature().encode()])).hexdigest()[:16]
     target = cache_dir() / f"specserve_kernels-{key}.so"
-    if target.exists():
+    if target.exists() and not rebuild:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -106,7 +107,10 @@ def load() -> ctypes.CDLL | None:
         log.warning("cpu_kernels.unavailable", reason="no C compiler (set CC)")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        try:
+            lib = ctypes.CDLL(str(_build(compiler)))
+        except OSError:  # e.g. a truncated file left in the cache: build it again, once
+            lib = ctypes.CDLL(str(_build(compiler, rebuild=True)))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", None) or str(exc)
         log.warning("cpu_kernels.unavailable", reason=detail.strip()[-500:])
@@ -148,6 +152,11 @@ def add_rms_norm(
     lib = load()
     assert lib is not None, "add_rms_norm called where rows_supported() is False"
     rows, dim = x.shape
+    if weight.shape != (dim,) or (delta is not None and delta.shape != x.shape):
+        raise ValueError(
+            f"add_rms_norm: x {tuple(x.shape)}, delta "
+            f"{None if delta is None else tuple(delta.shape)}, weight {tuple(weight.shape)}"
+        )
     out = torch.empty((rows, dim), dtype=x.dtype)
     total = x if delta is None else torch.empty((rows, dim), dtype=x.dtype)
     lib.add_rms_norm(
@@ -222,6 +231,9 @@ def paged_decode_attention(
             f"query {tuple(query.shape)} does not fit cache {tuple(kv_cache.shape)} "
             f"and {k_pages.shape[0]} page rows"
         )
+    index_tensors = (k_pages, first_key_pos, seq_lens)
+    if any(t.dtype != torch.int64 or t.device.type != "cpu" for t in index_tensors):
+        raise ValueError("pages, first key positions and sequence lengths must be CPU int64")
     pages = k_pages.contiguous()
     first = first_key_pos.contiguous()
     lens = seq_lens.contiguous()

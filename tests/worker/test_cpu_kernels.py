@@ -8,6 +8,10 @@ is rounded to bfloat16, |out| < 2 here); kernel vs SDPA path in float32: atol 1e
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from test_worker_attention import MIXED, _run_case
@@ -184,3 +188,46 @@ def test_pages_that_do_not_cover_the_keys_raise() -> None:
     first, seq_lens = torch.zeros(1, dtype=torch.int64), torch.tensor([6])
     with pytest.raises(RuntimeError, match=r"failed for 2 \(request, head\) pairs"):
         cpu_kernels.paged_decode_attention(query, cache, pages, first, seq_lens, None, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_silu_mul_at_extreme_gates(dtype: torch.dtype) -> None:
+    """Gates far below expf's overflow point give ~0, not NaN, in the vector and scalar code."""
+    gate = torch.cat([torch.linspace(-1000, -80, 61), torch.tensor([0.0, 30.0, 100.0, 1e4])])
+    gate_up = torch.cat([gate, torch.full_like(gate, 1.5)])[None].to(dtype)
+    out = cpu_kernels.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, expected, atol=1e-30, **{"rtol": ROW_TOLERANCE[dtype]["rtol"]})
+
+
+def test_row_and_index_inputs_of_the_wrong_kind_raise() -> None:
+    x = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match="add_rms_norm"):
+        cpu_kernels.add_rms_norm(x, torch.zeros(1, 8), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="add_rms_norm"):
+        cpu_kernels.add_rms_norm(x, None, torch.ones(4), 1e-6)
+    cache, query = torch.zeros(4, 2, 4, 2, 8), torch.zeros(1, 4, 8)
+    with pytest.raises(ValueError, match="int64"):
+        cpu_kernels.paged_decode_attention(
+            query,
+            cache,
+            torch.zeros(1, 1, dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int64),
+            torch.ones(1, dtype=torch.int64),
+            None,
+            1.0,
+        )
+
+
+def test_a_broken_cached_library_is_rebuilt(fresh_load, tmp_path) -> None:
+    """Checked in a new process: this one's loader would hand back the library it has mapped."""
+    assert fresh_load() is not None
+    (lib,) = (tmp_path / "kernels").glob("specserve_kernels-*.so")
+    lib.unlink()  # a new file: this process still maps the old one
+    lib.write_bytes(b"not a shared object")
+    code = "from specserve.worker import cpu_kernels; assert cpu_kernels.load() is not None"
+    env = {**os.environ, "SPECSERVE_CACHE_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+    assert lib.read_bytes()[:4] == b"\x7fELF"

@@ -58,6 +58,10 @@ void add_rms_norm(const void *x, int64_t x_stride, const void *delta, int64_t de
     }
 }
 
+/* x / (1 + e^-x). The exponent is capped below expf's overflow: compiled with -ffast-math the
+ * vector code may not survive an infinite e^-x (x < -88.7 would give NaN, not -0). */
+static inline float silu(float x) { return x / (1.0f + expf(fminf(-x, 88.0f))); }
+
 /* out[r] = silu(gate_up[r, :dim]) * gate_up[r, dim:], rows of gate_up `stride` elements apart. */
 void silu_mul(const void *gate_up, int64_t stride, void *out, int64_t rows, int64_t dim,
               int is_bf16) {
@@ -68,12 +72,12 @@ void silu_mul(const void *gate_up, int64_t stride, void *out, int64_t rows, int6
             uint16_t *o = (uint16_t *)out + r * dim;
             for (int64_t i = 0; i < dim; i++) {
                 float x = bf16_load(g, i);
-                o[i] = bf16_round(bf16_rounded(x / (1.0f + expf(-x))) * bf16_load(u, i));
+                o[i] = bf16_round(bf16_rounded(silu(x)) * bf16_load(u, i));
             }
         } else {
             const float *g = (const float *)gate_up + r * stride, *u = g + dim;
             float *o = (float *)out + r * dim;
-            for (int64_t i = 0; i < dim; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+            for (int64_t i = 0; i < dim; i++) o[i] = silu(g[i]) * u[i];
         }
     }
 }
