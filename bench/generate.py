@@ -27,6 +27,8 @@ from specserve.shared.gguf_metadata import find_bundled_gguf
 from specserve.shared.logging import configure_logging
 from specserve.shared.protocol import SamplingParams
 
+DECODE_PROMPT_LEN = 32  # tokens per prompt in the decode rows (without --long-context)
+
 
 def _time_pair(
     ours: Callable[[], object], theirs: Callable[[], object], repeats: int
@@ -124,7 +126,10 @@ def main() -> None:
     )
     rows.append((f"prefill tokens/s (1 x {prefill_len})", prefill_len / ours, prefill_len / theirs))
 
-    decode_cases = [(1, 32), (16, 32)] + ([(16, args.long_context)] if args.long_context else [])
+    short = DECODE_PROMPT_LEN
+    decode_cases = [(1, short), (16, short)] + (
+        [(16, args.long_context)] if args.long_context else []
+    )
     for batch, prompt_len in decode_cases:
         batch_prompts = _prompts(batch, prompt_len, batch)
         print(f"decode: batch {batch}, {prompt_len}-token prompts, {new_tokens} new tokens ...")
@@ -135,7 +140,7 @@ def main() -> None:
             new_tokens,
             repeats,
         )
-        context = "" if prompt_len == 32 else f", {prompt_len}-token prompts"
+        context = "" if prompt_len == short else f", {prompt_len}-token prompts"
         rows.append((f"decode tokens/s (batch {batch}{context})", ours_rate, hf_rate))
 
     print()

@@ -2,7 +2,7 @@
 
 - `paged_decode_attention`: decoding with SDPA first gathers every request's K and V pages into
   a padded batch, so each layer copies the whole context and then reads it again, and the
-  padding grows with the longest request (at 16 requests of 1k tokens, three quarters of a
+  padding grows with the longest request (at 16 requests of 1k tokens, about 70% of a
   step). The kernel reads the pages where they lie, once.
 - `add_rms_norm` and `silu_mul`: a decoder layer's element-wise glue, which PyTorch runs as
   3-9 small ops each (a dispatch and a pass over memory apiece), in one call.
@@ -33,9 +33,8 @@ import torch
 
 log = structlog.get_logger(__name__)
 
-SOURCES = tuple(
-    Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "fused_ops.c")
-)
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = tuple(sorted(CSRC.glob("*.c")))  # compiled into one library
 # -ffast-math only when compiling (vectorised expf and reductions); linking without it keeps
 # crtfastmath.o, which would set flush-to-zero for the whole process, out of the library.
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
@@ -73,7 +72,7 @@ def _build(compiler: str, rebuild: bool = False) -> Path:
     """Compile `SOURCES` into the cache (atomically: concurrent workers may build at once);
     `rebuild` replaces a cached library that would not load."""
     flags = " ".join(COMPILE_FLAGS + LINK_FLAGS)
-    inputs = sorted(SOURCES[0].parent.glob("*.[ch]"))  # the sources and the headers they include
+    inputs = sorted(CSRC.glob("*.[ch]"))  # the sources and the headers they include
     parts = [*(path.read_bytes() for path in inputs), compiler.encode(), flags.encode()]
     key = hashlib.sha256(b"\0".join([*parts, _cpu_signature().encode()])).hexdigest()[:16]
     target = cache_dir() / f"specserve_kernels-{key}.so"

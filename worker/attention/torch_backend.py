@@ -8,7 +8,8 @@ two attention calls per layer whatever its size.
 
 On CPU, the decode batch instead goes to `cpu_kernels.paged_decode_attention` when it can be
 built: it reads each request's pages where they lie, so a step no longer copies every
-request's context per layer (1.8-2.3x less attention time at 16 requests of 0.5-2k tokens).
+request's context per layer (1.4-2.5x less attention time at 16 requests of 0.5-2k tokens;
+docs/benchmarks.md).
 """
 
 from __future__ import annotations

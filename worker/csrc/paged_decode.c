@@ -6,10 +6,11 @@
  *
  * Cache layout (the FlashInfer one): [num_blocks, 2, block_size, kv_heads, head_dim], K at
  * index 0 and V at index 1 of the second axis. Request b's keys are its pages
- * `pages[b * max_pages + j]` (a page is a K or V block: block * 2 is its K page), key j * block_size
- * + t of them at position `first_pos[b] + j * block_size + t`; it sees the keys at positions
- * [max(0, seq_len - window), seq_len) (window 0: all of them). Queries `q[b, h, :]` (row stride
- * `q_row_stride` elements, heads contiguous) sharing KV head h / group are computed together.
+ * `pages[b * max_pages + j]` (a page is a K or V block: block * 2 is its K page), key
+ * j * block_size + t of them at position `first_pos[b] + j * block_size + t`; it sees the keys
+ * at positions [max(0, seq_len - window), seq_len) (window 0: all of them). Queries
+ * `q[b, h, :]` (row stride `q_row_stride` elements, heads contiguous) sharing KV head
+ * h / group are computed together.
  *
  * Scores and accumulation are in float32 whatever the storage dtype (float32 or bfloat16), as
  * SDPA's CPU kernel does.
@@ -36,10 +37,10 @@ static void load_rows(float *dst, const void *src, int64_t rows, int64_t dim, in
 
 /* One (request, KV head) pair: `group` query heads over `n_keys` visible keys. Always inlined,
  * so the calls below with a constant `dim` get loops the compiler fully unrolls. */
-static inline __attribute__((always_inline)) int attend(float *restrict out_f, const float *restrict q, const void *cache, const int64_t *pages,
-                  int64_t max_pages, int64_t first_pos, int64_t lo, int64_t hi,
-                  int64_t kv_head, int64_t group, int64_t kv_heads, int64_t dim,
-                  int64_t block_size, int is_bf16) {
+static inline __attribute__((always_inline)) int attend(
+    float *restrict out_f, const float *restrict q, const void *cache, const int64_t *pages,
+    int64_t max_pages, int64_t first_pos, int64_t lo, int64_t hi, int64_t kv_head, int64_t group,
+    int64_t kv_heads, int64_t dim, int64_t block_size, int is_bf16) {
     const int64_t n_keys = hi - lo;
     const int64_t token_stride = kv_heads * dim;
     const int64_t page_elems = block_size * token_stride;
@@ -111,7 +112,8 @@ static inline __attribute__((always_inline)) int attend(float *restrict out_f, c
     return 0;
 }
 
-/* Returns 0, or the number of (request, KV head) pairs that could not allocate scratch. */
+/* Returns 0, or the number of (request, KV head) pairs that failed: no scratch memory, no
+ * visible key, or pages that do not cover the visible keys. */
 int paged_decode_attention(const void *query, int64_t q_row_stride, const void *cache,
                            const int64_t *pages, const int64_t *first_pos,
                            const int64_t *seq_lens, void *out, int64_t batch, int64_t heads,
