@@ -4,6 +4,10 @@
   a padded batch, so each layer copies the whole context and then reads it again, and the
   padding grows with the longest request (at 16 requests of 1k tokens, about 70% of a
   step). The kernel reads the pages where they lie, once.
+- `panel_linear`: `y = x W^T + b` for the few rows of a decode step (AVX-512 CPUs), over
+  weights laid out once in panels of 16 output columns (`pack_panels`). A step streams every
+  weight of the model from memory; the kernel streams each panel once per 16 rows, at about
+  the CPU's peak, 20-40% faster than oneDNN's packed GEMM at 1-64 rows (see `worker.linear`).
 - `add_rms_norm` and `silu_mul`: a decoder layer's element-wise glue, which PyTorch runs as
   3-9 small ops each (a dispatch and a pass over memory apiece), in one call.
 
@@ -30,6 +34,7 @@ from pathlib import Path
 
 import structlog
 import torch
+import torch.nn.functional as F
 
 log = structlog.get_logger(__name__)
 
@@ -122,6 +127,8 @@ def load() -> ctypes.CDLL | None:
         ),
         "add_rms_norm": (None, [_PTR, i64, _PTR, i64, _PTR, _PTR, _PTR, i64, i64, f32, flag]),
         "silu_mul": (None, [_PTR, i64, _PTR, i64, i64, flag]),
+        "linear_kernel_dtypes": (ctypes.c_int, []),
+        "panel_linear": (ctypes.c_int, [_PTR, i64, _PTR, _PTR, _PTR, i64, i64, i64, flag]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -258,3 +265,67 @@ def paged_decode_attention(
     if failed:
         raise RuntimeError(f"paged decode attention failed for {failed} (request, head) pairs")
     return out
+
+
+PANEL = 16  # output columns per weight panel (csrc/linear.c)
+
+
+def linear_dtypes() -> frozenset[torch.dtype]:
+    """The dtypes `panel_linear` runs on this CPU: float32 needs AVX-512, bfloat16 also
+    AVX512_BF16; empty without the kernels."""
+    lib = load()
+    bits = lib.linear_kernel_dtypes() if lib is not None else 0
+    return frozenset(dtype for bit, dtype in enumerate(DTYPES) if bits & (1 << bit))
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """`weight [N, K]` laid out for `panel_linear`: ceil(N/16) panels of 16 output columns,
+    each `[K][16]` (float32) or `[ceil(K/2)][16][2]` (bfloat16 pairs), zero-padded."""
+    n, k = weight.shape
+    pad_n = -n % PANEL
+    if weight.dtype == torch.bfloat16:
+        pad_k = k % 2
+        w = F.pad(weight.detach(), (0, pad_k, 0, pad_n))
+        panels = w.view(-1, PANEL, (k + pad_k) // 2, 2).permute(0, 2, 1, 3)
+    else:
+        w = F.pad(weight.detach(), (0, 0, 0, pad_n))
+        panels = w.view(-1, PANEL, k).permute(0, 2, 1)
+    return panels.contiguous()
+
+
+def panel_linear(
+    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """`F.linear(x, W, bias)` for `panels = pack_panels(W)`; `x [..., K]` of `W`'s dtype, in
+    `linear_dtypes()`."""
+    lib = load()
+    assert lib is not None, "panel_linear called where linear_dtypes() is empty"
+    k = x.shape[-1]
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    depth = (k + 1) // 2 if x.dtype == torch.bfloat16 else k
+    expected = (-(-out_features // PANEL), depth, PANEL * (2 if x.dtype == torch.bfloat16 else 1))
+    if panels.dtype != x.dtype or panels.numel() != expected[0] * expected[1] * expected[2]:
+        raise ValueError(
+            f"panel_linear: input {tuple(x.shape)} {x.dtype} does not fit panels "
+            f"{tuple(panels.shape)} {panels.dtype} for {out_features} outputs"
+        )
+    if bias is not None and (bias.shape != (out_features,) or bias.dtype != x.dtype):
+        raise ValueError(f"panel_linear: bias {tuple(bias.shape)} {bias.dtype}")
+    bias = None if bias is None else bias.contiguous()  # held: the kernel reads it
+    out = torch.empty((rows.shape[0], out_features), dtype=x.dtype)
+    status = lib.panel_linear(
+        rows.data_ptr(),
+        rows.stride(0),
+        panels.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        rows.shape[0],
+        out_features,
+        k,
+        int(x.dtype == torch.bfloat16),
+    )
+    if status:
+        raise RuntimeError(f"panel_linear failed ({'out of memory' if status == 1 else 'dtype'})")
+    return out.view(*x.shape[:-1], out_features)

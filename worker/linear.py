@@ -1,20 +1,27 @@
-"""Linear layers whose weights are laid out once, at load time, for the CPU's oneDNN matmul.
+"""Linear layers whose weights are laid out once, at load time, for a fast CPU matmul.
 
 On CPU, torch's default `F.linear` runs a GEMM that reads the weight in its plain layout on
-every call. oneDNN can reorder a weight once into the blocked layout its kernels stream, and the
-small-M GEMMs of batched decoding then run 1.5-3x faster (fp32, SmolLM2's 120 linears at M=16:
-13.6 ms instead of 40.6 ms on a 2-core AVX-512 AMD machine, 36 ms instead of 57 ms on an Intel
-one; see docs/benchmarks.md). The math is the same matmul in the same dtype; only the summation
-order differs (|diff| ~1e-6 in fp32).
+every call, which is slow for the few rows of a decode step. So each weight gets a packed copy:
 
-Which kernel wins at a handful of rows depends on the CPU: the AMD machine runs even M=1 faster
-packed, while on the Intel one MKL's plain GEMV path wins up to M=3. So a model large enough for
-it to matter times both over its own weights at load (`calibrate_min_rows`, well under a second)
-and each packed weight remembers from how many rows on it is used.
+- on AVX-512 CPUs, panels for specserve's own kernel (`cpu_kernels.panel_linear`): it streams
+  each weight once per 16 rows at about the CPU's peak. For SmolLM2's 121 matmuls (LM head
+  included) on a 2-core AMD Zen 4: 23.6 ms at 16 rows in float32 (oneDNN packed: 29.7 ms) and
+  13.1 ms in bfloat16 (17.3 ms); 11.8 ms (20.7 ms) at one row; on par from 256 rows on.
+- elsewhere, oneDNN's blocked layout (`torch.ops.mkldnn`), 1.5-3x faster than `F.linear` at
+  16 rows (13.6 ms instead of 40.6 ms on a Zen 5 machine, 36 ms instead of 57 ms on an Intel
+  one; see docs/benchmarks.md).
 
-The plain weight stays where it is, because drafters and tests read it; the packed copy (an
-opaque oneDNN tensor) is used by `forward` only, so a packed model holds its linear weights
-twice. CUDA, float16 and float64 weights, and builds without oneDNN, keep `F.linear`.
+The math is the same matmul in the same dtype; only the summation order differs (|diff| ~1e-6
+in float32; bfloat16 results are rounded once from a float32 sum, as oneDNN does).
+
+Which path wins at a handful of rows depends on the CPU (on the Intel machine, MKL's plain GEMV
+beats oneDNN's packed weights up to 3 rows). So a model large enough for it to matter times
+both over its own weights at load (`calibrate_min_rows`, well under a second) and each packed
+weight remembers from how many rows on it is used.
+
+The plain weight stays where it is, because drafters and tests read it; the packed copy is used
+by `forward` only, so a packed model holds its linear weights twice. CUDA, float16 and float64
+weights, and CPUs with neither path, keep `F.linear`.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.worker import cpu_kernels
+
 log = structlog.get_logger(__name__)
 
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -39,19 +48,37 @@ CALIBRATION_ROWS = (1, 2, 4, 8, 16)
 
 @dataclass(eq=False)
 class PackedWeight:
-    """`weight` reordered for oneDNN (`tensor`), used for inputs of at least `min_rows` rows."""
+    """`weight` laid out for a CPU GEMM (`tensor`): panels for `cpu_kernels.panel_linear`, else
+    oneDNN's blocked layout; used for inputs of at least `min_rows` rows."""
 
     tensor: torch.Tensor
     weight: torch.Tensor
     min_rows: int = 1
+    panels: bool = False
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.panels:
+            return cpu_kernels.panel_linear(x, self.tensor, bias, self.weight.shape[0])
         return torch.ops.mkldnn._linear_pointwise(x, self.tensor, bias, "none", [], "")
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether oneDNN can run this weight: a CPU fp32/bf16 matrix on a build that has it (bf16
-    only on CPUs with the instructions oneDNN's bf16 kernels need)."""
+    """Whether this weight gets a packed copy: a CPU fp32/bf16 matrix that the panel kernel or
+    oneDNN can run."""
+    return _panel_kernel_runs(weight) or _onednn_runs(weight)
+
+
+def _panel_kernel_runs(weight: torch.Tensor) -> bool:
+    return (
+        weight.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.dtype in cpu_kernels.linear_dtypes()
+    )
+
+
+def _onednn_runs(weight: torch.Tensor) -> bool:
+    """A CPU fp32/bf16 matrix on a build with oneDNN (bf16 only on CPUs with the instructions
+    oneDNN's bf16 kernels need)."""
     if not (
         weight.device.type == "cpu"
         and weight.dtype in _PACKABLE_DTYPES
@@ -64,8 +91,11 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 def pack_weight(weight: torch.Tensor, min_rows: int = 1) -> PackedWeight | None:
-    """The weight reordered for oneDNN, or None where `F.linear` must be used."""
-    if not can_pack(weight):
+    """The weight laid out for the panel kernel or oneDNN, or None where `F.linear` must be
+    used."""
+    if _panel_kernel_runs(weight):
+        return PackedWeight(cpu_kernels.pack_panels(weight), weight, min_rows, panels=True)
+    if not _onednn_runs(weight):
         return None
     try:
         tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach())

@@ -1,4 +1,8 @@
-"""Linear layers packed for oneDNN compute the same matmul as `F.linear`."""
+"""Linear layers with packed weights (the panel kernel or oneDNN) compute the same matmul as
+`F.linear`; the panel kernel itself against a float64 reference.
+
+Panel kernel tolerances against float64: float32 1e-5 of the largest |output|; bfloat16 the
+rounding of one result (2^-8 relative) plus 1e-4 of the largest |output| (float32 sums)."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.worker import cpu_kernels
 from specserve.worker import linear as linear_module
 from specserve.worker.linear import (
     Linear,
@@ -19,8 +24,92 @@ from specserve.worker.loader import load_model
 from tests.model_checkpoints import Checkpoint
 
 needs_onednn = pytest.mark.skipif(
-    not can_pack(torch.empty(2, 2)), reason="this torch build has no oneDNN linear"
+    not can_pack(torch.empty(2, 2)), reason="neither the panel kernel nor oneDNN runs here"
 )
+PANEL_DTYPES = [
+    pytest.param(
+        dtype,
+        id=str(dtype).removeprefix("torch."),
+        marks=pytest.mark.skipif(
+            dtype not in cpu_kernels.linear_dtypes(),
+            reason=f"the panel kernel does not run {dtype} on this CPU",
+        ),
+    )
+    for dtype in (torch.float32, torch.bfloat16)
+]
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+def _assert_panel_result(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.dtype == dtype and got.shape == expected.shape
+    scale = expected.abs().max().item()
+    err = (got.double() - expected).abs()
+    if dtype == torch.bfloat16:
+        allowed = expected.abs() * 2**-8 + 1e-4 * scale
+    else:
+        allowed = torch.full_like(expected, 1e-5 * scale)
+    assert (err <= allowed).all(), f"max error {err.max().item()} (scale {scale})"
+
+
+@pytest.mark.parametrize("dtype", PANEL_DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
+@pytest.mark.parametrize(("n", "k"), [(50, 37), (960, 576)])  # a partial panel, odd K
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_panel_kernel_matches_float64(
+    dtype: torch.dtype, rows: int, n: int, k: int, with_bias: bool
+) -> None:
+    """Tiles of 1-16 rows and several tiles (17, 40), a last panel of 2 columns, an odd K
+    (a zero-padded bfloat16 pair), bias; the input rows strided (a column slice)."""
+    g = torch.Generator().manual_seed(rows * n + k)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if with_bias else None
+    x = torch.randn(rows, k + 3, generator=g).to(dtype)[:, 2 : 2 + k]
+    assert x.stride(0) == k + 3
+    got = cpu_kernels.panel_linear(x, cpu_kernels.pack_panels(w), b, n)
+    _assert_panel_result(got, _reference(x, w, b), dtype)
+
+
+@pytest.mark.parametrize("dtype", PANEL_DTYPES)
+def test_panel_kernel_keeps_leading_dims_and_nans(dtype: torch.dtype) -> None:
+    """`[..., K]` inputs come back as `[..., N]`; a NaN input poisons its own row only."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(33, 24, generator=g).to(dtype)
+    x = torch.randn(2, 3, 24, generator=g).to(dtype)
+    x[1, 2, 5] = float("nan")
+    got = cpu_kernels.panel_linear(x, cpu_kernels.pack_panels(w), None, 33)
+    assert got.shape == (2, 3, 33)
+    assert got[1, 2].isnan().all() and not got[:1].isnan().any() and not got[1, :2].isnan().any()
+    _assert_panel_result(got[0], _reference(x[0], w, None), dtype)
+
+
+@pytest.mark.parametrize("dtype", PANEL_DTYPES)
+def test_panel_layout(dtype: torch.dtype) -> None:
+    """Panel p holds output columns 16p..16p+15, K-major (bfloat16: K in pairs), zero-padded."""
+    w = torch.arange(20 * 5, dtype=torch.float32).view(20, 5).to(dtype)
+    panels = cpu_kernels.pack_panels(w)
+    if dtype == torch.bfloat16:
+        assert panels.shape == (2, 3, 16, 2)
+        assert panels[1, 1, 2, 0] == w[18, 2] and panels[1, 1, 2, 1] == w[18, 3]
+        assert panels[0, 2, 7, 0] == w[7, 4] and panels[0, 2, 7, 1] == 0  # K padded to 6
+    else:
+        assert panels.shape == (2, 5, 16)
+        assert panels[1, 3, 2] == w[18, 3] and panels[0, 4, 15] == w[15, 4]
+    assert (panels[1, :, 4:] == 0).all()  # columns 20..31 do not exist
+
+
+@pytest.mark.parametrize("dtype", PANEL_DTYPES)
+def test_panel_kernel_refuses_what_does_not_fit(dtype: torch.dtype) -> None:
+    w = torch.randn(40, 24).to(dtype)
+    panels = cpu_kernels.pack_panels(w)
+    with pytest.raises(ValueError, match="does not fit panels"):
+        cpu_kernels.panel_linear(torch.randn(3, 26).to(dtype), panels, None, 40)
+    with pytest.raises(ValueError, match="does not fit panels"):
+        cpu_kernels.panel_linear(torch.randn(3, 24).to(dtype), panels, None, 56)
+    with pytest.raises(ValueError, match="bias"):
+        cpu_kernels.panel_linear(torch.randn(3, 24).to(dtype), panels, torch.zeros(39), 40)
 
 
 @needs_onednn
@@ -68,6 +157,8 @@ def test_model_packs_every_linear_and_its_lm_head(request: pytest.FixtureRequest
     assert tied == (name == "qwen2_ckpt")
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed is not None for m in linears)
+    panels = torch.float32 in cpu_kernels.linear_dtypes()  # the panel kernel where it runs
+    assert all(m.packed.panels == panels for m in linears)
     assert (model.tied_head_packed is not None) == tied
     assert len(pack_weights(model)) == len(linears) + int(tied)  # idempotent: packs afresh
     hidden = torch.randn(5, model.config.hidden_size)

@@ -1,0 +1,197 @@
+/* Linear layers y = x W^T (+ bias) for few-row inputs (CPU, AVX-512). Built and loaded by
+ * worker/cpu_kernels.py; worker/linear.py lays the weights out and decides when to call.
+ *
+ * A decode step multiplies a handful of rows (one per request) by every weight of the model, so
+ * the whole model streams from memory once per step and each weight value is used only `rows`
+ * times. The kernel keeps a tile of up to 16 rows x 16 output columns in 16 registers, streams
+ * the weight panel of those 16 columns once (prefetched ahead), and broadcasts the inputs from a
+ * small packed copy: one pass over the weights per tile of rows, every load a full cache line.
+ *
+ * Weight layout ("panels", made by worker/linear.py): output columns in panels of 16 (the last
+ * one zero-padded), each panel contiguous:
+ *   float32:  [K][16]          panel element (k, c) = W[16p + c, k]
+ *   bfloat16: [K2][16][2]      panel element (k2, c, i) = W[16p + c, 2 k2 + i], K2 = ceil(K/2)
+ * bfloat16 products use the CPU's bfloat16 pair dot product (vdpbf16ps), accumulated in float32;
+ * bias is added in float32 and the result rounded to bfloat16 once, as oneDNN's bf16 GEMM does.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#define PANEL 16     /* output columns per panel: one 512-bit register of float32 */
+#define MAX_TILE 16  /* rows per tile: 16 accumulators, leaving registers for the weights */
+#define PREFETCH 1024 /* bytes of the weight stream fetched ahead of use */
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* REPn(F) expands to F(0) ... F(n-1): a tile's accumulators are named registers, never an
+ * array (an array of vectors may be kept in memory and stored on every iteration). */
+#define REP1(F) F(0)
+#define REP2(F) REP1(F) F(1)
+#define REP3(F) REP2(F) F(2)
+#define REP4(F) REP3(F) F(3)
+#define REP5(F) REP4(F) F(4)
+#define REP6(F) REP5(F) F(5)
+#define REP7(F) REP6(F) F(6)
+#define REP8(F) REP7(F) F(7)
+#define REP9(F) REP8(F) F(8)
+#define REP10(F) REP9(F) F(9)
+#define REP11(F) REP10(F) F(10)
+#define REP12(F) REP11(F) F(11)
+#define REP13(F) REP12(F) F(12)
+#define REP14(F) REP13(F) F(13)
+#define REP15(F) REP14(F) F(14)
+#define REP16(F) REP15(F) F(15)
+
+#define ZERO(i) __m512 acc##i = _mm512_setzero_ps();
+#define FMA_F32(i) acc##i = _mm512_fmadd_ps(_mm512_set1_ps(a[i]), w_k, acc##i);
+#define STORE_F32(i) _mm512_mask_storeu_ps(y + i * y_stride, mask, _mm512_add_ps(acc##i, b));
+#define STORE_BF16(i)                                                                        \
+    _mm256_mask_storeu_epi16(y + i * y_stride, mask,                                         \
+                             round_bf16x16(_mm512_add_ps(acc##i, b)));
+
+/* 16 float32 -> bfloat16, round to nearest even, NaN kept quiet (as bf16_round). */
+static inline __m256i round_bf16x16(__m512 v) {
+    __m512i bits = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x400000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+/* One tile, float32: `rows` rows (inputs packed [K][rows]) times one panel [K][16]. */
+#define TILE_F32(ROWS)                                                                       \
+    static void tile_f32_##ROWS(const float *ap, const float *panel, int64_t k_len,          \
+                                __m512 b, float *y, int64_t y_stride, __mmask16 mask) {     \
+        REP##ROWS(ZERO)                                                                      \
+        for (int64_t k = 0; k < k_len; k++) {                                                \
+            const float *a = ap + k * ROWS;                                                  \
+            __m512 w_k = _mm512_loadu_ps(panel + k * PANEL);                                 \
+            _mm_prefetch((const char *)(panel + k * PANEL) + PREFETCH, _MM_HINT_T0);        \
+            REP##ROWS(FMA_F32)                                                               \
+        }                                                                                    \
+        REP##ROWS(STORE_F32)                                                                 \
+    }
+TILE_F32(1) TILE_F32(2) TILE_F32(3) TILE_F32(4) TILE_F32(5) TILE_F32(6) TILE_F32(7)
+TILE_F32(8) TILE_F32(9) TILE_F32(10) TILE_F32(11) TILE_F32(12) TILE_F32(13) TILE_F32(14)
+TILE_F32(15) TILE_F32(16)
+
+typedef void (*tile_f32_fn)(const float *, const float *, int64_t, __m512, float *, int64_t,
+                            __mmask16);
+static const tile_f32_fn TILES_F32[MAX_TILE + 1] = {
+    NULL, tile_f32_1, tile_f32_2, tile_f32_3, tile_f32_4, tile_f32_5, tile_f32_6,
+    tile_f32_7, tile_f32_8, tile_f32_9, tile_f32_10, tile_f32_11, tile_f32_12, tile_f32_13,
+    tile_f32_14, tile_f32_15, tile_f32_16};
+
+#if defined(__AVX512BF16__)
+#define DOT_BF16(i)                                                                          \
+    acc##i = _mm512_dpbf16_ps(acc##i, (__m512bh)_mm512_set1_epi32((int)a[i]), (__m512bh)w_k);
+
+/* One tile, bfloat16: inputs packed [K2][rows] as bfloat16 pairs, one panel [K2][16][2]. */
+#define TILE_BF16(ROWS)                                                                      \
+    static void tile_bf16_##ROWS(const uint32_t *ap, const uint16_t *panel, int64_t k2_len,  \
+                                 __m512 b, uint16_t *y, int64_t y_stride, __mmask16 mask) { \
+        REP##ROWS(ZERO)                                                                      \
+        for (int64_t k2 = 0; k2 < k2_len; k2++) {                                            \
+            const uint32_t *a = ap + k2 * ROWS;                                              \
+            __m512i w_k = _mm512_loadu_si512(panel + k2 * 2 * PANEL);                        \
+            _mm_prefetch((const char *)(panel + k2 * 2 * PANEL) + PREFETCH, _MM_HINT_T0);   \
+            REP##ROWS(DOT_BF16)                                                              \
+        }                                                                                    \
+        REP##ROWS(STORE_BF16)                                                                \
+    }
+TILE_BF16(1) TILE_BF16(2) TILE_BF16(3) TILE_BF16(4) TILE_BF16(5) TILE_BF16(6) TILE_BF16(7)
+TILE_BF16(8) TILE_BF16(9) TILE_BF16(10) TILE_BF16(11) TILE_BF16(12) TILE_BF16(13)
+TILE_BF16(14) TILE_BF16(15) TILE_BF16(16)
+
+typedef void (*tile_bf16_fn)(const uint32_t *, const uint16_t *, int64_t, __m512, uint16_t *,
+                             int64_t, __mmask16);
+static const tile_bf16_fn TILES_BF16[MAX_TILE + 1] = {
+    NULL, tile_bf16_1, tile_bf16_2, tile_bf16_3, tile_bf16_4, tile_bf16_5, tile_bf16_6,
+    tile_bf16_7, tile_bf16_8, tile_bf16_9, tile_bf16_10, tile_bf16_11, tile_bf16_12,
+    tile_bf16_13, tile_bf16_14, tile_bf16_15, tile_bf16_16};
+#endif
+
+static inline int64_t tile_rows(int64_t left) { return left < MAX_TILE ? left : MAX_TILE; }
+
+static inline __mmask16 column_mask(int64_t n, int64_t p) {
+    int64_t valid = n - p * PANEL;
+    return valid >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1);
+}
+
+/* The panel's 16 bias values as float32 (zeros without bias; masked beyond n). */
+static inline __m512 bias_f32(const void *bias, int64_t p, __mmask16 mask, int is_bf16) {
+    if (bias == NULL) return _mm512_setzero_ps();
+    if (!is_bf16) return _mm512_maskz_loadu_ps(mask, (const float *)bias + p * PANEL);
+    __m256i raw = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)bias + p * PANEL);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif /* __AVX512F__ */
+
+/* Bit 0: float32 is supported; bit 1: bfloat16. 0 on CPUs (or compilers) without AVX-512. */
+int linear_kernel_dtypes(void) {
+    int dtypes = 0;
+#if defined(__AVX512F__)
+    dtypes |= 1;
+#if defined(__AVX512BF16__)
+    dtypes |= 2;
+#endif
+#endif
+    return dtypes;
+}
+
+/* y[rows, n] (row stride n) = x[rows, k] (row stride x_stride) W^T + bias, W as panels.
+ * Returns 0, 1 when the packed-input buffer cannot be allocated, 2 for an unsupported dtype. */
+int panel_linear(const void *x, int64_t x_stride, const void *panels, const void *bias, void *y,
+                 int64_t rows, int64_t n, int64_t k, int is_bf16) {
+    if (!(linear_kernel_dtypes() & (is_bf16 ? 2 : 1))) return 2;
+#if defined(__AVX512F__)
+    const int64_t num_panels = (n + PANEL - 1) / PANEL;
+    const int64_t depth = is_bf16 ? (k + 1) / 2 : k;   /* K, or K2 bfloat16 pairs */
+    /* Inputs packed tile by tile, [depth][tile rows]: each step of the inner loop reads one
+     * contiguous run of 4-byte values (a float32, or a pair of bfloat16) to broadcast. */
+    void *packed = malloc((size_t)(rows * depth) * 4);
+    if (packed == NULL) return 1;
+    for (int64_t r0 = 0; r0 < rows; r0 += MAX_TILE) {
+        const int64_t tile = tile_rows(rows - r0);
+        for (int64_t r = 0; r < tile; r++) {
+            if (is_bf16) {
+                const uint16_t *src = (const uint16_t *)x + (r0 + r) * x_stride;
+                uint32_t *dst = (uint32_t *)packed + r0 * depth;
+                for (int64_t d = 0; d < depth; d++) {
+                    uint32_t hi = 2 * d + 1 < k ? src[2 * d + 1] : 0;
+                    dst[d * tile + r] = (uint32_t)src[2 * d] | hi << 16;
+                }
+            } else {
+                const float *src = (const float *)x + (r0 + r) * x_stride;
+                float *dst = (float *)packed + r0 * depth;
+                for (int64_t d = 0; d < depth; d++) dst[d * tile + r] = src[d];
+            }
+        }
+    }
+    const int64_t panel_elems = depth * PANEL * (is_bf16 ? 2 : 1);
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < num_panels; p++) {
+        const __mmask16 mask = column_mask(n, p);
+        const __m512 b = bias_f32(bias, p, mask, is_bf16);
+        for (int64_t r0 = 0; r0 < rows; r0 += MAX_TILE) {
+            const int64_t tile = tile_rows(rows - r0);
+            if (is_bf16) {
+#if defined(__AVX512BF16__)
+                TILES_BF16[tile]((const uint32_t *)packed + r0 * depth, (const uint16_t *)panels + p * panel_elems, depth, b,
+                                 (uint16_t *)y + r0 * n + p * PANEL, n, mask);
+#endif
+            } else {
+                TILES_F32[tile]((const float *)packed + r0 * depth, (const float *)panels + p * panel_elems,
+                                depth, b, (float *)y + r0 * n + p * PANEL, n, mask);
+            }
+        }
+    }
+    free(packed);
+    return 0;
+#else
+    (void)x, (void)x_stride, (void)panels, (void)bias, (void)y, (void)rows, (void)n, (void)k;
+    return 2;
+#endif
+}
