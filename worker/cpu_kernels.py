@@ -7,7 +7,7 @@
 - `panel_linear`: `y = x W^T + b` for the few rows of a decode step (AVX-512 CPUs), over
   weights laid out once in panels of 16 output columns (`pack_panels`). A step streams every
   weight of the model from memory; the kernel streams each panel once per 16 rows, at about
-  the CPU's peak, 20-40% faster than oneDNN's packed GEMM at 1-64 rows (see `worker.linear`).
+  the CPU's peak: 1.2-1.8x oneDNN's packed GEMM up to 16 rows, on par beyond (`worker.linear`).
 - `add_rms_norm` and `silu_mul`: a decoder layer's element-wise glue, which PyTorch runs as
   3-9 small ops each (a dispatch and a pass over memory apiece), in one call.
 

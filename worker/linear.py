@@ -6,7 +6,8 @@ every call, which is slow for the few rows of a decode step. So each weight gets
 - on AVX-512 CPUs, panels for specserve's own kernel (`cpu_kernels.panel_linear`): it streams
   each weight once per 16 rows at about the CPU's peak. For SmolLM2's 121 matmuls (LM head
   included) on a 2-core AMD Zen 4: 23.6 ms at 16 rows in float32 (oneDNN packed: 29.7 ms) and
-  13.1 ms in bfloat16 (17.3 ms); 11.8 ms (20.7 ms) at one row; on par from 256 rows on.
+  13.1 ms in bfloat16 (17.3 ms); 11.8 ms (20.7 ms) at one row; on par (+-10%) from 64 rows
+  on, so prefill chunks use it too (`bench/linear.py`, docs/benchmarks.md).
 - elsewhere, oneDNN's blocked layout (`torch.ops.mkldnn`), 1.5-3x faster than `F.linear` at
   16 rows (13.6 ms instead of 40.6 ms on a Zen 5 machine, 36 ms instead of 57 ms on an Intel
   one; see docs/benchmarks.md).

@@ -179,12 +179,14 @@ int panel_linear(const void *x, int64_t x_stride, const void *panels, const void
             const int64_t tile = tile_rows(rows - r0);
             if (is_bf16) {
 #if defined(__AVX512BF16__)
-                TILES_BF16[tile]((const uint32_t *)packed + r0 * depth, (const uint16_t *)panels + p * panel_elems, depth, b,
+                TILES_BF16[tile]((const uint32_t *)packed + r0 * depth,
+                                 (const uint16_t *)panels + p * panel_elems, depth, b,
                                  (uint16_t *)y + r0 * n + p * PANEL, n, mask);
 #endif
             } else {
-                TILES_F32[tile]((const float *)packed + r0 * depth, (const float *)panels + p * panel_elems,
-                                depth, b, (float *)y + r0 * n + p * PANEL, n, mask);
+                TILES_F32[tile]((const float *)packed + r0 * depth,
+                                (const float *)panels + p * panel_elems, depth, b,
+                                (float *)y + r0 * n + p * PANEL, n, mask);
             }
         }
     }

@@ -1,0 +1,87 @@
+"""The matmuls of a SmolLM2 decode step on CPU: the panel kernel beside oneDNN's packed GEMM.
+
+One pass over all 121 weights (four per layer and the LM head, as `worker/models.py` fuses
+them), the way a decode step streams them from memory, at several row counts:
+    .venv/bin/python bench/linear.py [--rows 1,16,64] [--repeats 5]
+
+Both layouts are timed in alternation; the best pass of each is printed with the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from machine import cpu_model
+
+from specserve.worker import cpu_kernels
+
+HIDDEN, INTER, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30
+SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)] * LAYERS + [
+    (VOCAB, HIDDEN)
+]
+
+
+def _best(passes: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    best = dict.fromkeys(passes, float("inf"))
+    for fn in passes.values():
+        fn()  # warm-up
+    for _ in range(repeats):
+        for name, fn in passes.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def panels_pass(
+    weights: list[torch.Tensor], panels: list[torch.Tensor], inputs: dict[int, torch.Tensor]
+) -> None:
+    for w, p in zip(weights, panels, strict=True):
+        cpu_kernels.panel_linear(inputs[w.shape[1]], p, None, w.shape[0])
+
+
+def onednn_pass(
+    weights: list[torch.Tensor], packed: list[torch.Tensor], inputs: dict[int, torch.Tensor]
+) -> None:
+    for w, p in zip(weights, packed, strict=True):
+        torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", default="1,16,64")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    rows_list = [int(r) for r in args.rows.split(",")]
+    print(f"machine: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__} "
+          f"with {torch.get_num_threads()} threads")  # fmt: skip
+    print(f"{'dtype':<9} {'rows':>5} {'panels ms':>10} {'oneDNN ms':>10} {'ratio':>7}")
+    for dtype in (torch.float32, torch.bfloat16):
+        if dtype not in cpu_kernels.linear_dtypes():
+            print(f"{dtype!s:<9} the panel kernel does not run this dtype on this CPU")
+            continue
+        g = torch.Generator().manual_seed(0)
+        weights = [(torch.randn(n, k, generator=g) / k**0.5).to(dtype) for n, k in SHAPES]
+        panels = [cpu_kernels.pack_panels(w) for w in weights]
+        onednn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+        for rows in rows_list:
+            inputs = {k: torch.randn(rows, k, generator=g).to(dtype) for k in (HIDDEN, INTER)}
+
+            passes = {
+                "panels": partial(panels_pass, weights, panels, inputs),
+                "onednn": partial(onednn_pass, weights, onednn, inputs),
+            }
+            best = _best(passes, args.repeats)
+            print(
+                f"{str(dtype).removeprefix('torch.'):<9} {rows:>5} {best['panels'] * 1e3:>10.2f} "
+                f"{best['onednn'] * 1e3:>10.2f} {best['onednn'] / best['panels']:>6.2f}x"
+            )
+
+
+if __name__ == "__main__":
+    main()
