@@ -60,57 +60,51 @@ static inline __m256i round_bf16x16(__m512 v) {
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
-/* One tile, float32: `rows` rows (inputs packed [K][rows]) times one panel [K][16]. */
-#define TILE_F32(ROWS)                                                                       \
-    static void tile_f32_##ROWS(const float *ap, const float *panel, int64_t k_len,          \
-                                __m512 b, float *y, int64_t y_stride, __mmask16 mask) {     \
+/* One tile: ROWS rows of packed inputs (`depth` steps of ROWS 4-byte values, a float32 or a
+ * pair of bfloat16) times one panel (W_STEP weight elements a step), plus bias `b`, into ROWS
+ * rows of `y`. LOAD puts the step's weights in `w_k`, STEP(i) accumulates row i, STORE(i)
+ * writes it. */
+#define TILE(KIND, ROWS, A_T, W_T, Y_T, W_STEP, LOAD, STEP, STORE)                           \
+    static void KIND##_##ROWS(const A_T *ap, const W_T *panel, int64_t depth, __m512 b,      \
+                              Y_T *y, int64_t y_stride, __mmask16 mask) {                    \
         REP##ROWS(ZERO)                                                                      \
-        for (int64_t k = 0; k < k_len; k++) {                                                \
-            const float *a = ap + k * ROWS;                                                  \
-            __m512 w_k = _mm512_loadu_ps(panel + k * PANEL);                                 \
-            _mm_prefetch((const char *)(panel + k * PANEL) + PREFETCH, _MM_HINT_T0);        \
-            REP##ROWS(FMA_F32)                                                               \
+        for (int64_t d = 0; d < depth; d++) {                                                \
+            const A_T *a = ap + d * ROWS;                                                    \
+            const W_T *w_d = panel + d * W_STEP;                                             \
+            LOAD                                                                             \
+            _mm_prefetch((const char *)w_d + PREFETCH, _MM_HINT_T0);                         \
+            REP##ROWS(STEP)                                                                  \
         }                                                                                    \
-        REP##ROWS(STORE_F32)                                                                 \
+        REP##ROWS(STORE)                                                                     \
     }
-TILE_F32(1) TILE_F32(2) TILE_F32(3) TILE_F32(4) TILE_F32(5) TILE_F32(6) TILE_F32(7)
-TILE_F32(8) TILE_F32(9) TILE_F32(10) TILE_F32(11) TILE_F32(12) TILE_F32(13) TILE_F32(14)
-TILE_F32(15) TILE_F32(16)
 
-typedef void (*tile_f32_fn)(const float *, const float *, int64_t, __m512, float *, int64_t,
-                            __mmask16);
-static const tile_f32_fn TILES_F32[MAX_TILE + 1] = {
-    NULL, tile_f32_1, tile_f32_2, tile_f32_3, tile_f32_4, tile_f32_5, tile_f32_6,
-    tile_f32_7, tile_f32_8, tile_f32_9, tile_f32_10, tile_f32_11, tile_f32_12, tile_f32_13,
-    tile_f32_14, tile_f32_15, tile_f32_16};
+/* KIND_1 ... KIND_16, and TABLE[rows] pointing at them. */
+#define TILES(KIND, TABLE, A_T, W_T, Y_T, ...)                                               \
+    TILE(KIND, 1, A_T, W_T, Y_T, __VA_ARGS__) TILE(KIND, 2, A_T, W_T, Y_T, __VA_ARGS__)      \
+    TILE(KIND, 3, A_T, W_T, Y_T, __VA_ARGS__) TILE(KIND, 4, A_T, W_T, Y_T, __VA_ARGS__)      \
+    TILE(KIND, 5, A_T, W_T, Y_T, __VA_ARGS__) TILE(KIND, 6, A_T, W_T, Y_T, __VA_ARGS__)      \
+    TILE(KIND, 7, A_T, W_T, Y_T, __VA_ARGS__) TILE(KIND, 8, A_T, W_T, Y_T, __VA_ARGS__)      \
+    TILE(KIND, 9, A_T, W_T, Y_T, __VA_ARGS__) TILE(KIND, 10, A_T, W_T, Y_T, __VA_ARGS__)     \
+    TILE(KIND, 11, A_T, W_T, Y_T, __VA_ARGS__) TILE(KIND, 12, A_T, W_T, Y_T, __VA_ARGS__)    \
+    TILE(KIND, 13, A_T, W_T, Y_T, __VA_ARGS__) TILE(KIND, 14, A_T, W_T, Y_T, __VA_ARGS__)    \
+    TILE(KIND, 15, A_T, W_T, Y_T, __VA_ARGS__) TILE(KIND, 16, A_T, W_T, Y_T, __VA_ARGS__)    \
+    static void (*const TABLE[MAX_TILE + 1])(const A_T *, const W_T *, int64_t, __m512,      \
+                                             Y_T *, int64_t, __mmask16) = {                  \
+        NULL, KIND##_1, KIND##_2, KIND##_3, KIND##_4, KIND##_5, KIND##_6, KIND##_7,          \
+        KIND##_8, KIND##_9, KIND##_10, KIND##_11, KIND##_12, KIND##_13, KIND##_14,           \
+        KIND##_15, KIND##_16};
+
+/* float32: inputs [K][rows], panel [K][16]. */
+TILES(tile_f32, TILES_F32, float, float, float, PANEL, __m512 w_k = _mm512_loadu_ps(w_d);,
+      FMA_F32, STORE_F32)
 
 #if defined(__AVX512BF16__)
 #define DOT_BF16(i)                                                                          \
     acc##i = _mm512_dpbf16_ps(acc##i, (__m512bh)_mm512_set1_epi32((int)a[i]), (__m512bh)w_k);
 
-/* One tile, bfloat16: inputs packed [K2][rows] as bfloat16 pairs, one panel [K2][16][2]. */
-#define TILE_BF16(ROWS)                                                                      \
-    static void tile_bf16_##ROWS(const uint32_t *ap, const uint16_t *panel, int64_t k2_len,  \
-                                 __m512 b, uint16_t *y, int64_t y_stride, __mmask16 mask) { \
-        REP##ROWS(ZERO)                                                                      \
-        for (int64_t k2 = 0; k2 < k2_len; k2++) {                                            \
-            const uint32_t *a = ap + k2 * ROWS;                                              \
-            __m512i w_k = _mm512_loadu_si512(panel + k2 * 2 * PANEL);                        \
-            _mm_prefetch((const char *)(panel + k2 * 2 * PANEL) + PREFETCH, _MM_HINT_T0);   \
-            REP##ROWS(DOT_BF16)                                                              \
-        }                                                                                    \
-        REP##ROWS(STORE_BF16)                                                                \
-    }
-TILE_BF16(1) TILE_BF16(2) TILE_BF16(3) TILE_BF16(4) TILE_BF16(5) TILE_BF16(6) TILE_BF16(7)
-TILE_BF16(8) TILE_BF16(9) TILE_BF16(10) TILE_BF16(11) TILE_BF16(12) TILE_BF16(13)
-TILE_BF16(14) TILE_BF16(15) TILE_BF16(16)
-
-typedef void (*tile_bf16_fn)(const uint32_t *, const uint16_t *, int64_t, __m512, uint16_t *,
-                             int64_t, __mmask16);
-static const tile_bf16_fn TILES_BF16[MAX_TILE + 1] = {
-    NULL, tile_bf16_1, tile_bf16_2, tile_bf16_3, tile_bf16_4, tile_bf16_5, tile_bf16_6,
-    tile_bf16_7, tile_bf16_8, tile_bf16_9, tile_bf16_10, tile_bf16_11, tile_bf16_12,
-    tile_bf16_13, tile_bf16_14, tile_bf16_15, tile_bf16_16};
+/* bfloat16: inputs [K2][rows] as bfloat16 pairs, panel [K2][16][2]. */
+TILES(tile_bf16, TILES_BF16, uint32_t, uint16_t, uint16_t, 2 * PANEL,
+      __m512i w_k = _mm512_loadu_si512(w_d);, DOT_BF16, STORE_BF16)
 #endif
 
 static inline int64_t tile_rows(int64_t left) { return left < MAX_TILE ? left : MAX_TILE; }
