@@ -8,8 +8,13 @@
   weights laid out once in panels of 16 output columns (`pack_panels`). A step streams every
   weight of the model from memory; the kernel streams each panel once per 16 rows, at about
   the CPU's peak: 1.2-1.8x oneDNN's packed GEMM up to 16 rows, on par beyond (`worker.linear`).
-- `add_rms_norm` and `silu_mul`: a decoder layer's element-wise glue, which PyTorch runs as
-  3-9 small ops each (a dispatch and a pass over memory apiece), in one call.
+- `add_rms_norm`, `silu_mul` and `rope_write_kv` (q/k norms, RoPE and the K/V cache write): a
+  decoder layer's element-wise glue, which PyTorch runs as 3-9 small ops each (a dispatch and
+  a pass over memory apiece), in one call.
+- `decode_layers`: a whole decode step, every layer, in one call (`worker.fused_decode`).
+
+Each kernel's body is a "team" function (`csrc/team.h`) that the threads of one OpenMP team
+share, so the standalone calls above and the fused decode step run the same code.
 
 The C files are compiled on first use (`$CC`, else `cc`/`gcc`) into
 `$SPECSERVE_CACHE_DIR/kernels` (default `~/.cache/specserve/kernels`), keyed by the sources, the
@@ -42,7 +47,11 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(sorted(CSRC.glob("*.c")))  # compiled into one library
 # -ffast-math only when compiling (vectorised expf and reductions); linking without it keeps
 # crtfastmath.o, which would set flush-to-zero for the whole process, out of the library.
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
+# No implicit fused multiply-adds: element-wise math (RoPE) then rounds as PyTorch's separate
+# ops do; the matmul and attention kernels ask for theirs explicitly.
+COMPILE_FLAGS = (
+    "-O3", "-march=native", "-ffast-math", "-ffp-contract=off", "-fopenmp", "-fPIC", "-std=c11",
+)  # fmt: skip
 LINK_FLAGS = ("-shared", "-fopenmp", "-lm")
 DTYPES = (torch.float32, torch.bfloat16)
 _C_INT64 = ctypes.c_int64
@@ -123,12 +132,17 @@ def load() -> ctypes.CDLL | None:
     signatures = {
         "paged_decode_attention": (
             ctypes.c_int,
-            [_PTR, i64, _PTR, _PTR, _PTR, _PTR, _PTR, *[i64] * 7, f32, flag],
+            [_PTR, i64, _PTR, i64, _PTR, _PTR, _PTR, _PTR, *[i64] * 7, f32, flag],
         ),
         "add_rms_norm": (None, [_PTR, i64, _PTR, i64, _PTR, _PTR, _PTR, i64, i64, f32, flag]),
         "silu_mul": (None, [_PTR, i64, _PTR, i64, i64, flag]),
         "linear_kernel_dtypes": (ctypes.c_int, []),
         "panel_linear": (ctypes.c_int, [_PTR, i64, _PTR, _PTR, _PTR, i64, i64, i64, flag]),
+        "rope_write_kv": (
+            ctypes.c_int,
+            [_PTR, *[i64] * 5, *[_PTR] * 4, f32, _PTR, i64, _PTR, i64, flag],
+        ),
+        "decode_layers": (ctypes.c_int, [_PTR, i64, *[_PTR] * 9, f32, f32, _PTR]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -199,6 +213,87 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def rope_write_kv(
+    qkv: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    kv_cache: torch.Tensor,
+    k_rows: torch.Tensor,
+) -> None:
+    """In place on `qkv [T, (heads + 2 kv_heads) * D]` (`[q | k | v]`): per-head RMSNorm of q
+    and k when their weights are given, RoPE with `rope_cos_sin`'s tables (`[T, 1, D]`), then K
+    and V written to the layer's `kv_cache` at `k_rows` (`kv_write_rows`; V is `block_size`
+    rows on). Call `rope_supported` first."""
+    lib = load()
+    assert lib is not None, "rope_write_kv called where rope_supported() is False"
+    rows = qkv.shape[0]
+    block_size, dim = kv_cache.shape[2], kv_cache.shape[4]
+    if (
+        qkv.shape[1] != (heads + 2 * kv_heads) * dim
+        or kv_cache.shape[3] != kv_heads
+        or cos.shape != (rows, 1, dim)
+        or sin.shape != cos.shape
+        or k_rows.shape != (rows,)
+        or any(w is not None and w.shape != (dim,) for w in (q_norm, k_norm))
+    ):
+        raise ValueError(
+            f"rope_write_kv: qkv {tuple(qkv.shape)} with {heads}/{kv_heads} heads, cos "
+            f"{tuple(cos.shape)}, cache {tuple(kv_cache.shape)}, rows {tuple(k_rows.shape)}"
+        )
+    if k_rows.dtype != torch.int64 or k_rows.device.type != "cpu":
+        raise ValueError("KV rows must be CPU int64")
+    norms = [None if w is None else w.contiguous() for w in (q_norm, k_norm)]  # held: read
+    tables = [t.contiguous() for t in (cos, sin)]
+    rows_index = k_rows.contiguous()
+    bad_rows = lib.rope_write_kv(
+        qkv.data_ptr(),
+        qkv.stride(0),
+        rows,
+        heads,
+        kv_heads,
+        dim,
+        *(t.data_ptr() for t in tables),
+        *(None if w is None else w.data_ptr() for w in norms),
+        eps,
+        kv_cache.data_ptr(),
+        kv_cache.shape[0],
+        rows_index.data_ptr(),
+        block_size,
+        int(qkv.dtype == torch.bfloat16),
+    )
+    if bad_rows:
+        raise IndexError(kv_rows_error(bad_rows, kv_cache.shape[0]))
+
+
+def kv_rows_error(bad_rows: int, num_blocks: int) -> str:
+    return f"KV cache slots of {bad_rows} tokens lie outside the cache of {num_blocks} blocks"
+
+
+def attention_error(failed: int) -> str:
+    return (
+        f"paged decode attention failed for {failed} (request, head) pairs: pages outside the "
+        "cache or not covering the keys"
+    )
+
+
+def rope_supported(qkv: torch.Tensor, cos: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether `rope_write_kv` can run this layer: CPU, float32/bfloat16, one dtype, `qkv` rows
+    contiguous, the cache contiguous."""
+    return (
+        rows_supported(qkv)
+        and cos.dtype == qkv.dtype
+        and cos.device.type == "cpu"
+        and kv_cache.dtype == qkv.dtype
+        and kv_cache.device.type == "cpu"
+        and kv_cache.is_contiguous()
+    )
+
+
 def attention_supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether `paged_decode_attention` can run this layer (CPU, float32/bfloat16, one dtype)."""
     return (
@@ -248,6 +343,7 @@ def paged_decode_attention(
         query.data_ptr(),
         query.stride(0),
         kv_cache.data_ptr(),
+        kv_cache.shape[0],
         pages.data_ptr(),
         first.data_ptr(),
         lens.data_ptr(),
@@ -263,7 +359,7 @@ def paged_decode_attention(
         int(query.dtype == torch.bfloat16),
     )
     if failed:
-        raise RuntimeError(f"paged decode attention failed for {failed} (request, head) pairs")
+        raise RuntimeError(attention_error(failed))
     return out
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.worker import cpu_kernels
+from specserve.worker import cpu_kernels, fused_decode
 from specserve.worker.attention.base import AttentionBackend, AttentionMetadata
 from specserve.worker.config import ModelConfig, RopeScaling
 from specserve.worker.kv_cache import PagedKVCache
@@ -147,6 +147,31 @@ class Attention(nn.Module):
         kv_cache: PagedKVCache,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        group_meta = metadata.groups[group]
+        layer_cache = kv_cache.layer(self.layer_id)
+        rows = group_meta.kv_write_rows(kv_cache.block_size)
+        if qkv.dim() == 2 and cpu_kernels.rope_supported(qkv, cos, layer_cache):
+            norms = [None if n is None else n.weight for n in (self.q_norm, self.k_norm)]
+            eps = self.q_norm.eps if self.q_norm is not None else 0.0
+            cpu_kernels.rope_write_kv(
+                qkv, self.num_heads, self.num_kv_heads, cos, sin, *norms, eps, layer_cache, rows[0]
+            )
+            q = qkv[:, : self.split[0]].view(-1, self.num_heads, self.head_dim)
+        else:
+            q = self._rope_and_write(qkv, cos, sin, kv_cache, rows)
+        out = self.backend.forward(q, layer_cache, group_meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+    def _rope_and_write(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: PagedKVCache,
+        rows: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """q/k norms, RoPE and the K/V write in PyTorch ops (what `rope_write_kv` does on CPU);
+        returns q."""
         q_size, kv_size, _ = self.split
         v = qkv[:, q_size + kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
@@ -159,10 +184,8 @@ class Attention(nn.Module):
             heads = self.num_heads + self.num_kv_heads
             qk = apply_rope(qkv[:, : q_size + kv_size].view(-1, heads, self.head_dim), cos, sin)
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-        group_meta = metadata.groups[group]
-        kv_cache.write_rows(self.layer_id, k, v, group_meta.kv_write_rows(kv_cache.block_size))
-        out = self.backend.forward(q, kv_cache.layer(self.layer_id), group_meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+        kv_cache.write_rows(self.layer_id, k, v, rows)
+        return q
 
 
 class MLP(nn.Module):
@@ -248,6 +271,10 @@ class DecoderModel(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, device, dtype)
         self.tied_head_packed: PackedWeight | None = None  # the embedding, packed as LM head
+        # The fused decode step's weight addresses: built on first use, dropped whenever the
+        # weights may have moved (cast, moved, loaded or packed again).
+        self.fused_weights: fused_decode.WeightsTable | None = None
+        self.register_load_state_dict_post_hook(lambda module, _: module.drop_fused_weights())
         # Not a buffer: the model may be built on the meta device and loaded with `assign=True`.
         self.inv_freq = rope_inv_freq(config)
 
@@ -286,6 +313,9 @@ class DecoderModel(nn.Module):
             )
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
         x = self.embed_tokens(input_ids)
+        fused = fused_decode.decode_step(self, x, cos, sin, attn_metadata, kv_cache, aux_layers)
+        if fused is not None:
+            return fused
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attn_metadata, kv_cache)
@@ -300,8 +330,12 @@ class DecoderModel(nn.Module):
             return self.lm_head(hidden)
         return linear(hidden, self.embed_tokens.weight, None, self.tied_head_packed)
 
+    def drop_fused_weights(self) -> None:
+        self.fused_weights = None
+
     def pack_weights(self) -> list[PackedWeight]:
         """Pack a tied LM head (`worker.linear.pack_weights` packs the `Linear`s themselves)."""
+        self.drop_fused_weights()
         if self.lm_head is not None:
             return []
         self.tied_head_packed = pack_weight(self.embed_tokens.weight)
@@ -311,4 +345,5 @@ class DecoderModel(nn.Module):
         """Moving or casting the model packs a tied LM head's new embedding again."""
         module = super()._apply(fn, recurse)
         self.tied_head_packed = pack_again(self.tied_head_packed, self.embed_tokens.weight)
+        self.drop_fused_weights()
         return module

@@ -231,3 +231,96 @@ def test_a_broken_cached_library_is_rebuilt(fresh_load, tmp_path) -> None:
     env = {**os.environ, "SPECSERVE_CACHE_DIR": str(tmp_path)}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
     assert lib.read_bytes()[:4] == b"\x7fELF"
+
+
+def _rope_case(dtype: torch.dtype, heads: int, kv_heads: int, dim: int, rows: int = 7):
+    """qkv rows, RoPE tables at positions from 100 on, a cache and the K rows of `rows` slots."""
+    torch.manual_seed(dim)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim).to(dtype)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    positions = torch.arange(100, 100 + rows)
+    cache = torch.zeros(8, 2, 4, kv_heads, dim, dtype=dtype)
+    slots = torch.tensor([5, 6, 7, 8, 9, 10, 11, 13][:rows])
+    return qkv, inv_freq, positions, cache, slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 2, 64), (3, 1, 16), (2, 2, 128)])
+def test_rope_and_kv_write_match_transformers_bit_for_bit(
+    dtype: torch.dtype, heads: int, kv_heads: int, dim: int
+) -> None:
+    """Each product and the sum rounded where transformers' `apply_rotary_pos_emb` rounds them
+    (no fused multiply-add in float32), so q and the cached k are equal bit for bit; v is
+    copied as it is."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from specserve.worker.kv_cache import kv_write_rows
+    from specserve.worker.models import rope_cos_sin
+
+    qkv, inv_freq, positions, cache, slots = _rope_case(dtype, heads, kv_heads, dim)
+    rows = qkv.shape[0]
+    freqs = positions.float()[:, None] * inv_freq[None]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    q = qkv[:, : heads * dim].view(rows, heads, dim).transpose(0, 1)[None]
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(rows, kv_heads, dim)
+    expected_q, expected_k = apply_rotary_pos_emb(
+        q, k.transpose(0, 1)[None], emb.cos().to(dtype)[None], emb.sin().to(dtype)[None]
+    )
+    out = qkv.clone()
+    cos, sin = rope_cos_sin(inv_freq, positions, dtype)
+    k_rows, _ = kv_write_rows(slots, 4)
+    cpu_kernels.rope_write_kv(out, heads, kv_heads, cos, sin, None, None, 0.0, cache, k_rows)
+    assert torch.equal(out[:, : heads * dim].view(rows, heads, dim), expected_q[0].transpose(0, 1))
+    flat = cache.view(8 * 2 * 4, kv_heads, dim)
+    assert torch.equal(flat[k_rows], expected_k[0].transpose(0, 1))
+    assert torch.equal(
+        flat[k_rows + 4], qkv[:, (heads + kv_heads) * dim :].view(rows, kv_heads, dim)
+    )
+    written = torch.zeros(flat.shape[0], dtype=torch.bool)
+    written[k_rows], written[k_rows + 4] = True, True
+    assert not flat[~written].any()  # nothing else in the cache was touched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_qk_norms_run_before_rope(dtype: torch.dtype, monkeypatch) -> None:
+    """Qwen3's per-head q/k norms: the kernel against the decoder's PyTorch path."""
+    from specserve.worker.kv_cache import kv_write_rows
+    from specserve.worker.models import apply_rope, rope_cos_sin
+
+    heads, kv_heads, dim = 4, 2, 32
+    qkv, inv_freq, positions, cache, slots = _rope_case(dtype, heads, kv_heads, dim)
+    rows = qkv.shape[0]
+    q_norm, k_norm = RMSNorm(dim, 1e-6, dtype, "cpu"), RMSNorm(dim, 1e-6, dtype, "cpu")
+    with torch.no_grad():
+        q_norm.weight.uniform_(0.5, 1.5)
+        k_norm.weight.uniform_(0.5, 1.5)
+    cos, sin = rope_cos_sin(inv_freq, positions, dtype)
+    k_rows, _ = kv_write_rows(slots, 4)
+    out = qkv.clone()
+    cpu_kernels.rope_write_kv(
+        out, heads, kv_heads, cos, sin, q_norm.weight, k_norm.weight, 1e-6, cache, k_rows
+    )
+    q = q_norm(qkv[:, : heads * dim].view(rows, heads, dim))  # 3-D: the PyTorch path
+    k = k_norm(qkv[:, heads * dim : (heads + kv_heads) * dim].view(rows, kv_heads, dim))
+    # bfloat16: the PyTorch path's addcmul rounds RoPE's sum once where the kernel (like
+    # transformers) rounds both products too; a sum that cancels then differs by a step of
+    # its terms (|terms| < 4 here: 2**-6), however small the result.
+    tolerance = ROW_TOLERANCE[dtype] if dtype == torch.float32 else {"atol": 2**-6, "rtol": 2**-7}
+    torch.testing.assert_close(
+        out[:, : heads * dim].view(rows, heads, dim), apply_rope(q, cos, sin), **tolerance
+    )
+    flat = cache.view(-1, kv_heads, dim)
+    torch.testing.assert_close(flat[k_rows], apply_rope(k, cos, sin), **tolerance)
+
+
+def test_rope_inputs_that_do_not_fit_raise() -> None:
+    from specserve.worker.models import rope_cos_sin
+
+    qkv, inv_freq, positions, cache, slots = _rope_case(torch.float32, 4, 2, 64)
+    cos, sin = rope_cos_sin(inv_freq, positions, torch.float32)
+    with pytest.raises(ValueError, match="rope_write_kv"):  # 3 heads do not make up the row
+        cpu_kernels.rope_write_kv(qkv, 3, 2, cos, sin, None, None, 0.0, cache, slots)
+    with pytest.raises(ValueError, match="rope_write_kv"):  # tables for fewer rows
+        cpu_kernels.rope_write_kv(qkv, 4, 2, cos[:3], sin[:3], None, None, 0.0, cache, slots)
+    with pytest.raises(ValueError, match="int64"):
+        cpu_kernels.rope_write_kv(qkv, 4, 2, cos, sin, None, None, 0.0, cache, slots.int())

@@ -1,76 +1,92 @@
-/* Element-wise glue of a decoder layer, fused (CPU): RMSNorm with its residual add, and SwiGLU's
- * silu(gate) * up. In PyTorch each is 3-9 small ops, each a dispatch and a pass over memory.
- * Built and loaded by worker/cpu_kernels.py.
+/* Element-wise glue of a decoder layer, fused (CPU): RMSNorm with its residual add, SwiGLU's
+ * silu(gate) * up, and q/k norms with RoPE and the KV-cache write. In PyTorch each is 3-9 small
+ * ops, each a dispatch and a pass over memory. Built and loaded by worker/cpu_kernels.py.
  *
  * The math is the decoder's (worker/models.py) step by step, in float32, rounding to bfloat16
  * exactly where the bfloat16 model rounds: the residual sum, the normalised value before the
- * weight, the product with the weight, silu(gate) and the product with up. Only the order of
- * the sum of squares differs.
+ * weight, the product with the weight, silu(gate) and the product with up, and each product and
+ * the sum of RoPE. Only the order of the sum of squares differs.
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "bf16.h"
+#include "team.h"
 
-/* Elements from which a call runs on all threads. Low on purpose: a decode step's 16 rows are
- * small, but they arrive from memory rather than cache, and each thread has its own misses in
- * flight (16 x 1536 SwiGLU rows: about 5% of a SmolLM2 step at batch 16, measured). */
+/* Elements from which a standalone call runs on all threads. Low on purpose: a decode step's
+ * 16 rows are small, but they arrive from memory rather than cache, and each thread has its own
+ * misses in flight (16 x 1536 SwiGLU rows: about 5% of a SmolLM2 step at batch 16, measured). */
 #define PARALLEL_MIN_ELEMS 4096
 
-/* Row r: s = x[r] (+ delta[r] when delta is given, stored to sum_out[r]);
- * out[r] = weight * (s * rsqrt(mean(s^2) + eps)). Rows are `*_stride` elements apart. */
+/* dst[i] = s[i] * inv * w[i] with the model's roundings (bfloat16: w * round(s * inv)). */
+static inline void scale_by_weight(void *dst, const float *s, float inv, const void *weight,
+                                   int64_t dim, int is_bf16) {
+    if (is_bf16) {
+        const uint16_t *w = (const uint16_t *)weight;
+        uint16_t *o = (uint16_t *)dst;
+        for (int64_t i = 0; i < dim; i++) o[i] = bf16_round(bf16_load(w, i) * bf16_rounded(s[i] * inv));
+    } else {
+        const float *w = (const float *)weight;
+        float *o = (float *)dst;
+        for (int64_t i = 0; i < dim; i++) o[i] = s[i] * inv * w[i];
+    }
+}
+
+static inline float rms_inverse(const float *s, int64_t dim, float eps) {
+    float squares = 0.0f;
+    for (int64_t i = 0; i < dim; i++) squares += s[i] * s[i];
+    return 1.0f / sqrtf(squares / (float)dim + eps);
+}
+
+/* `dim` values at `src` as float32 in `dst`. */
+static inline void load_f32(float *dst, const void *src, int64_t dim, int is_bf16) {
+    if (is_bf16)
+        for (int64_t i = 0; i < dim; i++) dst[i] = bf16_load((const uint16_t *)src, i);
+    else
+        memcpy(dst, src, dim * sizeof(float));
+}
+
+void add_rms_norm_team(const void *x, int64_t x_stride, const void *delta, int64_t delta_stride,
+                       void *sum_out, const void *weight, void *out, int64_t rows, int64_t dim,
+                       float eps, int is_bf16) {
+    const size_t esize = is_bf16 ? 2 : 4;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float s[dim];
+        load_f32(s, (const char *)x + r * x_stride * esize, dim, is_bf16);
+        if (delta != NULL) {
+            const char *dr = (const char *)delta + r * delta_stride * esize;
+            char *so = (char *)sum_out + r * dim * esize;
+            if (is_bf16) {
+                for (int64_t i = 0; i < dim; i++) {
+                    ((uint16_t *)so)[i] = bf16_round(s[i] + bf16_load((const uint16_t *)dr, i));
+                    s[i] = bf16_load((const uint16_t *)so, i);
+                }
+            } else {
+                for (int64_t i = 0; i < dim; i++) s[i] = ((float *)so)[i] = s[i] + ((const float *)dr)[i];
+            }
+        }
+        scale_by_weight((char *)out + r * dim * esize, s, rms_inverse(s, dim, eps), weight, dim,
+                        is_bf16);
+    }
+}
+
 void add_rms_norm(const void *x, int64_t x_stride, const void *delta, int64_t delta_stride,
                   void *sum_out, const void *weight, void *out, int64_t rows, int64_t dim,
                   float eps, int is_bf16) {
-#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_MIN_ELEMS)
-    for (int64_t r = 0; r < rows; r++) {
-        float s[dim];
-        if (is_bf16) {
-            const uint16_t *xr = (const uint16_t *)x + r * x_stride;
-            for (int64_t i = 0; i < dim; i++) s[i] = bf16_load(xr, i);
-            if (delta != NULL) {
-                const uint16_t *dr = (const uint16_t *)delta + r * delta_stride;
-                uint16_t *so = (uint16_t *)sum_out + r * dim;
-                for (int64_t i = 0; i < dim; i++) {
-                    so[i] = bf16_round(s[i] + bf16_load(dr, i));
-                    s[i] = bf16_load(so, i);
-                }
-            }
-        } else {
-            const float *xr = (const float *)x + r * x_stride;
-            if (delta != NULL) {
-                const float *dr = (const float *)delta + r * delta_stride;
-                float *so = (float *)sum_out + r * dim;
-                for (int64_t i = 0; i < dim; i++) s[i] = so[i] = xr[i] + dr[i];
-            } else {
-                memcpy(s, xr, dim * sizeof(float));
-            }
-        }
-        float squares = 0.0f;
-        for (int64_t i = 0; i < dim; i++) squares += s[i] * s[i];
-        float inv = 1.0f / sqrtf(squares / (float)dim + eps);
-        if (is_bf16) {
-            const uint16_t *w = (const uint16_t *)weight;
-            uint16_t *o = (uint16_t *)out + r * dim;
-            for (int64_t i = 0; i < dim; i++)
-                o[i] = bf16_round(bf16_load(w, i) * bf16_rounded(s[i] * inv));
-        } else {
-            const float *w = (const float *)weight;
-            float *o = (float *)out + r * dim;
-            for (int64_t i = 0; i < dim; i++) o[i] = s[i] * inv * w[i];
-        }
-    }
+#pragma omp parallel if (rows * dim >= PARALLEL_MIN_ELEMS)
+    add_rms_norm_team(x, x_stride, delta, delta_stride, sum_out, weight, out, rows, dim, eps,
+                      is_bf16);
 }
 
 /* x / (1 + e^-x). The exponent is capped below expf's overflow: compiled with -ffast-math the
  * vector code may not survive an infinite e^-x (x < -88.7 would give NaN, not -0). */
 static inline float silu(float x) { return x / (1.0f + expf(fminf(-x, 88.0f))); }
 
-/* out[r] = silu(gate_up[r, :dim]) * gate_up[r, dim:], rows of gate_up `stride` elements apart. */
-void silu_mul(const void *gate_up, int64_t stride, void *out, int64_t rows, int64_t dim,
-              int is_bf16) {
-#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_MIN_ELEMS)
+void silu_mul_team(const void *gate_up, int64_t stride, void *out, int64_t rows, int64_t dim,
+                   int is_bf16) {
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         if (is_bf16) {
             const uint16_t *g = (const uint16_t *)gate_up + r * stride, *u = g + dim;
@@ -85,4 +101,88 @@ void silu_mul(const void *gate_up, int64_t stride, void *out, int64_t rows, int6
             for (int64_t i = 0; i < dim; i++) o[i] = silu(g[i]) * u[i];
         }
     }
+}
+
+void silu_mul(const void *gate_up, int64_t stride, void *out, int64_t rows, int64_t dim,
+              int is_bf16) {
+#pragma omp parallel if (rows * dim >= PARALLEL_MIN_ELEMS)
+    silu_mul_team(gate_up, stride, out, rows, dim, is_bf16);
+}
+
+/* One head in place: `x * cos + [x2, x1] * sin` (sin sign-folded), each product and the sum
+ * rounded as the model rounds them (the library is built without fused multiply-adds, so
+ * float32 matches the reference's separate multiplies and add bit for bit). */
+static inline void rope_head(void *head, const float *x, const void *cos, const void *sin,
+                             int64_t dim, int is_bf16) {
+    const int64_t half = dim / 2;
+    if (is_bf16) {
+        const uint16_t *c = (const uint16_t *)cos, *s = (const uint16_t *)sin;
+        uint16_t *o = (uint16_t *)head;
+        for (int64_t i = 0; i < half; i++) {
+            const float x1 = x[i], x2 = x[i + half];
+            o[i] = bf16_round(bf16_rounded(x1 * bf16_load(c, i)) +
+                              bf16_rounded(x2 * bf16_load(s, i)));
+            o[i + half] = bf16_round(bf16_rounded(x2 * bf16_load(c, i + half)) +
+                                     bf16_rounded(x1 * bf16_load(s, i + half)));
+        }
+    } else {
+        const float *c = (const float *)cos, *s = (const float *)sin;
+        float *o = (float *)head;
+        for (int64_t i = 0; i < half; i++) {
+            const float x1 = x[i], x2 = x[i + half];
+            o[i] = x1 * c[i] + x2 * s[i];
+            o[i + half] = x2 * c[i + half] + x1 * s[i + half];
+        }
+    }
+}
+
+void rope_write_kv_team(void *qkv, int64_t qkv_stride, int64_t rows, int64_t heads,
+                        int64_t kv_heads, int64_t dim, const void *cos, const void *sin,
+                        const void *q_norm, const void *k_norm, float eps, void *cache,
+                        int64_t num_blocks, const int64_t *k_rows, int64_t block_size,
+                        int is_bf16, int *bad_rows) {
+    const size_t esize = is_bf16 ? 2 : 4;
+    const int64_t kv_width = kv_heads * dim, cache_rows = num_blocks * 2 * block_size;
+    int my_bad = 0;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        if (k_rows[r] < 0 || k_rows[r] + block_size >= cache_rows) { /* outside the cache */
+            my_bad++;
+            continue;
+        }
+        char *row = (char *)qkv + r * qkv_stride * esize;
+        const char *cos_r = (const char *)cos + r * dim * esize;
+        const char *sin_r = (const char *)sin + r * dim * esize;
+        for (int64_t h = 0; h < heads + kv_heads; h++) {
+            char *head = row + h * dim * esize;
+            const void *norm = h < heads ? q_norm : k_norm;
+            float x[dim];
+            load_f32(x, head, dim, is_bf16);
+            if (norm != NULL) { /* the normed head, rounded as stored, is what RoPE rotates */
+                scale_by_weight(head, x, rms_inverse(x, dim, eps), norm, dim, is_bf16);
+                load_f32(x, head, dim, is_bf16);
+            }
+            rope_head(head, x, cos_r, sin_r, dim, is_bf16);
+        }
+        char *k_dst = (char *)cache + k_rows[r] * kv_width * esize;
+        memcpy(k_dst, row + heads * dim * esize, kv_width * esize);
+        memcpy(k_dst + block_size * kv_width * esize, row + (heads + kv_heads) * dim * esize,
+               kv_width * esize);
+    }
+    if (my_bad) {
+#pragma omp atomic
+        *bad_rows += my_bad;
+    }
+}
+
+/* Returns the number of rows whose K/V rows lie outside the cache (0: all written). */
+int rope_write_kv(void *qkv, int64_t qkv_stride, int64_t rows, int64_t heads, int64_t kv_heads,
+                  int64_t dim, const void *cos, const void *sin, const void *q_norm,
+                  const void *k_norm, float eps, void *cache, int64_t num_blocks,
+                  const int64_t *k_rows, int64_t block_size, int is_bf16) {
+    int bad_rows = 0;
+#pragma omp parallel if (rows * (heads + kv_heads) * dim >= PARALLEL_MIN_ELEMS)
+    rope_write_kv_team(qkv, qkv_stride, rows, heads, kv_heads, dim, cos, sin, q_norm, k_norm,
+                       eps, cache, num_blocks, k_rows, block_size, is_bf16, &bad_rows);
+    return bad_rows;
 }

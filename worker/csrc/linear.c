@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "team.h"
+
 #define PANEL 16     /* output columns per panel: one 512-bit register of float32 */
 #define MAX_TILE 16  /* rows per tile: 16 accumulators, leaving registers for the weights */
 #define PREFETCH 1024 /* bytes of the weight stream fetched ahead of use */
@@ -135,37 +137,38 @@ int linear_kernel_dtypes(void) {
     return dtypes;
 }
 
-/* y[rows, n] (row stride n) = x[rows, k] (row stride x_stride) W^T + bias, W as panels.
- * Returns 0, 1 when the packed-input buffer cannot be allocated, 2 for an unsupported dtype. */
-int panel_linear(const void *x, int64_t x_stride, const void *panels, const void *bias, void *y,
-                 int64_t rows, int64_t n, int64_t k, int is_bf16) {
-    if (!(linear_kernel_dtypes() & (is_bf16 ? 2 : 1))) return 2;
+int64_t linear_packed_bytes(int64_t rows, int64_t k, int is_bf16) {
+    return rows * (is_bf16 ? (k + 1) / 2 : k) * 4;
+}
+
+/* y[rows, n] (row stride n) = x[rows, k] (row stride x_stride) W^T + bias, W as panels; the
+ * threads of the calling team first repack the inputs into `packed` (tile by tile,
+ * [depth][tile rows]: each step of the inner loop then reads one contiguous run of 4-byte
+ * values, a float32 or a pair of bfloat16, to broadcast), then split the panels. */
+void panel_linear_team(const void *x, int64_t x_stride, const void *panels, const void *bias,
+                       void *y, int64_t rows, int64_t n, int64_t k, int is_bf16, void *packed) {
 #if defined(__AVX512F__)
     const int64_t num_panels = (n + PANEL - 1) / PANEL;
-    const int64_t depth = is_bf16 ? (k + 1) / 2 : k;   /* K, or K2 bfloat16 pairs */
-    /* Inputs packed tile by tile, [depth][tile rows]: each step of the inner loop reads one
-     * contiguous run of 4-byte values (a float32, or a pair of bfloat16) to broadcast. */
-    void *packed = malloc((size_t)(rows * depth) * 4);
-    if (packed == NULL) return 1;
+    const int64_t depth = is_bf16 ? (k + 1) / 2 : k; /* K, or K2 bfloat16 pairs */
     for (int64_t r0 = 0; r0 < rows; r0 += MAX_TILE) {
         const int64_t tile = tile_rows(rows - r0);
-        for (int64_t r = 0; r < tile; r++) {
-            if (is_bf16) {
-                const uint16_t *src = (const uint16_t *)x + (r0 + r) * x_stride;
-                uint32_t *dst = (uint32_t *)packed + r0 * depth;
-                for (int64_t d = 0; d < depth; d++) {
+#pragma omp for schedule(static) nowait
+        for (int64_t d = 0; d < depth; d++) {
+            for (int64_t r = 0; r < tile; r++) {
+                if (is_bf16) {
+                    const uint16_t *src = (const uint16_t *)x + (r0 + r) * x_stride;
                     uint32_t hi = 2 * d + 1 < k ? src[2 * d + 1] : 0;
-                    dst[d * tile + r] = (uint32_t)src[2 * d] | hi << 16;
+                    ((uint32_t *)packed)[r0 * depth + d * tile + r] = (uint32_t)src[2 * d] | hi << 16;
+                } else {
+                    const float *src = (const float *)x + (r0 + r) * x_stride;
+                    ((float *)packed)[r0 * depth + d * tile + r] = src[d];
                 }
-            } else {
-                const float *src = (const float *)x + (r0 + r) * x_stride;
-                float *dst = (float *)packed + r0 * depth;
-                for (int64_t d = 0; d < depth; d++) dst[d * tile + r] = src[d];
             }
         }
     }
+#pragma omp barrier
     const int64_t panel_elems = depth * PANEL * (is_bf16 ? 2 : 1);
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static)
     for (int64_t p = 0; p < num_panels; p++) {
         const __mmask16 mask = column_mask(n, p);
         const __m512 b = bias_f32(bias, p, mask, is_bf16);
@@ -184,10 +187,21 @@ int panel_linear(const void *x, int64_t x_stride, const void *panels, const void
             }
         }
     }
-    free(packed);
-    return 0;
 #else
     (void)x, (void)x_stride, (void)panels, (void)bias, (void)y, (void)rows, (void)n, (void)k;
-    return 2;
+    (void)is_bf16, (void)packed;
 #endif
+}
+
+/* The standalone call: returns 0, 1 when the packed-input buffer cannot be allocated, 2 for an
+ * unsupported dtype. */
+int panel_linear(const void *x, int64_t x_stride, const void *panels, const void *bias, void *y,
+                 int64_t rows, int64_t n, int64_t k, int is_bf16) {
+    if (!(linear_kernel_dtypes() & (is_bf16 ? 2 : 1))) return 2;
+    void *packed = malloc((size_t)linear_packed_bytes(rows, k, is_bf16));
+    if (packed == NULL) return 1;
+#pragma omp parallel
+    panel_linear_team(x, x_stride, panels, bias, y, rows, n, k, is_bf16, packed);
+    free(packed);
+    return 0;
 }

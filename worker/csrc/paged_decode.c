@@ -1,8 +1,8 @@
 /* Decode attention read straight from the paged KV cache (CPU).
  *
  * One query token per request attends to that request's keys where they lie in the cache,
- * so nothing is gathered or padded: the cost is one pass over the keys and one over the
- * values. Built and loaded by worker/cpu_kernels.py (see there for how and when).
+ * so nothing is gathered or padded: the cost is one pass over the keys and values. Built and
+ * loaded by worker/cpu_kernels.py (see there for how and when).
  *
  * Cache layout (the FlashInfer one): [num_blocks, 2, block_size, kv_heads, head_dim], K at
  * index 0 and V at index 1 of the second axis. Request b's keys are its pages
@@ -12,6 +12,12 @@
  * `q[b, h, :]` (row stride `q_row_stride` elements, heads contiguous) sharing KV head
  * h / group are computed together.
  *
+ * A work item is one request's run of KV heads: all of them when there are enough requests to
+ * keep every thread busy (a page's rows are then read whole, front to back, which is what the
+ * memory system streams fastest: the K/V of a decode step come from memory, not cache, since
+ * the weights streamed since have pushed them out), one head per item otherwise. An item walks
+ * its pages once with a running (online) softmax, so no buffer grows with the context.
+ *
  * Scores and accumulation are in float32 whatever the storage dtype (float32 or bfloat16), as
  * SDPA's CPU kernel does.
  */
@@ -20,138 +26,214 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bf16.h"
+#include <omp.h>
 
-/* `rows` rows of `dim` values, `stride` elements apart, as contiguous float32 in `dst`. */
-static void load_rows(float *dst, const void *src, int64_t rows, int64_t dim, int64_t stride,
+#include "bf16.h"
+#include "team.h"
+
+/* `rows` rows of `width` values, `stride` elements apart, as contiguous float32 in `dst`. */
+static void load_rows(float *dst, const void *src, int64_t rows, int64_t width, int64_t stride,
                       int is_bf16) {
     for (int64_t r = 0; r < rows; r++) {
         if (is_bf16) {
             const uint16_t *s = (const uint16_t *)src + r * stride;
-            for (int64_t d = 0; d < dim; d++) dst[r * dim + d] = bf16_load(s, d);
+            for (int64_t d = 0; d < width; d++) dst[r * width + d] = bf16_load(s, d);
         } else {
-            memcpy(dst + r * dim, (const float *)src + r * stride, dim * sizeof(float));
+            memcpy(dst + r * width, (const float *)src + r * stride, width * sizeof(float));
         }
     }
 }
 
-/* One (request, KV head) pair: `group` query heads over `n_keys` visible keys. Always inlined,
- * so the calls below with a constant `dim` get loops the compiler fully unrolls. */
-static inline __attribute__((always_inline)) int attend(
-    float *restrict out_f, const float *restrict q, const void *cache, const int64_t *pages,
-    int64_t max_pages, int64_t first_pos, int64_t lo, int64_t hi, int64_t kv_head, int64_t group,
-    int64_t kv_heads, int64_t dim, int64_t block_size, int is_bf16) {
-    const int64_t n_keys = hi - lo;
-    const int64_t token_stride = kv_heads * dim;
-    const int64_t page_elems = block_size * token_stride;
-    const size_t esize = is_bf16 ? 2 : 4;
-    float *scores = malloc((size_t)(group * n_keys + block_size * dim) * sizeof(float));
-    if (scores == NULL) return 1;
-    float *rows = scores + group * n_keys; /* one page of this head, as float32 */
+/* Rows [t0, t1) of a page, `width` values each from `offset` on: in place for float32 (row
+ * stride `token_stride`), converted into `buf` (row stride `width`) for bfloat16. */
+static inline const float *page_rows(const char *page, int64_t t0, int64_t t1, int64_t width,
+                                     int64_t token_stride, float *buf, int is_bf16,
+                                     int64_t *stride) {
+    if (!is_bf16) {
+        *stride = token_stride;
+        return (const float *)page + t0 * token_stride;
+    }
+    load_rows(buf, (const uint16_t *)page + t0 * token_stride, t1 - t0, width, token_stride, 1);
+    *stride = width;
+    return buf;
+}
 
-    for (int pass = 0; pass < 2; pass++) { /* 0: scores from K, 1: output from V */
-        int64_t n = 0;
-        for (int64_t j = 0; j < max_pages && n < n_keys; j++) {
-            int64_t page_pos = first_pos + j * block_size;
-            int64_t t0 = lo > page_pos ? lo - page_pos : 0;
-            int64_t t1 = hi - page_pos < block_size ? hi - page_pos : block_size;
+/* Keys scored between two updates of the running softmax (whole pages, at least one): the
+ * update rescales the output so far, so it is done once per span rather than per page. */
+#define SPAN_KEYS 64
+
+static inline int64_t span_capacity(int64_t block_size) {
+    return block_size > SPAN_KEYS ? block_size : SPAN_KEYS;
+}
+
+/* The keys [t0, t1) of page j that are visible; empty when t1 <= t0. */
+static inline void visible_rows(int64_t j, int64_t first_pos, int64_t lo, int64_t hi,
+                                int64_t block_size, int64_t *t0, int64_t *t1) {
+    const int64_t page_pos = first_pos + j * block_size;
+    *t0 = lo > page_pos ? lo - page_pos : 0;
+    *t1 = hi - page_pos < block_size ? hi - page_pos : block_size;
+}
+
+/* One item: request rows of `nq` query heads (`q`, scaled; `nq / group` consecutive KV heads
+ * from the one at `head_offset` elements into a token row) over the keys at positions
+ * [lo, hi), into `out` (normalised). `scratch` holds `attend_scratch` floats. Returns 1 when
+ * the pages do not cover the keys. Always inlined, so the calls below with a constant `dim`
+ * get loops the compiler unrolls. */
+static inline __attribute__((always_inline)) int attend(
+    float *restrict out, const float *restrict q, const void *cache, const int64_t *pages,
+    int64_t max_pages, int64_t first_pos, int64_t lo, int64_t hi, int64_t head_offset,
+    int64_t nq, int64_t group, int64_t kv_heads, int64_t dim, int64_t block_size, int is_bf16,
+    float *restrict scratch) {
+    const int64_t token_stride = kv_heads * dim, width = nq / group * dim;
+    const int64_t page_elems = block_size * token_stride, capacity = span_capacity(block_size);
+    const size_t esize = is_bf16 ? 2 : 4;
+    float *restrict rows_buf = scratch;                     /* a page's rows of K or V */
+    float *restrict probs = rows_buf + block_size * width; /* [nq][capacity] */
+    float *restrict running_max = probs + nq * capacity, *restrict total = running_max + nq;
+    int64_t n = 0, j = 0, t0, t1, stride;
+    memset(out, 0, (size_t)(nq * dim) * sizeof(float));
+    while (j < max_pages && n < hi - lo) {
+        /* Scores of a span of whole pages. */
+        const int64_t first_page = j;
+        int64_t span = 0;
+        for (; j < max_pages && n + span < hi - lo; j++) {
+            visible_rows(j, first_pos, lo, hi, block_size, &t0, &t1);
             if (t1 <= t0) continue;
-            const char *page = (const char *)cache +
-                               ((pages[j] + pass) * page_elems + kv_head * dim) * esize;
-            const float *kv;
-            if (is_bf16) {
-                load_rows(rows, page + t0 * token_stride * esize, t1 - t0, dim, token_stride, 1);
-                kv = rows;
-            } else {
-                kv = (const float *)page + t0 * token_stride;
-            }
-            const int64_t kv_stride = is_bf16 ? dim : token_stride, count = t1 - t0;
-            /* Head-major: one query head's q (or output) stays in registers across the keys. */
-            for (int64_t g = 0; g < group; g++) {
-                float *restrict s = scores + g * n_keys + n;
-                if (pass == 0) {
-                    const float *restrict qg = q + g * dim;
-                    for (int64_t t = 0; t < count; t++) {
-                        const float *restrict row = kv + t * kv_stride;
-                        float acc = 0.0f;
-                        for (int64_t d = 0; d < dim; d++) acc += qg[d] * row[d];
-                        s[t] = acc;
-                    }
-                } else {
-                    float *restrict og = out_f + g * dim;
-                    for (int64_t t = 0; t < count; t++) {
-                        const float *restrict row = kv + t * kv_stride;
-                        for (int64_t d = 0; d < dim; d++) og[d] += s[t] * row[d];
-                    }
+            if (span + (t1 - t0) > capacity) break;
+            const char *k_page =
+                (const char *)cache + (pages[j] * page_elems + head_offset) * esize;
+            const float *k =
+                page_rows(k_page, t0, t1, width, token_stride, rows_buf, is_bf16, &stride);
+            for (int64_t i = 0; i < nq; i++) {
+                const float *restrict qi = q + i * dim, *restrict k_head = k + i / group * dim;
+                float *restrict s = probs + i * capacity + span;
+                for (int64_t t = 0; t < t1 - t0; t++) {
+                    const float *restrict row = k_head + t * stride;
+                    float acc = 0.0f;
+                    for (int64_t d = 0; d < dim; d++) acc += qi[d] * row[d];
+                    s[t] = acc;
                 }
             }
-            n += count;
+            span += t1 - t0;
         }
-        if (n != n_keys) { /* the pages do not cover the visible keys: refuse, never read junk */
-            free(scores);
-            return 1;
+        /* Running softmax: rescale what was summed under the old maximum. */
+        for (int64_t i = 0; i < nq; i++) {
+            float *restrict s = probs + i * capacity;
+            float span_max = s[0];
+            for (int64_t t = 1; t < span; t++) span_max = s[t] > span_max ? s[t] : span_max;
+            const float m = n == 0 || span_max > running_max[i] ? span_max : running_max[i];
+            const float rescale = n == 0 ? 0.0f : expf(running_max[i] - m);
+            float sum = n == 0 ? 0.0f : total[i] * rescale;
+            for (int64_t t = 0; t < span; t++) sum += s[t] = expf(s[t] - m);
+            running_max[i] = m, total[i] = sum;
+            if (n > 0 && rescale != 1.0f)
+                for (int64_t d = 0; d < dim; d++) out[i * dim + d] *= rescale;
         }
-        if (pass == 0) { /* softmax numerators in place; normalised after the V pass */
-            for (int64_t g = 0; g < group; g++) {
-                float *s = scores + g * n_keys;
-                float m = s[0];
-                for (int64_t i = 1; i < n_keys; i++) m = s[i] > m ? s[i] : m;
-                for (int64_t i = 0; i < n_keys; i++) s[i] = expf(s[i] - m);
+        /* The span's values, weighted. */
+        for (int64_t p = first_page, done = 0; p < j; p++) {
+            visible_rows(p, first_pos, lo, hi, block_size, &t0, &t1);
+            if (t1 <= t0) continue;
+            const char *v_page = (const char *)cache +
+                                 ((pages[p] * page_elems + head_offset) + page_elems) * esize;
+            const float *v =
+                page_rows(v_page, t0, t1, width, token_stride, rows_buf, is_bf16, &stride);
+            for (int64_t i = 0; i < nq; i++) {
+                float *restrict oi = out + i * dim;
+                const float *restrict v_head = v + i / group * dim;
+                const float *restrict s = probs + i * capacity + done;
+                for (int64_t t = 0; t < t1 - t0; t++) {
+                    const float *restrict row = v_head + t * stride;
+                    for (int64_t d = 0; d < dim; d++) oi[d] = fmaf(s[t], row[d], oi[d]);
+                }
             }
-            memset(out_f, 0, (size_t)(group * dim) * sizeof(float));
+            done += t1 - t0;
         }
+        n += span;
     }
-    for (int64_t g = 0; g < group; g++) {
-        const float *s = scores + g * n_keys;
-        float total = 0.0f;
-        for (int64_t i = 0; i < n_keys; i++) total += s[i];
-        float inv = 1.0f / total;
-        for (int64_t d = 0; d < dim; d++) out_f[g * dim + d] *= inv;
+    if (n != hi - lo) return 1; /* the pages do not cover the visible keys: refuse */
+    for (int64_t i = 0; i < nq; i++) {
+        const float inv = 1.0f / total[i];
+        for (int64_t d = 0; d < dim; d++) out[i * dim + d] *= inv;
     }
-    free(scores);
     return 0;
 }
 
-/* Returns 0, or the number of (request, KV head) pairs that failed: no scratch memory, no
- * visible key, or pages that do not cover the visible keys. */
-int paged_decode_attention(const void *query, int64_t q_row_stride, const void *cache,
-                           const int64_t *pages, const int64_t *first_pos,
-                           const int64_t *seq_lens, void *out, int64_t batch, int64_t heads,
-                           int64_t kv_heads, int64_t dim, int64_t block_size, int64_t max_pages,
-                           int64_t window, float scale, int is_bf16) {
+void paged_decode_attention_team(const void *query, int64_t q_row_stride, const void *cache,
+                                 int64_t num_blocks, const int64_t *pages,
+                                 const int64_t *first_pos,
+                                 const int64_t *seq_lens, void *out, int64_t batch,
+                                 int64_t heads, int64_t kv_heads, int64_t dim,
+                                 int64_t block_size, int64_t max_pages, int64_t window,
+                                 float scale, int is_bf16, int *failed) {
     const int64_t group = heads / kv_heads;
-    int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) reduction(+ : failed)
-    for (int64_t item = 0; item < batch * kv_heads; item++) {
-        int64_t b = item / kv_heads, h = item % kv_heads;
-        int64_t hi = seq_lens[b];
-        int64_t lo = window > 0 && hi - window > 0 ? hi - window : 0;
-        float qf[group * dim], of[group * dim];
-        const size_t esize = is_bf16 ? 2 : 4;
-        const char *qrow = (const char *)query + (b * q_row_stride + h * group * dim) * esize;
-        load_rows(qf, qrow, group, dim, dim, is_bf16);
-        for (int64_t i = 0; i < group * dim; i++) qf[i] *= scale;
-        if (hi <= lo) { /* no visible key: cannot happen for a decode token, which sees itself */
-            failed++;
+    const size_t esize = is_bf16 ? 2 : 4;
+    /* Whole requests when there are at least two per thread, else one KV head per item. */
+    const int64_t heads_per_item = batch >= 2 * omp_get_num_threads() ? kv_heads : 1;
+    const int64_t items_per_request = kv_heads / heads_per_item, nq = heads_per_item * group;
+    /* Each thread's scratch, allocated once per call rather than per item. */
+    float *scratch = malloc(
+        (size_t)(block_size * heads_per_item * dim + nq * (span_capacity(block_size) + 2)) * 4);
+    float *qf = malloc((size_t)(2 * nq * dim) * sizeof(float)), *of = qf + nq * dim;
+    int my_failed = 0;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < batch * items_per_request; item++) {
+        const int64_t b = item / items_per_request, h0 = item % items_per_request * heads_per_item;
+        const int64_t hi = seq_lens[b];
+        const int64_t lo = window > 0 && hi - window > 0 ? hi - window : 0;
+        /* No scratch, or no visible key (cannot happen for a decode token, which sees itself). */
+        if (scratch == NULL || qf == NULL || hi <= lo) {
+            my_failed += (int)heads_per_item;
             continue;
         }
+        const char *qrow = (const char *)query + (b * q_row_stride + h0 * group * dim) * esize;
+        load_rows(qf, qrow, 1, nq * dim, 0, is_bf16);
+        for (int64_t i = 0; i < nq * dim; i++) qf[i] *= scale;
         const int64_t *req_pages = pages + b * max_pages;
+        int bad = 0;
+        for (int64_t j = 0; j < max_pages; j++) /* K pages (even) of blocks in the cache */
+            bad |= req_pages[j] < 0 || req_pages[j] % 2 || req_pages[j] >= 2 * num_blocks;
+        if (bad) {
+            my_failed += (int)heads_per_item;
+            continue;
+        }
         if (dim == 64)
-            failed += attend(of, qf, cache, req_pages, max_pages, first_pos[b], lo, hi, h, group,
-                             kv_heads, 64, block_size, is_bf16);
+            bad = attend(of, qf, cache, req_pages, max_pages, first_pos[b], lo, hi, h0 * dim, nq,
+                         group, kv_heads, 64, block_size, is_bf16, scratch);
         else if (dim == 128)
-            failed += attend(of, qf, cache, req_pages, max_pages, first_pos[b], lo, hi, h, group,
-                             kv_heads, 128, block_size, is_bf16);
+            bad = attend(of, qf, cache, req_pages, max_pages, first_pos[b], lo, hi, h0 * dim, nq,
+                         group, kv_heads, 128, block_size, is_bf16, scratch);
         else
-            failed += attend(of, qf, cache, req_pages, max_pages, first_pos[b], lo, hi, h, group,
-                             kv_heads, dim, block_size, is_bf16);
-        char *orow = (char *)out + ((b * heads) + h * group) * dim * esize;
-        for (int64_t i = 0; i < group * dim; i++) {
+            bad = attend(of, qf, cache, req_pages, max_pages, first_pos[b], lo, hi, h0 * dim, nq,
+                         group, kv_heads, dim, block_size, is_bf16, scratch);
+        my_failed += bad * (int)heads_per_item;
+        char *orow = (char *)out + (b * heads + h0 * group) * dim * esize;
+        for (int64_t i = 0; i < nq * dim; i++) {
             if (is_bf16)
                 ((uint16_t *)orow)[i] = bf16_round(of[i]);
             else
                 ((float *)orow)[i] = of[i];
         }
     }
+    free(scratch);
+    free(qf);
+    if (my_failed) {
+#pragma omp atomic
+        *failed += my_failed;
+    }
+}
+
+/* Returns 0, or the number of (request, KV head) pairs that failed: no scratch memory, no
+ * visible key, pages outside the cache or pages that do not cover the visible keys. */
+int paged_decode_attention(const void *query, int64_t q_row_stride, const void *cache,
+                           int64_t num_blocks, const int64_t *pages, const int64_t *first_pos,
+                           const int64_t *seq_lens, void *out, int64_t batch, int64_t heads,
+                           int64_t kv_heads, int64_t dim, int64_t block_size, int64_t max_pages,
+                           int64_t window, float scale, int is_bf16) {
+    int failed = 0;
+#pragma omp parallel
+    paged_decode_attention_team(query, q_row_stride, cache, num_blocks, pages, first_pos,
+                                seq_lens, out,
+                                batch, heads, kv_heads, dim, block_size, max_pages, window,
+                                scale, is_bf16, &failed);
     return failed;
 }

@@ -1,0 +1,195 @@
+"""The fused decode step (`worker/fused_decode.py`, `csrc/decode_step.c`) against the
+layer-by-layer path it replaces.
+
+Both run the same kernels in the same order on the same rows, so every decode step's logits and
+hidden states must be bit for bit equal (`torch.equal`), on every architecture the decoder
+supports: Llama with Llama-3 RoPE scaling, Qwen2 (q/k/v biases, tied embeddings), Qwen3 (q/k
+norms, head_dim != hidden / heads) and a Qwen3 sliding/full hybrid (two KV groups, window 8),
+in float32 and bfloat16. Greedy output against transformers is pinned by
+test_engine_oracle.py, whose decode steps take this path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_reference import prompts
+from paged_driver import PagedDriver
+
+from specserve.worker import cpu_kernels, fused_decode
+from specserve.worker.attention.base import SequenceStep
+from specserve.worker.loader import load_model
+from specserve.worker.models import DecoderModel
+
+pytestmark = pytest.mark.skipif(
+    torch.float32 not in cpu_kernels.linear_dtypes(),
+    reason="the fused decode step needs the AVX-512 panel kernel",
+)
+
+CKPTS = ["llama_ckpt", "qwen2_ckpt", "qwen3_ckpt", "qwen3_hybrid_ckpt"]
+DTYPES = [
+    torch.float32,
+    pytest.param(
+        torch.bfloat16,
+        marks=pytest.mark.skipif(
+            torch.bfloat16 not in cpu_kernels.linear_dtypes(),
+            reason="no AVX512_BF16 on this CPU",
+        ),
+    ),
+]
+PROMPT_LENGTHS = [3, 11, 1, 17, 8]  # ragged: some contexts cross a block, one starts at 1 token
+DECODE_STEPS = 12  # the hybrid's window of 8 slides past whole blocks
+
+
+@pytest.fixture
+def fused_results(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each forward pass ran fused (True) or layer by layer (False)."""
+    results: list[bool] = []
+    real = fused_decode.decode_step
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        results.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fused_decode, "decode_step", spy)
+    return results
+
+
+def _layer_by_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fused_decode, "decode_step", lambda *args, **kwargs: None)
+
+
+def _decode_run(model: DecoderModel, steps: int = DECODE_STEPS) -> list[torch.Tensor]:
+    """Prefill the prompts, then decode them together; the logits of every decode step."""
+    hybrid = len(model.config.kv_groups) > 1
+    driver = PagedDriver(model, block_size=4, drop_out_of_window=hybrid)
+    seqs = [driver.new_seq(p) for p in prompts(PROMPT_LENGTHS, seed=3)]
+    driver.prefill(seqs)
+    logits = []
+    for _ in range(steps):
+        step_logits = driver.step([(s, 1) for s in seqs])
+        logits.append(step_logits)
+        for seq, row in zip(seqs, step_logits, strict=True):
+            driver._append(seq, int(row.argmax()))
+    return logits
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("name", CKPTS)
+def test_fused_steps_equal_the_layer_path_bit_for_bit(
+    request, name: str, dtype: torch.dtype, fused_results, monkeypatch
+) -> None:
+    ckpt = request.getfixturevalue(name)
+    model = load_model(ckpt.path, dtype)
+    fused = _decode_run(model)
+    assert fused_results == [False] + [True] * DECODE_STEPS  # the prefill is not a decode step
+    with monkeypatch.context() as layers:
+        _layer_by_layer(layers)
+        reference = _decode_run(model)
+    for step, (got, expected) in enumerate(zip(fused, reference, strict=True)):
+        assert torch.equal(got, expected), f"decode step {step} differs"
+
+
+def _one_decode_step(model: DecoderModel, aux_layers: tuple[int, ...]):
+    """Hidden states and aux hidden states of the first decode step after a ragged prefill."""
+    driver = PagedDriver(model, block_size=4)
+    seqs = [driver.new_seq(p) for p in prompts(PROMPT_LENGTHS, seed=4)]
+    driver.prefill(seqs)
+    work = [(s, 1) for s in seqs]
+    ids, positions, steps = [], [], []
+    for seq, _ in work:
+        driver.allocate(seq, seq.num_computed + 1)
+        ids.append(seq.tokens[seq.num_computed])
+        positions.append(seq.num_computed)
+        steps.append(SequenceStep(1, seq.num_computed + 1, [list(t) for t in seq.block_tables]))
+    meta = model.backend.build_metadata(steps, model.config.kv_groups, 4, "cpu")
+    return model.forward_with_aux(
+        torch.tensor(ids), torch.tensor(positions), meta, driver.cache, aux_layers
+    )
+
+
+def test_aux_hidden_states_are_captured(qwen3_hybrid_ckpt, fused_results, monkeypatch) -> None:
+    """The layers a drafter reads come out of the fused step as they do layer by layer."""
+    model = load_model(qwen3_hybrid_ckpt.path, torch.float32)
+    hidden, aux = _one_decode_step(model, (0, 2))
+    assert fused_results[-1] is True
+    _layer_by_layer(monkeypatch)
+    ref_hidden, ref_aux = _one_decode_step(model, (0, 2))
+    assert torch.equal(hidden, ref_hidden)
+    assert len(aux) == 2 and all(torch.equal(a, b) for a, b in zip(aux, ref_aux, strict=True))
+    assert not torch.equal(aux[0], aux[1])
+
+
+def test_new_weights_are_picked_up(llama_ckpt, fused_results, monkeypatch) -> None:
+    """The cached table of weight addresses follows a reload and a cast of the model."""
+    model = load_model(llama_ckpt.path, torch.float32)
+    first = _decode_run(model, steps=2)
+    other = load_model(llama_ckpt.path, torch.float32)
+    scaled = {name: value * 0.9 for name, value in other.state_dict().items()}
+    other.load_state_dict(scaled)  # loading packs the linear weights again
+    model.load_state_dict(scaled)
+    reloaded = _decode_run(model, steps=2)
+    model.to(torch.bfloat16)
+    cast = _decode_run(model, steps=2)
+    assert all(fused_results[1:3] + fused_results[4:6] + fused_results[7:9])
+    assert not torch.equal(first[0], reloaded[0])
+    _layer_by_layer(monkeypatch)
+    assert all(
+        torch.equal(a, b) for a, b in zip(reloaded, _decode_run(other, steps=2), strict=True)
+    )
+    other.to(torch.bfloat16)
+    assert cast[0].dtype == torch.bfloat16
+    assert all(torch.equal(a, b) for a, b in zip(cast, _decode_run(other, steps=2), strict=True))
+
+
+def test_steps_the_kernel_cannot_run_go_layer_by_layer(llama_ckpt, fused_results) -> None:
+    """A linear that keeps `F.linear` for few rows, and float64, fall back to the layer path."""
+    model = load_model(llama_ckpt.path, torch.float32)
+    model.layers[1].mlp.down_proj.packed.min_rows = 8  # type: ignore[union-attr]
+    _decode_run(model, steps=1)
+    assert fused_results == [False, False]  # 5 rows < 8
+    model.layers[1].mlp.down_proj.packed.min_rows = 1  # type: ignore[union-attr]
+    _decode_run(model, steps=1)
+    assert fused_results[-1] is True
+    _decode_run(load_model(llama_ckpt.path, torch.float64), steps=1)
+    assert fused_results[-1] is False
+
+
+def test_pages_that_do_not_cover_the_keys_raise(llama_ckpt, monkeypatch) -> None:
+    """A decode step whose metadata claims more keys than its pages hold is refused by the
+    attention inside the fused step, as by the standalone kernel."""
+    model = load_model(llama_ckpt.path, torch.float32)
+    real_build = model.backend.build_metadata
+
+    def stretched(steps, *args, **kwargs):
+        meta = real_build(steps, *args, **kwargs)
+        if all(step.query_len == 1 for step in steps):  # a decode step: the fused path's
+            meta.groups[0].batches[0].seq_lens[0] += 64  # far past the request's pages
+        return meta
+
+    monkeypatch.setattr(model.backend, "build_metadata", stretched)
+    with pytest.raises(RuntimeError, match=r"failed for 2 \(request, head\) pairs"):
+        _decode_run(model, steps=1)
+
+
+def test_a_block_outside_the_cache_raises(llama_ckpt) -> None:
+    """A block id past the cache (a control-plane bug, or a bad frame) is an error, never a
+    write or read outside the cache: in the prefill's K/V write and in a fused decode step."""
+    model = load_model(llama_ckpt.path, torch.float32)
+    driver = PagedDriver(model, num_blocks=16, block_size=4)
+    (seq,) = [driver.new_seq(p) for p in prompts([6], seed=5)]
+    seq.block_tables[0] = [1, 99]
+    with pytest.raises(IndexError, match="outside the cache of 16 blocks"):
+        driver.step([(seq, 6)])
+    seq.block_tables[0] = [1, 2]
+    driver.prefill([seq])
+    seq.block_tables[0] = [1, 2]  # the decode token's slot is in block 2, the context in 1
+    seq.block_tables[0][0] = 1_000  # context page far outside the cache
+    with pytest.raises(RuntimeError, match=r"failed for 2 \(request, head\) pairs"):
+        driver.step([(seq, 1)])
+    seq.block_tables[0] = [1, 2, 77]  # 9 tokens: the new token's slot is in block 77
+    seq.tokens += [5, 6]
+    seq.num_computed = 8
+    with pytest.raises(IndexError, match="outside the cache"):
+        driver.step([(seq, 1)])

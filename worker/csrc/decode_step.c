@@ -1,0 +1,123 @@
+/* A whole decode step of the decoder (worker/models.py) in one call (CPU, AVX-512 panels).
+ *
+ * In a decode step every request brings one token, so each op of a layer is small (16 rows at
+ * batch 16) and the step is a long chain of them: ~15 per layer, 30 layers. Run from Python,
+ * each op pays a dispatch, allocations and, for the parallel ones, waking the second thread;
+ * together that was about a third of a SmolLM2 step at batch 16. Here one OpenMP team runs all
+ * layers: the ops are the same team functions the standalone kernels use (team.h), so results
+ * are bit for bit those of the layer-by-layer path, and between two ops the threads only meet
+ * at a barrier.
+ *
+ * Per layer, in the order of worker/models.py `DecoderLayer`:
+ *   h = rms_norm(x)                              (fused into the previous layer's residual add)
+ *   qkv = h Wqkv^T + b; q/k norms, RoPE, K/V written to the cache
+ *   x, h = x + attention(q) Wo^T + b, rms_norm(...)
+ *   x = x + (silu(h Wg^T) * h Wu^T) Wd^T + b
+ * and after the last layer `out = rms_norm(x)` with the final norm's weight.
+ *
+ * `layers` is `num_layers` rows of LAYER_FIELDS int64 values (the weights, built once per
+ * model) and `groups` one row of GROUP_FIELDS per KV group (the step's metadata);
+ * worker/fused_decode.py builds both, and the enums below are their columns. `caches` holds each
+ * layer's KV cache and `captures` where to copy each layer's output (0: nowhere). Pointers are
+ * addresses; absent biases and norms are 0.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "team.h"
+
+enum {
+    L_INPUT_NORM, L_QKV, L_QKV_BIAS, L_Q_NORM, L_K_NORM, L_O, L_O_BIAS, L_POST_NORM,
+    L_GATE_UP, L_GATE_UP_BIAS, L_DOWN, L_DOWN_BIAS, L_GROUP, LAYER_FIELDS
+};
+enum { G_K_ROWS, G_PAGES, G_MAX_PAGES, G_FIRST_POS, G_SEQ_LENS, G_WINDOW, GROUP_FIELDS };
+enum {
+    D_ROWS, D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_BLOCK_SIZE, D_NUM_BLOCKS,
+    D_IS_BF16, DIMS
+};
+
+#define PTR(value) ((void *)(intptr_t)(value))
+
+static int64_t max3(int64_t a, int64_t b, int64_t c) {
+    int64_t m = a > b ? a : b;
+    return m > c ? m : c;
+}
+
+/* Runs `num_layers` layers on `x` ([rows, hidden], the embeddings; left holding the residual
+ * stream after the last layer) and writes `out = rms_norm(x) * final_norm`. A layer with a
+ * capture address gets its output (the residual stream after it) copied there. Returns 0,
+ * 1 when scratch memory cannot be had, 2 when the panel kernel does not run the dtype, or 3
+ * when the first layer where anything failed stopped the step: `errors[0]` rows whose K/V rows
+ * lie outside the cache, `errors[1]` (request, KV head) pairs whose attention failed (pages
+ * outside the cache or not covering the keys). */
+int decode_layers(const int64_t *layers, int64_t num_layers, const int64_t *caches,
+                  const int64_t *captures, const int64_t *groups, const int64_t *dims,
+                  void *x, void *out, const void *final_norm, const void *cos, const void *sin,
+                  float eps, float scale, int64_t *errors) {
+    const int64_t rows = dims[D_ROWS], hidden = dims[D_HIDDEN], heads = dims[D_HEADS];
+    const int64_t kv_heads = dims[D_KV_HEADS], head_dim = dims[D_HEAD_DIM];
+    const int64_t inter = dims[D_INTER], block_size = dims[D_BLOCK_SIZE];
+    const int64_t num_blocks = dims[D_NUM_BLOCKS];
+    const int is_bf16 = (int)dims[D_IS_BF16];
+    if (!(linear_kernel_dtypes() & (is_bf16 ? 2 : 1))) return 2;
+    const size_t esize = is_bf16 ? 2 : 4;
+    const int64_t q_width = heads * head_dim, qkv_width = q_width + 2 * kv_heads * head_dim;
+    /* One allocation for every intermediate of a layer. */
+    const int64_t widths[] = {hidden, qkv_width, q_width, hidden, 2 * inter, inter};
+    size_t offsets[7] = {0};
+    for (int i = 0; i < 6; i++) offsets[i + 1] = offsets[i] + (size_t)(rows * widths[i]) * esize;
+    const size_t packed_bytes =
+        (size_t)linear_packed_bytes(rows, max3(hidden, q_width, inter), is_bf16);
+    char *scratch = malloc(offsets[6] + packed_bytes);
+    if (scratch == NULL) return 1;
+    void *h = scratch + offsets[0], *qkv = scratch + offsets[1], *attn = scratch + offsets[2];
+    void *delta = scratch + offsets[3], *gate_up = scratch + offsets[4];
+    void *act = scratch + offsets[5], *packed = scratch + offsets[6];
+    int bad_rows = 0, failed = 0;
+
+#pragma omp parallel
+    {
+        add_rms_norm_team(x, hidden, NULL, 0, NULL, PTR(layers[L_INPUT_NORM]), h, rows, hidden,
+                          eps, is_bf16);
+        for (int64_t l = 0; l < num_layers; l++) {
+            const int64_t *layer = layers + l * LAYER_FIELDS;
+            const int64_t *group = groups + layer[L_GROUP] * GROUP_FIELDS;
+            panel_linear_team(h, hidden, PTR(layer[L_QKV]), PTR(layer[L_QKV_BIAS]), qkv, rows,
+                              qkv_width, hidden, is_bf16, packed);
+            rope_write_kv_team(qkv, qkv_width, rows, heads, kv_heads, head_dim, cos, sin,
+                               PTR(layer[L_Q_NORM]), PTR(layer[L_K_NORM]), eps,
+                               PTR(caches[l]), num_blocks, PTR(group[G_K_ROWS]), block_size,
+                               is_bf16, &bad_rows);
+            paged_decode_attention_team(qkv, qkv_width, PTR(caches[l]), num_blocks,
+                                        PTR(group[G_PAGES]),
+                                        PTR(group[G_FIRST_POS]), PTR(group[G_SEQ_LENS]), attn,
+                                        rows, heads, kv_heads, head_dim, block_size,
+                                        group[G_MAX_PAGES], group[G_WINDOW], scale, is_bf16,
+                                        &failed);
+#pragma omp barrier
+            if (bad_rows || failed) break; /* every thread sees the same counts after it */
+            panel_linear_team(attn, q_width, PTR(layer[L_O]), PTR(layer[L_O_BIAS]), delta, rows,
+                              hidden, q_width, is_bf16, packed);
+            add_rms_norm_team(x, hidden, delta, hidden, x, PTR(layer[L_POST_NORM]), h, rows,
+                              hidden, eps, is_bf16);
+            panel_linear_team(h, hidden, PTR(layer[L_GATE_UP]), PTR(layer[L_GATE_UP_BIAS]),
+                              gate_up, rows, 2 * inter, hidden, is_bf16, packed);
+            silu_mul_team(gate_up, 2 * inter, act, rows, inter, is_bf16);
+            panel_linear_team(act, inter, PTR(layer[L_DOWN]), PTR(layer[L_DOWN_BIAS]), delta,
+                              rows, hidden, inter, is_bf16, packed);
+            /* The residual add, and the norm the next layer (or the model's end) starts with. */
+            const int last = l + 1 == num_layers;
+            add_rms_norm_team(x, hidden, delta, hidden, x,
+                              last ? final_norm : PTR(layer[LAYER_FIELDS + L_INPUT_NORM]),
+                              last ? out : h, rows, hidden, eps, is_bf16);
+            if (captures[l]) {
+#pragma omp single
+                memcpy(PTR(captures[l]), x, (size_t)(rows * hidden) * esize);
+            }
+        }
+    }
+    free(scratch);
+    errors[0] = bad_rows, errors[1] = failed;
+    return bad_rows || failed ? 3 : 0;
+}
