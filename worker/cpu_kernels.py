@@ -12,6 +12,7 @@
   decoder layer's element-wise glue, which PyTorch runs as 3-9 small ops each (a dispatch and
   a pass over memory apiece), in one call.
 - `decode_layers`: a whole decode step, every layer, in one call (`worker.fused_decode`).
+- `argmax_rows`: greedy picks over vocabulary-wide rows, ~10x PyTorch's `max` on CPU.
 
 Each kernel's body is a "team" function (`csrc/team.h`) that the threads of one OpenMP team
 share, so the standalone calls above and the fused decode step run the same code.
@@ -143,6 +144,7 @@ def load() -> ctypes.CDLL | None:
             [_PTR, *[i64] * 5, *[_PTR] * 4, f32, _PTR, i64, _PTR, i64, flag],
         ),
         "decode_layers": (ctypes.c_int, [_PTR, i64, *[_PTR] * 9, f32, f32, _PTR]),
+        "argmax_rows": (None, [_PTR, i64, i64, i64, _PTR, flag]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -292,6 +294,23 @@ def rope_supported(qkv: torch.Tensor, cos: torch.Tensor, kv_cache: torch.Tensor)
         and kv_cache.device.type == "cpu"
         and kv_cache.is_contiguous()
     )
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` of `[N, V]` rows (the first index on ties); rows holding NaN are left
+    to `argmax`. Call `rows_supported` first."""
+    lib = load()
+    assert lib is not None, "argmax_rows called where rows_supported() is False"
+    rows, cols = x.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    if cols:
+        lib.argmax_rows(
+            x.data_ptr(), x.stride(0), rows, cols, out.data_ptr(), int(x.dtype == torch.bfloat16)
+        )
+    unsettled = out < 0
+    if unsettled.any():
+        out[unsettled] = x[unsettled].argmax(dim=-1)
+    return out
 
 
 def attention_supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:

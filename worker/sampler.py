@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from specserve.shared.protocol import validate_sampling
+from specserve.worker import cpu_kernels
 
 
 class SamplingLike(Protocol):
@@ -78,9 +79,12 @@ def reseed_for_position(generator: torch.Generator, seed: int, num_output_tokens
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """Index of each row's largest entry (the first one on ties), as `argmax(dim=-1)` gives.
 
-    Taken from `max(dim=-1)`: on CPU that is ~3x faster than `argmax` over vocabulary-wide
-    rows (16 x 49152 fp32: 0.17 ms against 0.55 ms), with the same tie rule.
+    On CPU, `[N, V]` float32/bfloat16 rows go through `cpu_kernels.argmax_rows` (16 x 49152:
+    ~0.07 ms against ~0.65 ms); elsewhere `max(dim=-1)`, which has the same tie rule and is
+    faster than `argmax` over vocabulary-wide rows.
     """
+    if x.dim() == 2 and cpu_kernels.rows_supported(x):
+        return cpu_kernels.argmax_rows(x)
     return x.max(dim=-1).indices
 
 
@@ -101,9 +105,10 @@ def sample(
     for p in params:
         validate_sampling(p.temperature, p.top_p, p.top_k, p.min_p, p.logprobs)
 
-    logits = logits.float()
-    token_ids = argmax_rows(logits)
+    token_ids = argmax_rows(logits)  # exact in any float dtype: float32 keeps the order
     random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    if random_rows or any(p.logprobs is not None for p in params):
+        logits = logits.float()
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
         probs = filtered_probs(logits[rows], [params[i] for i in random_rows])

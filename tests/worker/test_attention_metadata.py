@@ -617,3 +617,34 @@ def test_engine_greedy_tokens_match_torch_backend(monkeypatch, tmp_path, qwen3_h
         if name == "flashinfer":
             assert backend.num_plans > 0
     assert outs["flashinfer"] == outs["torch"]
+
+
+@pytest.mark.parametrize("window", [None, 3, 8, 21])
+def test_decode_steps_take_the_host_built_batch(window):
+    """A decode-only step's metadata, built from the host lists, equals what the general
+    tensor-op builder gives for the same requests (every field), for ragged contexts from one
+    key to many blocks and windows shorter and longer than a block."""
+    from specserve.worker.attention import torch_backend
+
+    rng = random.Random(7)
+    steps, next_block = [], 1
+    for seq_len in [1, 4, 5, 17, 60, 33, 2]:
+        blocks = -(-seq_len // BS)
+        table = list(range(next_block, next_block + blocks))
+        rng.shuffle(table)
+        next_block += blocks
+        steps.append(SequenceStep(1, seq_len, [table]))
+    kind = AttentionType.FULL if window is None else AttentionType.SLIDING
+    group = KVLayerGroup(kind, window, (0,))
+    meta = TorchAttentionBackend().build_metadata(steps, [group], BS, "cpu")
+    tables = block_table_tensor(steps, 0, "cpu")
+    expected = torch_backend._padded_batch(
+        steps, list(range(len(steps))), list(range(len(steps))), tables, BS, window
+    )
+    (got,) = meta.groups[0].batches
+    assert got.whole and expected.whole
+    for name in ("query_index", "k_pages", "v_pages", "mask", "first_key_pos", "seq_lens"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+    assert torch.equal(got.out_rows, expected.out_rows)
+    assert torch.equal(got.out_select, expected.out_select)
+    assert torch.equal(meta.groups[0].slot_mapping, slot_mapping(steps, tables, BS))

@@ -324,3 +324,26 @@ def test_rope_inputs_that_do_not_fit_raise() -> None:
         cpu_kernels.rope_write_kv(qkv, 4, 2, cos[:3], sin[:3], None, None, 0.0, cache, slots)
     with pytest.raises(ValueError, match="int64"):
         cpu_kernels.rope_write_kv(qkv, 4, 2, cos, sin, None, None, 0.0, cache, slots.int())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("cols", [1, 7, 256, 257, 49152])
+def test_argmax_rows_match_torch(dtype: torch.dtype, cols: int) -> None:
+    """Ties (first index wins, also across chunks of 256), infinities, NaN rows (torch picks the
+    first NaN) and strided rows give exactly `argmax`'s indices."""
+    torch.manual_seed(cols)
+    wide = torch.randn(9, 2 * cols).to(dtype)
+    x = wide[:, :cols]  # strided rows
+    x[1] = 0.0  # all tied: index 0
+    x[2, -1] = 1e4  # the last element
+    if cols > 1:
+        x[3, cols // 2] = x[3, cols - 1] = 1e4  # tied maxima in different chunks
+        x[4, 0] = float("nan")
+        x[4, -1] = float("nan")  # first NaN wins
+        x[5, cols // 3] = float("inf")
+        x[6] = float("-inf")
+        x[6, -1] = -1e30
+    expected = x.float().argmax(dim=-1)
+    got = cpu_kernels.argmax_rows(x)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, expected)

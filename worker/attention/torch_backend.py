@@ -31,7 +31,7 @@ from specserve.worker.attention.base import (
     slot_mapping,
     validate_steps,
 )
-from specserve.worker.attention.metadata import kv_span, query_starts
+from specserve.worker.attention.metadata import host_slot_mapping, kv_span, query_starts
 from specserve.worker.config import KVLayerGroup
 
 
@@ -80,6 +80,8 @@ class TorchAttentionBackend(AttentionBackend):
         device: torch.device | str,
     ) -> AttentionMetadata:
         validate_steps(steps, len(kv_groups), block_size)
+        if all(s.query_len == 1 for s in steps):
+            return _decode_metadata(steps, kv_groups, block_size, device)
         starts = query_starts(steps)
         decode_rows = [i for i, s in enumerate(steps) if s.query_len == 1]
         other_rows = [i for i, s in enumerate(steps) if s.query_len > 1]
@@ -159,6 +161,57 @@ class TorchAttentionBackend(AttentionBackend):
             out[batch.out_rows] = o[batch.out_select]
         assert out is not None
         return out
+
+
+def _decode_metadata(
+    steps: Sequence[SequenceStep],
+    kv_groups: Sequence[KVLayerGroup],
+    block_size: int,
+    device: torch.device | str,
+) -> AttentionMetadata:
+    """Metadata of a step in which every request decodes one token: the same batch
+    `_padded_batch` builds, but from the host lists, so it costs a few small tensors instead of
+    ~40 tensor ops (~0.4 ms of a ~20 ms CPU decode step at batch 16)."""
+    batch = len(steps)
+    rows = torch.arange(batch, device=device)
+    seq_lens = [s.seq_len for s in steps]
+    groups = []
+    for g, group in enumerate(kv_groups):
+        window = group.sliding_window
+        spans = [kv_span(s, block_size, window) for s in steps]
+        max_pages = max(span.num_pages for span in spans)
+        pages: list[int] = []
+        for step, span in zip(steps, spans, strict=True):
+            table = step.block_tables[g]
+            own = [2 * table[span.first_block + p] for p in range(span.num_pages)]
+            pages += own + own[-1:] * (max_pages - span.num_pages)  # pad: re-read the last page
+        first_key_pos = torch.tensor([span.first_block * block_size for span in spans])
+        lens = torch.tensor(seq_lens)
+        k_pos = first_key_pos[:, None] + torch.arange(max_pages * block_size)[None]
+        mask = k_pos < lens[:, None]
+        if window is not None:
+            mask &= k_pos > (lens - 1 - window)[:, None]
+        k_pages = torch.tensor(pages, device=device)
+        groups.append(
+            TorchGroupMetadata(
+                slot_mapping=torch.tensor(host_slot_mapping(steps, g, block_size), device=device),
+                sliding_window=window,
+                batches=(
+                    PaddedBatch(
+                        query_index=rows[:, None],
+                        k_pages=k_pages,
+                        v_pages=k_pages + 1,
+                        mask=mask[:, None, None].to(device),
+                        first_key_pos=first_key_pos.to(device),
+                        seq_lens=lens.to(device),
+                        out_rows=rows,
+                        out_select=rows,
+                        whole=True,
+                    ),
+                ),
+            )
+        )
+    return AttentionMetadata(num_tokens=batch, groups=tuple(groups))
 
 
 def _padded_batch(
