@@ -3,9 +3,12 @@
 Both run the same dequantized GGUF weights in the same dtype on the same threads, in the same
 process:
     .venv/bin/python bench/generate.py [--quick] [--dtype float32|bfloat16] [--long-context N]
+        [--peer transformers|layers]
 
 `--long-context N` adds a batch-16 decode row with N-token prompts, where attention over the
-paged cache, rather than the weights, dominates a step.
+paged cache, rather than the weights, dominates a step. `--peer layers` measures specserve
+against itself with the one-call decode step switched off (`worker/fused_decode.py`), so
+every op of a decode step runs from Python, layer by layer.
 
 The two engines are timed in alternation (ours, theirs, ours, ...), so a change in the
 machine's speed during the run reaches both sides alike.
@@ -17,7 +20,8 @@ import argparse
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from machine import cpu_model
@@ -26,6 +30,7 @@ from specserve.llm import LLM
 from specserve.shared.gguf_metadata import find_bundled_gguf
 from specserve.shared.logging import configure_logging
 from specserve.shared.protocol import SamplingParams
+from specserve.worker import fused_decode
 
 DECODE_PROMPT_LEN = 32  # tokens per prompt in the decode rows (without --long-context)
 
@@ -78,6 +83,22 @@ def ours_generate(llm: LLM, prompts: list[list[int]], new_tokens: int) -> None:
     llm.engine.scheduler.kv.reset_prefix_cache()  # every repeat pays its full prefill
 
 
+@contextmanager
+def layer_by_layer() -> Iterator[None]:
+    """Decode steps run layer by layer from Python (the one-call decode step switched off)."""
+    fused = fused_decode.decode_step
+    fused_decode.decode_step = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        fused_decode.decode_step = fused
+
+
+def layers_generate(llm: LLM, prompts: list[list[int]], new_tokens: int) -> None:
+    with layer_by_layer():
+        ours_generate(llm, prompts, new_tokens)
+
+
 def decode_rates(
     ours: Callable[[int], None],
     theirs: Callable[[int], None],
@@ -98,6 +119,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--long-context", type=int, default=0, metavar="N")
+    parser.add_argument("--peer", default="transformers", choices=["transformers", "layers"])
     args = parser.parse_args()
     configure_logging("warning")
     threads = torch.get_num_threads()
@@ -115,14 +137,22 @@ def main() -> None:
         max_num_batched_tokens=4096,
         num_blocks=num_blocks,
     )
-    print("loading transformers from the same GGUF ...", flush=True)
-    hf = load_transformers(getattr(torch, args.dtype))
+    if args.peer == "transformers":
+        print("loading transformers from the same GGUF ...", flush=True)
+        hf = load_transformers(getattr(torch, args.dtype))
+
+        def peer(prompts: list[list[int]], new_tokens: int) -> None:
+            hf_generate(hf, prompts, new_tokens)
+    else:
+
+        def peer(prompts: list[list[int]], new_tokens: int) -> None:
+            layers_generate(llm, prompts, new_tokens)
 
     rows = []
     (prompt,) = _prompts(1, prefill_len, 0)
     print(f"prefill: 1 x {prefill_len} tokens ...", flush=True)
     ours, theirs = _time_pair(
-        lambda: ours_generate(llm, [prompt], 1), lambda: hf_generate(hf, [prompt], 1), repeats
+        lambda: ours_generate(llm, [prompt], 1), lambda: peer([prompt], 1), repeats
     )
     rows.append((f"prefill tokens/s (1 x {prefill_len})", prefill_len / ours, prefill_len / theirs))
 
@@ -135,7 +165,7 @@ def main() -> None:
         print(f"decode: batch {batch}, {prompt_len}-token prompts, {new_tokens} new tokens ...")
         ours_rate, hf_rate = decode_rates(
             lambda n, p=batch_prompts: ours_generate(llm, p, n),
-            lambda n, p=batch_prompts: hf_generate(hf, p, n),
+            lambda n, p=batch_prompts: peer(p, n),
             batch,
             new_tokens,
             repeats,
@@ -147,7 +177,8 @@ def main() -> None:
     print(f"machine: {cpu_model()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__} with {threads} threads, {args.dtype}")  # fmt: skip
     width = max(len(name) for name, _, _ in rows)
-    print(f"{'metric':<{width}} {'specserve':>12} {'transformers':>14} {'ratio':>8}")
+    peer_name = "transformers" if args.peer == "transformers" else "layer by layer"
+    print(f"{'metric':<{width}} {'specserve':>12} {peer_name:>14} {'ratio':>8}")
     for name, ours_value, hf_value in rows:
         print(
             f"{name:<{width}} {ours_value:>12.1f} {hf_value:>14.1f} {ours_value / hf_value:>7.2f}x"

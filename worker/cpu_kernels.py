@@ -241,7 +241,10 @@ def rope_write_kv(
         or cos.shape != (rows, 1, dim)
         or sin.shape != cos.shape
         or k_rows.shape != (rows,)
-        or any(w is not None and w.shape != (dim,) for w in (q_norm, k_norm))
+        or any(
+            w is not None and (w.shape != (dim,) or w.dtype != qkv.dtype) for w in (q_norm, k_norm)
+        )
+        or sin.dtype != qkv.dtype
     ):
         raise ValueError(
             f"rope_write_kv: qkv {tuple(qkv.shape)} with {heads}/{kv_heads} heads, cos "
@@ -279,7 +282,7 @@ def kv_rows_error(bad_rows: int, num_blocks: int) -> str:
 def attention_error(failed: int) -> str:
     return (
         f"paged decode attention failed for {failed} (request, head) pairs: pages outside the "
-        "cache or not covering the keys"
+        "cache or not covering the keys (or no scratch memory)"
     )
 
 

@@ -10,19 +10,16 @@ are bit for bit the same (tests/worker/test_fused_decode.py) and only the glue g
 It runs where the layer-by-layer path would use the C kernels throughout: a CPU model whose
 linear layers are packed as panels (`worker.linear`), one query token per request, and the
 PyTorch attention backend's metadata. Anything else (prefill chunks, verification blocks,
-FlashInfer, float64) keeps the layer-by-layer path.
+FlashInfer, float64, a layer of another dtype) keeps the layer-by-layer path.
 
-The table of weight addresses is built once per model (reading ~25 module attributes per layer
-costs ~0.75 ms, 3% of a step) and rebuilt when a packed weight changes: `DecoderModel` drops it
-when it is moved, cast, loaded or packed, and every step checks that each `Linear` still holds
-the packed weight the table was built from. The table keeps every tensor it points into alive,
-so a weight replaced behind its module's back is never read from freed memory.
+The table of weight addresses is read from the modules afresh every step (~0.1 ms), with each
+tensor's dtype and size checked, so a weight that was moved, cast, reloaded or replaced is
+always the one used, and the C code never reads past a tensor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,11 +27,13 @@ import torch
 from specserve.worker import cpu_kernels
 from specserve.worker.attention.base import AttentionMetadata
 from specserve.worker.attention.torch_backend import PaddedBatch, TorchGroupMetadata
+from specserve.worker.cpu_kernels import PANEL
 from specserve.worker.kv_cache import PagedKVCache
-from specserve.worker.linear import Linear, PackedWeight
+from specserve.worker.linear import Linear
 
 if TYPE_CHECKING:
-    from specserve.worker.models import DecoderLayer, DecoderModel
+    from specserve.worker.config import ModelConfig
+    from specserve.worker.models import DecoderLayer, DecoderModel, RMSNorm
 
 # Columns of the tables `decode_layers` reads (the enums of csrc/decode_step.c): per layer the
 # input norm, qkv (+ bias), q/k norms, o (+ bias), post norm, gate/up (+ bias), down (+ bias)
@@ -42,24 +41,6 @@ if TYPE_CHECKING:
 # sequence lengths and window.
 LAYER_FIELDS = 13
 GROUP_FIELDS = 6
-
-
-@dataclass(frozen=True)
-class WeightsTable:
-    """`decode_layers`' per-layer addresses for one model, and what they point into."""
-
-    table: torch.Tensor  # [num_layers, LAYER_FIELDS] int64
-    layer_ids: tuple[int, ...]
-    linears: tuple[Linear, ...]
-    packed: tuple[PackedWeight, ...]  # what each of `linears` held when the table was built
-    tensors: tuple[torch.Tensor, ...]  # every tensor the table points into, held alive
-
-    def current(self, rows: int) -> bool:
-        """Every linear still holds its packed weight, and uses it for `rows` rows."""
-        return all(
-            linear.packed is packed and rows >= packed.min_rows
-            for linear, packed in zip(self.linears, self.packed, strict=True)
-        )
 
 
 def decode_step(
@@ -75,19 +56,18 @@ def decode_step(
     it overwrites) and the step's RoPE tables; None when the step or model does not fit the
     kernel, and the caller runs the layers one by one."""
     batches = _decode_batches(metadata)
-    if batches is None or not _inputs_fit(model, x, kv_cache):
+    if batches is None or not _inputs_fit(model, x, cos, sin, kv_cache, len(batches)):
         return None
     rows = x.shape[0]
-    weights = model.fused_weights
-    if weights is None or not weights.current(rows):
-        weights = model.fused_weights = build_weights_table(model, rows)
-        if weights is None:
-            return None
-    caches = [kv_cache.layers[i] for i in weights.layer_ids]
+    table = [_layer_row(layer, model.config, x.dtype, rows) for layer in model.layers]
+    if any(row is None for row in table):
+        return None
+    layer_ids = [layer.attn.layer_id for layer in model.layers]
     captures = {i: torch.empty_like(x) for i in aux_layers}
-    capture_addresses = [0] * len(caches)
+    capture_table = torch.zeros(len(layer_ids), dtype=torch.int64)
     for i, capture in captures.items():
-        capture_addresses[i] = capture.data_ptr()
+        capture_table[i] = capture.data_ptr()
+    config = model.config
     groups = torch.tensor(
         [
             _group_row(group, batch, kv_cache, rows)
@@ -95,7 +75,6 @@ def decode_step(
         ],
         dtype=torch.int64,
     )
-    config = model.config
     dims = torch.tensor(
         [
             rows,
@@ -110,17 +89,16 @@ def decode_step(
         ],
         dtype=torch.int64,
     )
+    layers = torch.tensor(table, dtype=torch.int64)
+    caches = torch.tensor([kv_cache.layers[i].data_ptr() for i in layer_ids], dtype=torch.int64)
     out = torch.empty_like(x)
-    cos, sin = cos.contiguous(), sin.contiguous()
-    cache_table = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64)
-    capture_table = torch.tensor(capture_addresses, dtype=torch.int64)
     errors = torch.zeros(2, dtype=torch.int64)
     lib = cpu_kernels.load()
     assert lib is not None  # _inputs_fit checked
     status = lib.decode_layers(
-        weights.table.data_ptr(),
-        len(caches),
-        cache_table.data_ptr(),
+        layers.data_ptr(),
+        len(layer_ids),
+        caches.data_ptr(),
         capture_table.data_ptr(),
         groups.data_ptr(),
         dims.data_ptr(),
@@ -165,6 +143,7 @@ def _group_row(
     k_rows, _ = group.kv_write_rows(kv_cache.block_size)
     for t in (k_rows, batch.k_pages, batch.first_key_pos, batch.seq_lens):
         assert t.dtype == torch.int64 and t.is_contiguous()  # built so by torch_backend
+    assert k_rows.numel() == batch.seq_lens.numel() == rows
     return [
         k_rows.data_ptr(),
         batch.k_pages.data_ptr(),
@@ -175,73 +154,104 @@ def _group_row(
     ]
 
 
-def _inputs_fit(model: DecoderModel, x: torch.Tensor, kv_cache: PagedKVCache) -> bool:
+def _inputs_fit(
+    model: DecoderModel,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: PagedKVCache,
+    num_groups: int,
+) -> bool:
     config = model.config
-    norm = model.norm.weight
+    dim = config.head_dim
+    cache_shape = (kv_cache.num_blocks, 2, kv_cache.block_size, config.num_kv_heads, dim)
     return (
         x.device.type == "cpu"
         and x.dim() == 2
+        and x.shape[1] == config.hidden_size
         and x.is_contiguous()
         and x.dtype in cpu_kernels.linear_dtypes()
-        and config.head_dim % 2 == 0
+        and len(model.layers) > 0
+        and dim % 2 == 0
         and config.num_heads % config.num_kv_heads == 0
-        and norm.dtype == x.dtype
-        and norm.is_contiguous()
-        and all(t.dtype == x.dtype and t.is_contiguous() for t in kv_cache.layers.values())
-    )
-
-
-def build_weights_table(model: DecoderModel, rows: int) -> WeightsTable | None:
-    """The model's `WeightsTable`, or None when a layer's weights are not all in the kernel's
-    layout (e.g. a linear without panels, or one that uses `F.linear` for `rows` rows)."""
-    table, linears, tensors = [], [], []
-    for layer in model.layers:
-        row = _layer_row(layer, rows)
-        if row is None:
-            return None
-        addresses, layer_linears, layer_tensors = row
-        table.append(addresses)
-        linears += layer_linears
-        tensors += layer_tensors
-    return WeightsTable(
-        table=torch.tensor(table, dtype=torch.int64),
-        layer_ids=tuple(layer.attn.layer_id for layer in model.layers),
-        linears=tuple(linears),
-        packed=tuple(linear.packed for linear in linears),  # type: ignore[misc]
-        tensors=tuple(tensors),
+        and num_groups == len(config.kv_groups)
+        and all(
+            t.dtype == x.dtype and t.is_contiguous() and t.shape == (x.shape[0], 1, dim)
+            for t in (cos, sin)
+        )
+        and _fits(model.norm.weight, x.dtype, config.hidden_size)
+        and all(
+            t.dtype == x.dtype and t.is_contiguous() and t.shape == cache_shape
+            for t in kv_cache.layers.values()
+        )
+        and all(layer.attn.layer_id in kv_cache.layers for layer in model.layers)
     )
 
 
 def _layer_row(
-    layer: DecoderLayer, rows: int
-) -> tuple[list[int], list[Linear], list[torch.Tensor]] | None:
-    """The layer's addresses, its linears and the tensors the addresses point into; None when
-    a weight is not in the kernel's layout."""
-    attn, mlp = layer.attn, layer.mlp
-    linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-    norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm]
-    dtype = layer.input_layernorm.weight.dtype
-    if attn.qkv_proj.in_features != attn.o_proj.out_features:  # e.g. EAGLE-3's first layer
-        return None
-    packed = [linear.packed for linear in linears]
-    if not all(p is not None and p.panels and rows >= p.min_rows for p in packed):
-        return None
-    biases = [linear.bias for linear in linears]
-    norm_weights = [None if norm is None else norm.weight for norm in norms]
-    held = [t for t in (*biases, *norm_weights) if t is not None]
-    if not all(t.dtype == dtype and t.is_contiguous() for t in held):
-        return None
-    weights = [p.tensor for p in packed if p is not None]
-    qkv, o, gate_up, down = (
-        (w.data_ptr(), _address(b)) for w, b in zip(weights, biases, strict=True)
-    )
-    input_norm, post_norm, q_norm, k_norm = (_address(w) for w in norm_weights)
+    layer: DecoderLayer, config: ModelConfig, dtype: torch.dtype, rows: int
+) -> list[int] | None:
+    """The layer's addresses, or None when a weight is not in the kernel's layout, dtype or
+    size (e.g. a linear without panels, or one that uses `F.linear` for `rows` rows).
+
+    Submodules and parameters are read from the modules' own dicts: `nn.Module`'s attribute
+    lookup would cost ~0.3 us a time, and a step reads ~400 of them."""
+    modules = layer._modules
+    attn, mlp = modules["attn"]._modules, modules["mlp"]._modules
+    hidden, head_dim, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q_width = config.num_heads * head_dim
+    qkv_width = q_width + 2 * config.num_kv_heads * head_dim
     addresses = [
-        input_norm, *qkv, q_norm, k_norm, *o, post_norm, *gate_up, *down, layer.group
+        _norm_address(modules["input_layernorm"], dtype, hidden),
+        *_linear_addresses(attn["qkv_proj"], dtype, rows, hidden, qkv_width),
+        _norm_address(attn.get("q_norm"), dtype, head_dim),
+        _norm_address(attn.get("k_norm"), dtype, head_dim),
+        *_linear_addresses(attn["o_proj"], dtype, rows, q_width, hidden),
+        _norm_address(modules["post_attention_layernorm"], dtype, hidden),
+        *_linear_addresses(mlp["gate_up_proj"], dtype, rows, hidden, 2 * inter),
+        *_linear_addresses(mlp["down_proj"], dtype, rows, inter, hidden),
+        layer.group,
     ]  # fmt: skip
     assert len(addresses) == LAYER_FIELDS
-    return addresses, linears, held + weights
+    return None if None in addresses else addresses  # type: ignore[return-value]
 
 
-def _address(tensor: torch.Tensor | None) -> int:
-    return 0 if tensor is None else tensor.data_ptr()
+def _linear_addresses(
+    linear: Linear, dtype: torch.dtype, rows: int, in_features: int, out_features: int
+) -> tuple[int | None, int | None]:
+    """The panels and bias (0: none) of a `Linear` that the layer path would run through the
+    panel kernel for `rows` rows, with the shape the step needs; None for what does not fit."""
+    packed = linear.packed
+    if (
+        packed is None
+        or not packed.panels
+        or rows < packed.min_rows
+        or (linear.in_features, linear.out_features) != (in_features, out_features)
+    ):
+        return None, None
+    depth = (in_features + 1) // 2 * 2 if dtype == torch.bfloat16 else in_features
+    panels = -(-out_features // PANEL) * PANEL * depth
+    bias = linear._parameters["bias"]
+    return (
+        _address(packed.tensor, dtype, panels),
+        0 if bias is None else _address(bias, dtype, out_features),
+    )
+
+
+def _norm_address(norm: RMSNorm | None, dtype: torch.dtype, size: int) -> int | None:
+    return 0 if norm is None else _address(norm._parameters["weight"], dtype, size)
+
+
+def _address(tensor: torch.Tensor | None, dtype: torch.dtype, numel: int) -> int | None:
+    """`tensor`'s address when it holds `numel` contiguous CPU values of `dtype`, else None."""
+    return tensor.data_ptr() if _fits(tensor, dtype, numel) else None
+
+
+def _fits(tensor: torch.Tensor | None, dtype: torch.dtype, numel: int) -> bool:
+    return (
+        tensor is not None
+        and tensor.dtype == dtype
+        and tensor.is_cpu
+        and tensor.numel() == numel
+        and tensor.is_contiguous()
+    )

@@ -271,10 +271,6 @@ class DecoderModel(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, device, dtype)
         self.tied_head_packed: PackedWeight | None = None  # the embedding, packed as LM head
-        # The fused decode step's weight addresses: built on first use, dropped whenever the
-        # weights may have moved (cast, moved, loaded or packed again).
-        self.fused_weights: fused_decode.WeightsTable | None = None
-        self.register_load_state_dict_post_hook(lambda module, _: module.drop_fused_weights())
         # Not a buffer: the model may be built on the meta device and loaded with `assign=True`.
         self.inv_freq = rope_inv_freq(config)
 
@@ -330,12 +326,8 @@ class DecoderModel(nn.Module):
             return self.lm_head(hidden)
         return linear(hidden, self.embed_tokens.weight, None, self.tied_head_packed)
 
-    def drop_fused_weights(self) -> None:
-        self.fused_weights = None
-
     def pack_weights(self) -> list[PackedWeight]:
         """Pack a tied LM head (`worker.linear.pack_weights` packs the `Linear`s themselves)."""
-        self.drop_fused_weights()
         if self.lm_head is not None:
             return []
         self.tied_head_packed = pack_weight(self.embed_tokens.weight)
@@ -345,5 +337,4 @@ class DecoderModel(nn.Module):
         """Moving or casting the model packs a tied LM head's new embedding again."""
         module = super()._apply(fn, recurse)
         self.tied_head_packed = pack_again(self.tied_head_packed, self.embed_tokens.weight)
-        self.drop_fused_weights()
         return module

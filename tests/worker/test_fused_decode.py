@@ -38,7 +38,20 @@ DTYPES = [
     ),
 ]
 PROMPT_LENGTHS = [3, 11, 1, 17, 8]  # ragged: some contexts cross a block, one starts at 1 token
+# 21 requests: the linears run a full tile of 16 rows and a partial one, attention one item per
+# request (fewer requests than twice the threads run one KV head per item instead).
+MANY_PROMPT_LENGTHS = [3, 11, 1, 17, 8, 4, 9, 2, 13, 6, 5, 7, 10, 12, 16, 14, 15, 1, 2, 3, 20]
 DECODE_STEPS = 12  # the hybrid's window of 8 slides past whole blocks
+
+
+@pytest.fixture(autouse=True)
+def three_threads():
+    """The test session runs on one thread (conftest.py); the fused step's barriers, work
+    sharing and atomics need a team, and an odd size splits work unevenly."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture
@@ -60,11 +73,13 @@ def _layer_by_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fused_decode, "decode_step", lambda *args, **kwargs: None)
 
 
-def _decode_run(model: DecoderModel, steps: int = DECODE_STEPS) -> list[torch.Tensor]:
+def _decode_run(
+    model: DecoderModel, steps: int = DECODE_STEPS, lengths: list[int] = PROMPT_LENGTHS
+) -> list[torch.Tensor]:
     """Prefill the prompts, then decode them together; the logits of every decode step."""
     hybrid = len(model.config.kv_groups) > 1
     driver = PagedDriver(model, block_size=4, drop_out_of_window=hybrid)
-    seqs = [driver.new_seq(p) for p in prompts(PROMPT_LENGTHS, seed=3)]
+    seqs = [driver.new_seq(p) for p in prompts(lengths, seed=3)]
     driver.prefill(seqs)
     logits = []
     for _ in range(steps):
@@ -76,17 +91,22 @@ def _decode_run(model: DecoderModel, steps: int = DECODE_STEPS) -> list[torch.Te
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-@pytest.mark.parametrize("name", CKPTS)
+@pytest.mark.parametrize(
+    ("name", "lengths"),
+    [(name, PROMPT_LENGTHS) for name in CKPTS]
+    + [(name, MANY_PROMPT_LENGTHS) for name in ("llama_ckpt", "qwen3_hybrid_ckpt")],
+    ids=lambda v: f"{len(v)}-requests" if isinstance(v, list) else v,
+)
 def test_fused_steps_equal_the_layer_path_bit_for_bit(
-    request, name: str, dtype: torch.dtype, fused_results, monkeypatch
+    request, name: str, lengths: list[int], dtype: torch.dtype, fused_results, monkeypatch
 ) -> None:
     ckpt = request.getfixturevalue(name)
     model = load_model(ckpt.path, dtype)
-    fused = _decode_run(model)
+    fused = _decode_run(model, lengths=lengths)
     assert fused_results == [False] + [True] * DECODE_STEPS  # the prefill is not a decode step
     with monkeypatch.context() as layers:
         _layer_by_layer(layers)
-        reference = _decode_run(model)
+        reference = _decode_run(model, lengths=lengths)
     for step, (got, expected) in enumerate(zip(fused, reference, strict=True)):
         assert torch.equal(got, expected), f"decode step {step} differs"
 
@@ -122,7 +142,8 @@ def test_aux_hidden_states_are_captured(qwen3_hybrid_ckpt, fused_results, monkey
 
 
 def test_new_weights_are_picked_up(llama_ckpt, fused_results, monkeypatch) -> None:
-    """The cached table of weight addresses follows a reload and a cast of the model."""
+    """Every step reads the weights the modules hold now: after a reload and a cast of the
+    model, and after one norm's data was swapped behind its module's back."""
     model = load_model(llama_ckpt.path, torch.float32)
     first = _decode_run(model, steps=2)
     other = load_model(llama_ckpt.path, torch.float32)
@@ -141,10 +162,24 @@ def test_new_weights_are_picked_up(llama_ckpt, fused_results, monkeypatch) -> No
     other.to(torch.bfloat16)
     assert cast[0].dtype == torch.bfloat16
     assert all(torch.equal(a, b) for a, b in zip(cast, _decode_run(other, steps=2), strict=True))
+    for target in (model, other):
+        norm = target.layers[0].post_attention_layernorm
+        norm.weight.data = norm.weight.detach() * 2  # new storage, same Parameter object
+    monkeypatch.undo()
+    swapped = _decode_run(model, steps=2)
+    assert fused_results[-2:] == [True, True]
+    assert not torch.equal(swapped[0], cast[0])
+    _layer_by_layer(monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(swapped, _decode_run(other, steps=2), strict=True))
 
 
-def test_steps_the_kernel_cannot_run_go_layer_by_layer(llama_ckpt, fused_results) -> None:
-    """A linear that keeps `F.linear` for few rows, and float64, fall back to the layer path."""
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+def test_steps_the_kernel_cannot_run_go_layer_by_layer(
+    llama_ckpt, qwen3_hybrid_ckpt, fused_results
+) -> None:
+    """A linear that keeps `F.linear` for few rows, float64, a layer cast to another dtype and
+    metadata for fewer KV groups than the model has fall back to the layer path (which runs
+    them, or raises its own error)."""
     model = load_model(llama_ckpt.path, torch.float32)
     model.layers[1].mlp.down_proj.packed.min_rows = 8  # type: ignore[union-attr]
     _decode_run(model, steps=1)
@@ -153,6 +188,20 @@ def test_steps_the_kernel_cannot_run_go_layer_by_layer(llama_ckpt, fused_results
     _decode_run(model, steps=1)
     assert fused_results[-1] is True
     _decode_run(load_model(llama_ckpt.path, torch.float64), steps=1)
+    assert fused_results[-1] is False
+    model.layers[1].to(torch.bfloat16)
+    with pytest.raises(RuntimeError):  # the layer path's own dtype error
+        _decode_run(model, steps=1)
+    assert fused_results[-1] is False
+    hybrid = load_model(qwen3_hybrid_ckpt.path, torch.float32)
+    driver = PagedDriver(hybrid, block_size=4)
+    (seq,) = [driver.new_seq(p) for p in prompts([5], seed=6)]
+    driver.prefill([seq])
+    driver.allocate(seq, 6)
+    step = SequenceStep(1, 6, [list(seq.block_tables[0])])  # the first group only
+    one_group = hybrid.backend.build_metadata([step], hybrid.config.kv_groups[:1], 4, "cpu")
+    with pytest.raises(IndexError):  # the layer path indexes the missing group
+        hybrid(torch.tensor(seq.tokens[5:6]), torch.tensor([5]), one_group, driver.cache)
     assert fused_results[-1] is False
 
 

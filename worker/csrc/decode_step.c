@@ -47,7 +47,8 @@ static int64_t max3(int64_t a, int64_t b, int64_t c) {
 /* Runs `num_layers` layers on `x` ([rows, hidden], the embeddings; left holding the residual
  * stream after the last layer) and writes `out = rms_norm(x) * final_norm`. A layer with a
  * capture address gets its output (the residual stream after it) copied there. Returns 0,
- * 1 when scratch memory cannot be had, 2 when the panel kernel does not run the dtype, or 3
+ * 1 when scratch memory cannot be had, 2 when the panel kernel does not run the dtype, 4 for
+ * no layers or no rows, or 3
  * when the first layer where anything failed stopped the step: `errors[0]` rows whose K/V rows
  * lie outside the cache, `errors[1]` (request, KV head) pairs whose attention failed (pages
  * outside the cache or not covering the keys). */
@@ -61,15 +62,17 @@ int decode_layers(const int64_t *layers, int64_t num_layers, const int64_t *cach
     const int64_t num_blocks = dims[D_NUM_BLOCKS];
     const int is_bf16 = (int)dims[D_IS_BF16];
     if (!(linear_kernel_dtypes() & (is_bf16 ? 2 : 1))) return 2;
+    if (num_layers < 1 || rows < 1) return 4;
     const size_t esize = is_bf16 ? 2 : 4;
     const int64_t q_width = heads * head_dim, qkv_width = q_width + 2 * kv_heads * head_dim;
     /* One allocation for every intermediate of a layer. */
     const int64_t widths[] = {hidden, qkv_width, q_width, hidden, 2 * inter, inter};
     size_t offsets[7] = {0};
-    for (int i = 0; i < 6; i++) offsets[i + 1] = offsets[i] + (size_t)(rows * widths[i]) * esize;
+    for (int i = 0; i < 6; i++) /* each buffer on its own cache lines */
+        offsets[i + 1] = offsets[i] + ((size_t)(rows * widths[i]) * esize + 63) / 64 * 64;
     const size_t packed_bytes =
         (size_t)linear_packed_bytes(rows, max3(hidden, q_width, inter), is_bf16);
-    char *scratch = malloc(offsets[6] + packed_bytes);
+    char *scratch = aligned_alloc(64, offsets[6] + (packed_bytes + 63) / 64 * 64);
     if (scratch == NULL) return 1;
     void *h = scratch + offsets[0], *qkv = scratch + offsets[1], *attn = scratch + offsets[2];
     void *delta = scratch + offsets[3], *gate_up = scratch + offsets[4];

@@ -146,7 +146,7 @@ void rope_write_kv_team(void *qkv, int64_t qkv_stride, int64_t rows, int64_t hea
     int my_bad = 0;
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        if (k_rows[r] < 0 || k_rows[r] + block_size >= cache_rows) { /* outside the cache */
+        if (k_rows[r] < 0 || k_rows[r] >= cache_rows - block_size) { /* outside the cache */
             my_bad++;
             continue;
         }
