@@ -299,7 +299,10 @@ class DecoderModel(nn.Module):
         kv_cache: PagedKVCache,
         aux_layers: Sequence[int],
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Like `forward`, plus the hidden states of `aux_layers` (module docstring convention)."""
+        """Like `forward`, plus the hidden states of `aux_layers` (module docstring convention).
+
+        A decode-only step on CPU runs every layer in one kernel call (`fused_decode`), with
+        the same results as the layer-by-layer loop below."""
         bad = [i for i in aux_layers if not 0 <= i < self.config.num_layers]
         if bad:
             raise ValueError(f"aux layers {bad} out of range for {self.config.num_layers} layers")
