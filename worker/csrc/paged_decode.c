@@ -44,8 +44,8 @@ static void load_rows(float *dst, const void *src, int64_t rows, int64_t width, 
     }
 }
 
-/* Rows [t0, t1) of a page, `width` values each from `offset` on: in place for float32 (row
- * stride `token_stride`), converted into `buf` (row stride `width`) for bfloat16. */
+/* Rows [t0, t1) of a page, the first `width` values of each: in place for float32 (row stride
+ * `token_stride`), converted into `buf` (row stride `width`) for bfloat16. */
 static inline const float *page_rows(const char *page, int64_t t0, int64_t t1, int64_t width,
                                      int64_t token_stride, float *buf, int is_bf16,
                                      int64_t *stride) {
@@ -64,6 +64,12 @@ static inline const float *page_rows(const char *page, int64_t t0, int64_t t1, i
 
 static inline int64_t span_capacity(int64_t block_size) {
     return block_size > SPAN_KEYS ? block_size : SPAN_KEYS;
+}
+
+/* Floats of scratch `attend` needs: a page's rows of `width` values, then per query head a
+ * span of probabilities, its running maximum and its running total. */
+static inline int64_t attend_scratch(int64_t block_size, int64_t width, int64_t nq) {
+    return block_size * width + nq * (span_capacity(block_size) + 2);
 }
 
 /* The keys [t0, t1) of page j that are visible; empty when t1 <= t0. */
@@ -171,8 +177,8 @@ void paged_decode_attention_team(const void *query, int64_t q_row_stride, const 
     const int64_t heads_per_item = batch >= 2 * omp_get_num_threads() ? kv_heads : 1;
     const int64_t items_per_request = kv_heads / heads_per_item, nq = heads_per_item * group;
     /* Each thread's scratch, allocated once per call rather than per item. */
-    float *scratch = malloc(
-        (size_t)(block_size * heads_per_item * dim + nq * (span_capacity(block_size) + 2)) * 4);
+    float *scratch =
+        malloc((size_t)attend_scratch(block_size, heads_per_item * dim, nq) * sizeof(float));
     float *qf = malloc((size_t)(2 * nq * dim) * sizeof(float)), *of = qf + nq * dim;
     int my_failed = 0;
 #pragma omp for schedule(dynamic, 1)
