@@ -15,13 +15,13 @@ import torch
 from specserve.shared import protocol
 from specserve.shared.config import SpecConfig, SpecMethod
 from specserve.worker.attention.selection import select_backend
-from specserve.worker.drafters import draft_kv_bytes_per_block
 from specserve.worker.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
 from specserve.worker.loader import resolve_dtype
 from specserve.worker.model_registry import LoadedModel, load_target
 from specserve.worker.model_runner import ModelRunner
 from specserve.worker.models import DecoderModel
-from specserve.worker.speculators import (
+from specserve.worker.spec_decode.drafter import draft_kv_bytes_per_block
+from specserve.worker.spec_decode.speculators import (
     Drafter,
     drafter_max_model_len,
     load_drafter,

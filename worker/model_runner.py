@@ -26,7 +26,6 @@ from specserve.shared.protocol import (
 from specserve.worker.attention.base import SequenceStep
 from specserve.worker.kv_cache import PagedKVCache
 from specserve.worker.models import DecoderModel
-from specserve.worker.rejection_sampler import rejection_sample
 from specserve.worker.sampler import (
     SamplerOutput,
     make_generator,
@@ -34,7 +33,8 @@ from specserve.worker.sampler import (
     sample,
     token_logprobs,
 )
-from specserve.worker.speculators import DraftInput, Speculator
+from specserve.worker.spec_decode.rejection_sampler import rejection_sample
+from specserve.worker.spec_decode.speculators import DraftInput, Speculator
 
 
 @dataclass

@@ -586,11 +586,11 @@ def test_engine_greedy_tokens_match_torch_backend(monkeypatch, tmp_path, qwen3_h
     step) gives the same greedy tokens through the FlashInfer backend as through torch."""
     import json
 
+    from drafter_checkpoints import write_random_dflash, write_random_eagle3
     from hf_reference import prompts
 
     from specserve.llm import LLM
     from specserve.shared.protocol import SamplingParams
-    from specserve.worker.drafters.checkpoints import write_random_dflash, write_random_eagle3
 
     _fake_select(monkeypatch)
     config = json.loads((qwen3_hybrid_ckpt.path / "config.json").read_text())

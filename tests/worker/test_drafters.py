@@ -23,22 +23,22 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from drafter_checkpoints import write_random_dflash, write_random_eagle3
 from safetensors.torch import load_file, save_file
 
 from specserve.worker.attention.base import SequenceStep
-from specserve.worker.drafters import LayerAttention
-from specserve.worker.drafters.checkpoints import write_random_dflash, write_random_eagle3
-from specserve.worker.drafters.dflash import (
+from specserve.worker.kv_cache import PagedKVCache
+from specserve.worker.loader import load_model
+from specserve.worker.models import DecoderModel
+from specserve.worker.spec_decode.dflash import (
     DFlashConfig,
     DFlashDrafter,
     default_target_layer_ids,
     load_dflash,
     resolve_layer_attention,
 )
-from specserve.worker.drafters.eagle3 import Eagle3Config, Eagle3Drafter, load_eagle3
-from specserve.worker.kv_cache import PagedKVCache
-from specserve.worker.loader import load_model
-from specserve.worker.models import DecoderModel
+from specserve.worker.spec_decode.drafter import LayerAttention
+from specserve.worker.spec_decode.eagle3 import Eagle3Config, Eagle3Drafter, load_eagle3
 
 transformers = pytest.importorskip("transformers")
 torch.set_num_threads(1)

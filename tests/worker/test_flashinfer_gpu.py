@@ -269,7 +269,7 @@ def test_random_hybrid_model_greedy_tokens_match(fi, tmp_path, spec):
     """Sliding + full KV groups, chunked prefill beside decodes, staggered lengths (the batch
     composition changes every step), and with drafters: verification rows, DFlash
     non-causal blocks, and several live metadata objects per step."""
-    from specserve.worker.drafters.checkpoints import write_random_dflash, write_random_eagle3
+    from drafter_checkpoints import write_random_dflash, write_random_eagle3
 
     path, config = _random_qwen3_hybrid(tmp_path / "target")
     kw: dict = dict(block_size=16, num_blocks=512, max_num_batched_tokens=48)

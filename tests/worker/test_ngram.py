@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from specserve.worker.ngram import NgramIndex, NgramProposer, propose_ngram
+from specserve.worker.spec_decode.ngram import NgramIndex, NgramProposer, propose_ngram
 
 
 @pytest.mark.parametrize(

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from specserve.shared.protocol import SamplingParams
-from specserve.worker import rejection_sampler
-from specserve.worker.rejection_sampler import rejection_sample
 from specserve.worker.sampler import filtered_probs, make_generator, sample
+from specserve.worker.spec_decode import rejection_sampler
+from specserve.worker.spec_decode.rejection_sampler import rejection_sample
 
 GREEDY = SamplingParams(temperature=0.0)
 V = 8

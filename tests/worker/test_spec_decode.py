@@ -14,14 +14,14 @@ from dataclasses import replace
 
 import pytest
 import torch
+from drafter_checkpoints import write_random_dflash, write_random_eagle3
 from hf_reference import hf_greedy, prompts
 
 from specserve.control.scheduler import Scheduler
 from specserve.llm import LLM
 from specserve.shared.config import SpecMethod
 from specserve.shared.protocol import SamplingParams, StepResult
-from specserve.worker.drafters.checkpoints import write_random_dflash, write_random_eagle3
-from specserve.worker.speculators import (
+from specserve.worker.spec_decode.speculators import (
     Draft,
     DraftInput,
     DraftSlotError,

@@ -47,7 +47,17 @@ from torch import nn
 
 from specserve.worker.attention.base import AttentionBackend, AttentionMetadata, SequenceStep
 from specserve.worker.config import ModelConfig
-from specserve.worker.drafters import (
+from specserve.worker.kv_cache import PagedKVCache
+from specserve.worker.linear import Linear
+from specserve.worker.loader import assign_weights, map_decoder_layer
+from specserve.worker.models import (
+    DecoderLayer,
+    DecoderModel,
+    RMSNorm,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+from specserve.worker.spec_decode.drafter import (
     DraftAttentionMetadata,
     HiddenStateDrafter,
     LayerAttention,
@@ -59,16 +69,6 @@ from specserve.worker.drafters import (
     placement,
     read_config,
     read_tensors,
-)
-from specserve.worker.kv_cache import PagedKVCache
-from specserve.worker.linear import Linear
-from specserve.worker.loader import assign_weights, map_decoder_layer
-from specserve.worker.models import (
-    DecoderLayer,
-    DecoderModel,
-    RMSNorm,
-    rope_cos_sin,
-    rope_inv_freq,
 )
 
 Eagle3Style = Literal["eagle3", "speculators"]

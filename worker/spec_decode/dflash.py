@@ -40,7 +40,18 @@ from torch import nn
 
 from specserve.worker.attention.base import AttentionBackend, SequenceStep
 from specserve.worker.config import ModelConfig
-from specserve.worker.drafters import (
+from specserve.worker.kv_cache import PagedKVCache, kv_write_rows
+from specserve.worker.linear import Linear
+from specserve.worker.loader import assign_weights, map_decoder_layer
+from specserve.worker.models import (
+    DecoderLayer,
+    DecoderModel,
+    RMSNorm,
+    apply_rope,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+from specserve.worker.spec_decode.drafter import (
     DraftAttentionMetadata,
     HiddenStateDrafter,
     LayerAttention,
@@ -52,17 +63,6 @@ from specserve.worker.drafters import (
     placement,
     read_config,
     read_tensors,
-)
-from specserve.worker.kv_cache import PagedKVCache, kv_write_rows
-from specserve.worker.linear import Linear
-from specserve.worker.loader import assign_weights, map_decoder_layer
-from specserve.worker.models import (
-    DecoderLayer,
-    DecoderModel,
-    RMSNorm,
-    apply_rope,
-    rope_cos_sin,
-    rope_inv_freq,
 )
 
 _ARCHITECTURE = "DFlashDraftModel"

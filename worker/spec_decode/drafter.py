@@ -1,10 +1,4 @@
-"""Speculative-decoding drafters that run on the target's own hidden states.
-
-* `eagle3`: EAGLE-3 (one autoregressive decoder layer fed with fused target features).
-* `dflash`: DFlash (a multi-layer block drafter; target features are injected as K/V).
-* `checkpoints`: writes small random drafter checkpoints in the real formats (tests, dev).
-
-This module holds what both drafters share:
+"""What the hidden-state drafters (`eagle3`, `dflash`) share.
 
 KV cache. A drafter's layers get their own `PagedKVCache` (layer ids 0..n-1) with the same
 `num_blocks` and `block_size` as the target's, indexed by the same block ids: the runner

@@ -19,12 +19,12 @@ import torch
 
 from specserve.shared.config import SpecMethod
 from specserve.worker.attention.base import SequenceStep
-from specserve.worker.drafters.dflash import DFlashDrafter, load_dflash
-from specserve.worker.drafters.eagle3 import Eagle3Drafter, load_eagle3
 from specserve.worker.kv_cache import PagedKVCache
 from specserve.worker.models import DecoderModel
-from specserve.worker.ngram import NgramProposer
 from specserve.worker.sampler import argmax_rows
+from specserve.worker.spec_decode.dflash import DFlashDrafter, load_dflash
+from specserve.worker.spec_decode.eagle3 import Eagle3Drafter, load_eagle3
+from specserve.worker.spec_decode.ngram import NgramProposer
 
 
 class DraftSlotError(RuntimeError):
