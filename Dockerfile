@@ -14,7 +14,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /opt/specserve
-# A C compiler: CPU workers build their kernels (worker/csrc) on first use; without one they
+# A C compiler: CPU workers build their kernels (worker/cpu/csrc) on first use; without one they
 # run the slower PyTorch ops instead.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \

@@ -7,7 +7,7 @@ process:
 
 `--long-context N` adds a batch-16 decode row with N-token prompts, where attention over the
 paged cache, rather than the weights, dominates a step. `--peer layers` measures specserve
-against itself with the one-call decode step switched off (`worker/fused_decode.py`), so
+against itself with the one-call decode step switched off (`worker/cpu/fused_decode.py`), so
 every op of a decode step runs from Python, layer by layer.
 
 The two engines are timed in alternation (ours, theirs, ours, ...), so a change in the
@@ -30,7 +30,7 @@ from specserve.llm import LLM
 from specserve.shared.gguf_metadata import find_bundled_gguf
 from specserve.shared.logging import configure_logging
 from specserve.shared.protocol import SamplingParams
-from specserve.worker import fused_decode
+from specserve.worker.cpu import fused_decode
 
 DECODE_PROMPT_LEN = 32  # tokens per prompt in the decode rows (without --long-context)
 

@@ -18,7 +18,7 @@ from functools import partial
 import torch
 from machine import cpu_model
 
-from specserve.worker import cpu_kernels
+from specserve.worker.cpu import kernels
 
 HIDDEN, INTER, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30
 SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)] * LAYERS + [
@@ -42,7 +42,7 @@ def panels_pass(
     weights: list[torch.Tensor], panels: list[torch.Tensor], inputs: dict[int, torch.Tensor]
 ) -> None:
     for w, p in zip(weights, panels, strict=True):
-        cpu_kernels.panel_linear(inputs[w.shape[1]], p, None, w.shape[0])
+        kernels.panel_linear(inputs[w.shape[1]], p, None, w.shape[0])
 
 
 def onednn_pass(
@@ -62,12 +62,12 @@ def main() -> None:
           f"with {torch.get_num_threads()} threads")  # fmt: skip
     print(f"{'dtype':<9} {'rows':>5} {'panels ms':>10} {'oneDNN ms':>10} {'ratio':>7}")
     for dtype in (torch.float32, torch.bfloat16):
-        if dtype not in cpu_kernels.linear_dtypes():
+        if dtype not in kernels.linear_dtypes():
             print(f"{dtype!s:<9} the panel kernel does not run this dtype on this CPU")
             continue
         g = torch.Generator().manual_seed(0)
         weights = [(torch.randn(n, k, generator=g) / k**0.5).to(dtype) for n, k in SHAPES]
-        panels = [cpu_kernels.pack_panels(w) for w in weights]
+        panels = [kernels.pack_panels(w) for w in weights]
         onednn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
         for rows in rows_list:
             inputs = {k: torch.randn(rows, k, generator=g).to(dtype) for k in (HIDDEN, INTER)}

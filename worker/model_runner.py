@@ -23,7 +23,8 @@ from specserve.shared.protocol import (
     TokenLogprobs,
     check_token_ids,
 )
-from specserve.worker.attention.base import SequenceStep
+from specserve.worker.attention.base import AttentionMetadata, SequenceStep
+from specserve.worker.cpu import fused_decode
 from specserve.worker.kv_cache import PagedKVCache
 from specserve.worker.models import DecoderModel
 from specserve.worker.sampler import (
@@ -35,6 +36,22 @@ from specserve.worker.sampler import (
 )
 from specserve.worker.spec_decode.rejection_sampler import rejection_sample
 from specserve.worker.spec_decode.speculators import DraftInput, Speculator
+
+
+def forward_step(
+    model: DecoderModel,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    metadata: AttentionMetadata,
+    kv_cache: PagedKVCache,
+    aux_layers: Sequence[int],
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The target's forward for one step: a CPU decode step in one kernel call where it
+    applies (`fused_decode`), else layer by layer; the same results either way."""
+    fused = fused_decode.decode_step(model, input_ids, positions, metadata, kv_cache, aux_layers)
+    if fused is not None:
+        return fused
+    return model.forward_with_aux(input_ids, positions, metadata, kv_cache, aux_layers)
 
 
 @dataclass
@@ -175,7 +192,7 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         aux_layers = self.speculator.aux_layer_ids if self.speculator else ()
-        hidden, aux = self.model.forward_with_aux(ids, pos, metadata, self.kv_cache, aux_layers)
+        hidden, aux = forward_step(self.model, ids, pos, metadata, self.kv_cache, aux_layers)
 
         emitted, logprobs = self._sample(scheduled, row_starts, hidden)
         results = []

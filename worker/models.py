@@ -20,17 +20,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.worker import cpu_kernels, fused_decode
 from specserve.worker.attention.base import AttentionBackend, AttentionMetadata
 from specserve.worker.config import ModelConfig, RopeScaling
+from specserve.worker.cpu import ops as cpu_ops
+from specserve.worker.cpu.linear import Linear, PackedWeight, linear, pack_again, pack_weight
 from specserve.worker.kv_cache import PagedKVCache
-from specserve.worker.linear import Linear, PackedWeight, linear, pack_again, pack_weight
 
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32, then scaled in the model dtype (as transformers does).
 
-    On CPU, 2-D inputs go through the fused kernel of `cpu_kernels` (same steps and roundings,
+    On CPU, 2-D inputs go through the fused kernel of `worker.cpu.ops` (same steps and roundings,
     one call instead of up to nine ops) when it is available."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str):
@@ -39,8 +39,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and cpu_kernels.rows_supported(x, self.weight[None]):
-            return cpu_kernels.add_rms_norm(x, None, self.weight, self.eps)[1]
+        fused = cpu_ops.add_rms_norm(x, None, self.weight, self.eps)
+        if fused is not None:
+            return fused[1]
         if x.dtype in (torch.float32, torch.float64):  # one fused kernel, same math
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         x32 = x.float()
@@ -52,8 +53,9 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`(x + delta, self(x + delta))`: a residual add and the norm after it, in one kernel
         call where `forward` would use one."""
-        if x.dim() == 2 and cpu_kernels.rows_supported(x, delta, self.weight[None]):
-            return cpu_kernels.add_rms_norm(x, delta, self.weight, self.eps)
+        fused = cpu_ops.add_rms_norm(x, delta, self.weight, self.eps)
+        if fused is not None:
+            return fused
         total = x + delta
         return total, self(total)
 
@@ -150,12 +152,10 @@ class Attention(nn.Module):
         group_meta = metadata.groups[group]
         layer_cache = kv_cache.layer(self.layer_id)
         rows = group_meta.kv_write_rows(kv_cache.block_size)
-        if qkv.dim() == 2 and cpu_kernels.rope_supported(qkv, cos, layer_cache):
-            norms = [None if n is None else n.weight for n in (self.q_norm, self.k_norm)]
-            eps = self.q_norm.eps if self.q_norm is not None else 0.0
-            cpu_kernels.rope_write_kv(
-                qkv, self.num_heads, self.num_kv_heads, cos, sin, *norms, eps, layer_cache, rows[0]
-            )
+        norms = [None if n is None else n.weight for n in (self.q_norm, self.k_norm)]
+        eps = self.q_norm.eps if self.q_norm is not None else 0.0
+        heads = (self.num_heads, self.num_kv_heads)
+        if cpu_ops.rope_write_kv(qkv, *heads, cos, sin, *norms, eps, layer_cache, rows[0]):
             q = qkv[:, : self.split[0]].view(-1, self.num_heads, self.head_dim)
         else:
             q = self._rope_and_write(qkv, cos, sin, kv_cache, rows)
@@ -199,8 +199,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if gate_up.dim() == 2 and cpu_kernels.rows_supported(gate_up):
-            return self.down_proj(cpu_kernels.silu_mul(gate_up))
+        fused = cpu_ops.silu_mul(gate_up)
+        if fused is not None:
+            return self.down_proj(fused)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))  # in place: one activation buffer less
 
@@ -301,8 +302,25 @@ class DecoderModel(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Like `forward`, plus the hidden states of `aux_layers` (module docstring convention).
 
-        A decode-only step on CPU runs every layer in one kernel call (`fused_decode`), with
-        the same results as the layer-by-layer loop below."""
+        Layer by layer; the model runner may instead run a CPU decode step in one kernel call
+        (`worker.cpu.fused_decode`), with the same results."""
+        x, cos, sin = self.embed_step(input_ids, positions, attn_metadata, aux_layers)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, attn_metadata, kv_cache)
+            if i in aux_layers:
+                captured[i] = x
+        return self.norm(x), [captured[i] for i in aux_layers]
+
+    @torch.no_grad()
+    def embed_step(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        aux_layers: Sequence[int],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A step's checked inputs: the embeddings `[T, hidden]` and the RoPE tables."""
         bad = [i for i in aux_layers if not 0 <= i < self.config.num_layers]
         if bad:
             raise ValueError(f"aux layers {bad} out of range for {self.config.num_layers} layers")
@@ -311,16 +329,7 @@ class DecoderModel(nn.Module):
                 f"{input_ids.shape[0]} input tokens but metadata for {attn_metadata.num_tokens}"
             )
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
-        x = self.embed_tokens(input_ids)
-        fused = fused_decode.decode_step(self, x, cos, sin, attn_metadata, kv_cache, aux_layers)
-        if fused is not None:
-            return fused
-        captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attn_metadata, kv_cache)
-            if i in aux_layers:
-                captured[i] = x
-        return self.norm(x), [captured[i] for i in aux_layers]
+        return self.embed_tokens(input_ids), cos, sin
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

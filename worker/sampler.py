@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from specserve.shared.protocol import validate_sampling
-from specserve.worker import cpu_kernels
+from specserve.worker.cpu import ops as cpu_ops
 
 
 class SamplingLike(Protocol):
@@ -79,13 +79,12 @@ def reseed_for_position(generator: torch.Generator, seed: int, num_output_tokens
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """Index of each row's largest entry (the first one on ties), as `argmax(dim=-1)` gives.
 
-    On CPU, `[N, V]` float32/bfloat16 rows go through `cpu_kernels.argmax_rows` (16 x 49152:
+    On CPU, `[N, V]` float32/bfloat16 rows go through `cpu_ops.argmax_rows` (16 x 49152:
     ~0.07 ms against ~0.65 ms); elsewhere `max(dim=-1)`, which has the same tie rule and is
     faster than `argmax` over vocabulary-wide rows.
     """
-    if x.dim() == 2 and cpu_kernels.rows_supported(x):
-        return cpu_kernels.argmax_rows(x)
-    return x.max(dim=-1).indices
+    picked = cpu_ops.argmax_rows(x)
+    return x.max(dim=-1).indices if picked is None else picked
 
 
 def sample(

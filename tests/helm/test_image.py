@@ -22,7 +22,7 @@ def test_dockerfile_copies_every_package_folder_and_the_bundled_model():
     package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
         "package-data"
     ]
-    assert {"*.c", "*.h"} <= set(package_data["specserve.worker.csrc"])
+    assert {"*.c", "*.h"} <= set(package_data["specserve.worker.cpu.csrc"])
     assert re.search(r'pip install "torch==\$\{TORCH_VERSION\}" --index-url', dockerfile)
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert not set(package_dirs.values()) & set(ignored)

@@ -13,6 +13,7 @@ import torch
 from specserve.shared.config import AttentionType
 from specserve.worker.attention.base import SequenceStep
 from specserve.worker.kv_cache import NULL_BLOCK, PagedKVCache
+from specserve.worker.model_runner import forward_step
 from specserve.worker.models import DecoderModel
 
 
@@ -79,7 +80,8 @@ class PagedDriver:
             last_rows.append(len(ids) - 1)
         cfg = self.model.config
         meta = self.model.backend.build_metadata(steps, cfg.kv_groups, self.block_size, "cpu")
-        hidden = self.model(torch.tensor(ids), torch.tensor(positions), meta, self.cache)
+        ids_t, positions_t = torch.tensor(ids), torch.tensor(positions)
+        hidden, _ = forward_step(self.model, ids_t, positions_t, meta, self.cache, ())
         for seq, n in work:
             seq.num_computed += n
             self._drop_old_blocks(seq)

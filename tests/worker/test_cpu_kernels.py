@@ -16,11 +16,11 @@ import pytest
 import torch
 from test_worker_attention import MIXED, _run_case
 
-from specserve.worker import cpu_kernels
+from specserve.worker.cpu import kernels
 from specserve.worker.models import RMSNorm
 
 pytestmark = pytest.mark.skipif(
-    cpu_kernels._compiler() is None, reason="no C compiler: the kernel cannot be built here"
+    kernels._compiler() is None, reason="no C compiler: the kernel cannot be built here"
 )
 
 DECODES = [(1, 1, True), (1, 16, True), (1, 17, True), (1, 150, True), (1, 47, True)]
@@ -31,13 +31,13 @@ TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1e-2}
 def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts kernel calls (batch size of each), so a test fails if attention bypassed it."""
     calls: list[int] = []
-    real = cpu_kernels.paged_decode_attention
+    real = kernels.paged_decode_attention
 
     def spy(query: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         calls.append(query.shape[0])
         return real(query, *args, **kwargs)
 
-    monkeypatch.setattr(cpu_kernels, "paged_decode_attention", spy)
+    monkeypatch.setattr(kernels, "paged_decode_attention", spy)
     return calls
 
 
@@ -67,7 +67,7 @@ def test_mixed_batch_decodes_use_kernel(window: int | None, kernel_calls) -> Non
 def test_kernel_matches_sdpa_path(monkeypatch: pytest.MonkeyPatch) -> None:
     specs = [(1, n, True) for n in (3, 31, 64, 200, 9)]
     kernel_out, _ = _run_case(specs, None, torch.float32, 16, 64)
-    monkeypatch.setattr(cpu_kernels, "attention_supported", lambda *_: False)
+    monkeypatch.setattr(kernels, "attention_supported", lambda *_: False)
     sdpa_out, _ = _run_case(specs, None, torch.float32, 16, 64)
     torch.testing.assert_close(kernel_out, sdpa_out, atol=1e-6, rtol=0)
 
@@ -83,7 +83,7 @@ def test_mismatched_shapes_raise() -> None:
     query = torch.zeros(1, 4, 16)  # head_dim 16 against a cache of 8
     pages = torch.zeros(1, 1, dtype=torch.int64)
     with pytest.raises(ValueError, match="does not fit cache"):
-        cpu_kernels.paged_decode_attention(
+        kernels.paged_decode_attention(
             query,
             cache,
             pages,
@@ -98,9 +98,9 @@ def test_mismatched_shapes_raise() -> None:
 def fresh_load(monkeypatch: pytest.MonkeyPatch, tmp_path):
     """`load()` with an empty kernel cache, and the process's cached library restored after."""
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
-    cpu_kernels.load.cache_clear()
-    yield cpu_kernels.load
-    cpu_kernels.load.cache_clear()
+    kernels.load.cache_clear()
+    yield kernels.load
+    kernels.load.cache_clear()
 
 
 def test_builds_into_cache_dir(fresh_load, tmp_path) -> None:
@@ -147,13 +147,13 @@ def test_add_and_norm_match_torch(dtype: torch.dtype, rows: int, monkeypatch) ->
     x = wide[:, :dim]  # strided rows, as a slice of a fused projection is
     delta = (torch.randn(rows, dim) * 3).to(dtype)
     calls = []
-    real = cpu_kernels.add_rms_norm
-    monkeypatch.setattr(cpu_kernels, "add_rms_norm", lambda *a: calls.append(1) or real(*a))
+    real = kernels.add_rms_norm
+    monkeypatch.setattr(kernels, "add_rms_norm", lambda *a: calls.append(1) or real(*a))
     fused_norm = norm(x)
     fused_sum, fused_sum_norm = norm.add_and_norm(x, delta)
     assert len(calls) == 2
     with monkeypatch.context() as torch_path:
-        torch_path.setattr(cpu_kernels, "rows_supported", lambda *_: False)
+        torch_path.setattr(kernels, "rows_supported", lambda *_: False)
         ref_norm = norm(x)
         ref_sum, ref_sum_norm = norm.add_and_norm(x, delta)
     assert torch.equal(fused_sum, ref_sum)
@@ -168,16 +168,16 @@ def test_silu_mul_matches_torch(dtype: torch.dtype, rows: int) -> None:
     gate_up = (torch.randn(rows, 2 * 1536) * 4).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     expected = torch.nn.functional.silu(gate) * up
-    torch.testing.assert_close(cpu_kernels.silu_mul(gate_up), expected, **ROW_TOLERANCE[dtype])
+    torch.testing.assert_close(kernels.silu_mul(gate_up), expected, **ROW_TOLERANCE[dtype])
 
 
 def test_row_kernels_turn_down_what_they_cannot_run() -> None:
     x = torch.zeros(2, 8)
-    assert cpu_kernels.rows_supported(x, x)
-    assert not cpu_kernels.rows_supported(x.double())
-    assert not cpu_kernels.rows_supported(x, x.to(torch.bfloat16))  # mixed dtypes
-    assert not cpu_kernels.rows_supported(torch.zeros(2, 3, 8))  # 3-D (per-head q/k norms)
-    assert not cpu_kernels.rows_supported(x.t())  # columns not contiguous
+    assert kernels.rows_supported(x, x)
+    assert not kernels.rows_supported(x.double())
+    assert not kernels.rows_supported(x, x.to(torch.bfloat16))  # mixed dtypes
+    assert not kernels.rows_supported(torch.zeros(2, 3, 8))  # 3-D (per-head q/k norms)
+    assert not kernels.rows_supported(x.t())  # columns not contiguous
 
 
 def test_pages_that_do_not_cover_the_keys_raise() -> None:
@@ -187,7 +187,7 @@ def test_pages_that_do_not_cover_the_keys_raise() -> None:
     pages = torch.tensor([[2]])  # one page of 4 keys for a sequence of 6
     first, seq_lens = torch.zeros(1, dtype=torch.int64), torch.tensor([6])
     with pytest.raises(RuntimeError, match=r"failed for 2 \(request, head\) pairs"):
-        cpu_kernels.paged_decode_attention(query, cache, pages, first, seq_lens, None, 1.0)
+        kernels.paged_decode_attention(query, cache, pages, first, seq_lens, None, 1.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -195,7 +195,7 @@ def test_silu_mul_at_extreme_gates(dtype: torch.dtype) -> None:
     """Gates far below expf's overflow point give ~0, not NaN, in the vector and scalar code."""
     gate = torch.cat([torch.linspace(-1000, -80, 61), torch.tensor([0.0, 30.0, 100.0, 1e4])])
     gate_up = torch.cat([gate, torch.full_like(gate, 1.5)])[None].to(dtype)
-    out = cpu_kernels.silu_mul(gate_up)
+    out = kernels.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     expected = torch.nn.functional.silu(gate) * up
     assert not out.isnan().any()
@@ -205,12 +205,12 @@ def test_silu_mul_at_extreme_gates(dtype: torch.dtype) -> None:
 def test_row_and_index_inputs_of_the_wrong_kind_raise() -> None:
     x = torch.zeros(2, 8)
     with pytest.raises(ValueError, match="add_rms_norm"):
-        cpu_kernels.add_rms_norm(x, torch.zeros(1, 8), torch.ones(8), 1e-6)
+        kernels.add_rms_norm(x, torch.zeros(1, 8), torch.ones(8), 1e-6)
     with pytest.raises(ValueError, match="add_rms_norm"):
-        cpu_kernels.add_rms_norm(x, None, torch.ones(4), 1e-6)
+        kernels.add_rms_norm(x, None, torch.ones(4), 1e-6)
     cache, query = torch.zeros(4, 2, 4, 2, 8), torch.zeros(1, 4, 8)
     with pytest.raises(ValueError, match="int64"):
-        cpu_kernels.paged_decode_attention(
+        kernels.paged_decode_attention(
             query,
             cache,
             torch.zeros(1, 1, dtype=torch.int32),
@@ -227,7 +227,7 @@ def test_a_broken_cached_library_is_rebuilt(fresh_load, tmp_path) -> None:
     (lib,) = (tmp_path / "kernels").glob("specserve_kernels-*.so")
     lib.unlink()  # a new file: this process still maps the old one
     lib.write_bytes(b"not a shared object")
-    code = "from specserve.worker import cpu_kernels; assert cpu_kernels.load() is not None"
+    code = "from specserve.worker.cpu import kernels; assert kernels.load() is not None"
     env = {**os.environ, "SPECSERVE_CACHE_DIR": str(tmp_path)}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
     assert lib.read_bytes()[:4] == b"\x7fELF"
@@ -269,7 +269,7 @@ def test_rope_and_kv_write_match_transformers_bit_for_bit(
     out = qkv.clone()
     cos, sin = rope_cos_sin(inv_freq, positions, dtype)
     k_rows, _ = kv_write_rows(slots, 4)
-    cpu_kernels.rope_write_kv(out, heads, kv_heads, cos, sin, None, None, 0.0, cache, k_rows)
+    kernels.rope_write_kv(out, heads, kv_heads, cos, sin, None, None, 0.0, cache, k_rows)
     assert torch.equal(out[:, : heads * dim].view(rows, heads, dim), expected_q[0].transpose(0, 1))
     flat = cache.view(8 * 2 * 4, kv_heads, dim)
     assert torch.equal(flat[k_rows], expected_k[0].transpose(0, 1))
@@ -297,7 +297,7 @@ def test_qk_norms_run_before_rope(dtype: torch.dtype, monkeypatch) -> None:
     cos, sin = rope_cos_sin(inv_freq, positions, dtype)
     k_rows, _ = kv_write_rows(slots, 4)
     out = qkv.clone()
-    cpu_kernels.rope_write_kv(
+    kernels.rope_write_kv(
         out, heads, kv_heads, cos, sin, q_norm.weight, k_norm.weight, 1e-6, cache, k_rows
     )
     q = q_norm(qkv[:, : heads * dim].view(rows, heads, dim))  # 3-D: the PyTorch path
@@ -319,11 +319,11 @@ def test_rope_inputs_that_do_not_fit_raise() -> None:
     qkv, inv_freq, positions, cache, slots = _rope_case(torch.float32, 4, 2, 64)
     cos, sin = rope_cos_sin(inv_freq, positions, torch.float32)
     with pytest.raises(ValueError, match="rope_write_kv"):  # 3 heads do not make up the row
-        cpu_kernels.rope_write_kv(qkv, 3, 2, cos, sin, None, None, 0.0, cache, slots)
+        kernels.rope_write_kv(qkv, 3, 2, cos, sin, None, None, 0.0, cache, slots)
     with pytest.raises(ValueError, match="rope_write_kv"):  # tables for fewer rows
-        cpu_kernels.rope_write_kv(qkv, 4, 2, cos[:3], sin[:3], None, None, 0.0, cache, slots)
+        kernels.rope_write_kv(qkv, 4, 2, cos[:3], sin[:3], None, None, 0.0, cache, slots)
     with pytest.raises(ValueError, match="int64"):
-        cpu_kernels.rope_write_kv(qkv, 4, 2, cos, sin, None, None, 0.0, cache, slots.int())
+        kernels.rope_write_kv(qkv, 4, 2, cos, sin, None, None, 0.0, cache, slots.int())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -344,6 +344,6 @@ def test_argmax_rows_match_torch(dtype: torch.dtype, cols: int) -> None:
         x[6] = float("-inf")
         x[6, -1] = -1e30
     expected = x.float().argmax(dim=-1)
-    got = cpu_kernels.argmax_rows(x)
+    got = kernels.argmax_rows(x)
     assert got.dtype == torch.int64
     assert torch.equal(got, expected)

@@ -1,4 +1,4 @@
-"""The fused decode step (`worker/fused_decode.py`, `csrc/decode_step.c`) against the
+"""The fused decode step (`worker/cpu/fused_decode.py`, `csrc/decode_step.c`) against the
 layer-by-layer path it replaces.
 
 Both run the same kernels in the same order on the same rows, so every decode step's logits and
@@ -16,13 +16,14 @@ import torch
 from hf_reference import prompts
 from paged_driver import PagedDriver
 
-from specserve.worker import cpu_kernels, fused_decode
 from specserve.worker.attention.base import SequenceStep
+from specserve.worker.cpu import fused_decode, kernels
 from specserve.worker.loader import load_model
+from specserve.worker.model_runner import forward_step
 from specserve.worker.models import DecoderModel
 
 pytestmark = pytest.mark.skipif(
-    torch.float32 not in cpu_kernels.linear_dtypes(),
+    torch.float32 not in kernels.linear_dtypes(),
     reason="the fused decode step needs the AVX-512 panel kernel",
 )
 
@@ -32,7 +33,7 @@ DTYPES = [
     pytest.param(
         torch.bfloat16,
         marks=pytest.mark.skipif(
-            torch.bfloat16 not in cpu_kernels.linear_dtypes(),
+            torch.bfloat16 not in kernels.linear_dtypes(),
             reason="no AVX512_BF16 on this CPU",
         ),
     ),
@@ -124,8 +125,8 @@ def _one_decode_step(model: DecoderModel, aux_layers: tuple[int, ...]):
         positions.append(seq.num_computed)
         steps.append(SequenceStep(1, seq.num_computed + 1, [list(t) for t in seq.block_tables]))
     meta = model.backend.build_metadata(steps, model.config.kv_groups, 4, "cpu")
-    return model.forward_with_aux(
-        torch.tensor(ids), torch.tensor(positions), meta, driver.cache, aux_layers
+    return forward_step(
+        model, torch.tensor(ids), torch.tensor(positions), meta, driver.cache, aux_layers
     )
 
 

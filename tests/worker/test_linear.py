@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.worker import cpu_kernels
-from specserve.worker import linear as linear_module
-from specserve.worker.linear import (
+from specserve.worker.cpu import kernels
+from specserve.worker.cpu import linear as linear_module
+from specserve.worker.cpu.linear import (
     Linear,
     calibrate_min_rows,
     can_pack,
@@ -31,7 +31,7 @@ PANEL_DTYPES = [
         dtype,
         id=str(dtype).removeprefix("torch."),
         marks=pytest.mark.skipif(
-            dtype not in cpu_kernels.linear_dtypes(),
+            dtype not in kernels.linear_dtypes(),
             reason=f"the panel kernel does not run {dtype} on this CPU",
         ),
     )
@@ -68,7 +68,7 @@ def test_panel_kernel_matches_float64(
     b = torch.randn(n, generator=g).to(dtype) if with_bias else None
     x = torch.randn(rows, k + 3, generator=g).to(dtype)[:, 2 : 2 + k]
     assert x.stride(0) == k + 3
-    got = cpu_kernels.panel_linear(x, cpu_kernels.pack_panels(w), b, n)
+    got = kernels.panel_linear(x, kernels.pack_panels(w), b, n)
     _assert_panel_result(got, _reference(x, w, b), dtype)
 
 
@@ -79,7 +79,7 @@ def test_panel_kernel_keeps_leading_dims_and_nans(dtype: torch.dtype) -> None:
     w = torch.randn(33, 24, generator=g).to(dtype)
     x = torch.randn(2, 3, 24, generator=g).to(dtype)
     x[1, 2, 5] = float("nan")
-    got = cpu_kernels.panel_linear(x, cpu_kernels.pack_panels(w), None, 33)
+    got = kernels.panel_linear(x, kernels.pack_panels(w), None, 33)
     assert got.shape == (2, 3, 33)
     assert got[1, 2].isnan().all() and not got[:1].isnan().any() and not got[1, :2].isnan().any()
     _assert_panel_result(got[0], _reference(x[0], w, None), dtype)
@@ -89,7 +89,7 @@ def test_panel_kernel_keeps_leading_dims_and_nans(dtype: torch.dtype) -> None:
 def test_panel_layout(dtype: torch.dtype) -> None:
     """Panel p holds output columns 16p..16p+15, K-major (bfloat16: K in pairs), zero-padded."""
     w = torch.arange(20 * 5, dtype=torch.float32).view(20, 5).to(dtype)
-    panels = cpu_kernels.pack_panels(w)
+    panels = kernels.pack_panels(w)
     if dtype == torch.bfloat16:
         assert panels.shape == (2, 3, 16, 2)
         assert panels[1, 1, 2, 0] == w[18, 2] and panels[1, 1, 2, 1] == w[18, 3]
@@ -103,13 +103,13 @@ def test_panel_layout(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", PANEL_DTYPES)
 def test_panel_kernel_refuses_what_does_not_fit(dtype: torch.dtype) -> None:
     w = torch.randn(40, 24).to(dtype)
-    panels = cpu_kernels.pack_panels(w)
+    panels = kernels.pack_panels(w)
     with pytest.raises(ValueError, match="does not fit panels"):
-        cpu_kernels.panel_linear(torch.randn(3, 26).to(dtype), panels, None, 40)
+        kernels.panel_linear(torch.randn(3, 26).to(dtype), panels, None, 40)
     with pytest.raises(ValueError, match="does not fit panels"):
-        cpu_kernels.panel_linear(torch.randn(3, 24).to(dtype), panels, None, 56)
+        kernels.panel_linear(torch.randn(3, 24).to(dtype), panels, None, 56)
     with pytest.raises(ValueError, match="bias"):
-        cpu_kernels.panel_linear(torch.randn(3, 24).to(dtype), panels, torch.zeros(39), 40)
+        kernels.panel_linear(torch.randn(3, 24).to(dtype), panels, torch.zeros(39), 40)
 
 
 @needs_onednn
@@ -157,7 +157,7 @@ def test_model_packs_every_linear_and_its_lm_head(request: pytest.FixtureRequest
     assert tied == (name == "qwen2_ckpt")
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed is not None for m in linears)
-    panels = torch.float32 in cpu_kernels.linear_dtypes()  # the panel kernel where it runs
+    panels = torch.float32 in kernels.linear_dtypes()  # the panel kernel where it runs
     assert all(m.packed.panels == panels for m in linears)
     assert (model.tied_head_packed is not None) == tied
     assert len(pack_weights(model)) == len(linears) + int(tied)  # idempotent: packs afresh

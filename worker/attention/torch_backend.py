@@ -6,7 +6,7 @@ pages from the cache (a block's K is one contiguous row of the cache, so the cop
 pages) and runs one `scaled_dot_product_attention` call with an explicit mask, so a step costs
 two attention calls per layer whatever its size.
 
-On CPU, the decode batch instead goes to `cpu_kernels.paged_decode_attention` when it can be
+On CPU, the decode batch instead goes to `cpu_ops.paged_decode_attention` when it can be
 built: it reads each request's pages where they lie, so a step no longer copies every
 request's context per layer (1.4-2.5x less attention time at 16 requests of 0.5-2k tokens;
 docs/benchmarks.md).
@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specserve.worker import cpu_kernels
 from specserve.worker.attention.base import (
     AttentionBackend,
     AttentionMetadata,
@@ -33,6 +32,7 @@ from specserve.worker.attention.base import (
 )
 from specserve.worker.attention.metadata import host_slot_mapping, kv_span, query_starts
 from specserve.worker.config import KVLayerGroup
+from specserve.worker.cpu import ops as cpu_ops
 
 
 @dataclass(frozen=True)
@@ -116,17 +116,15 @@ class TorchAttentionBackend(AttentionBackend):
         out = None if metadata.batches[0].whole else torch.empty_like(query)
         for batch in metadata.batches:
             b, q_len = batch.query_index.shape
-            if q_len == 1 and cpu_kernels.attention_supported(query, kv_cache):
+            o = None
+            if q_len == 1:
                 q = query if batch.whole else query[batch.query_index[:, 0]]
-                o = cpu_kernels.paged_decode_attention(
-                    q,
-                    kv_cache,
-                    batch.k_pages.view(b, -1),
-                    batch.first_key_pos,
-                    batch.seq_lens,
-                    metadata.sliding_window,
-                    scale,
+                k_pages = batch.k_pages.view(b, -1)
+                window = metadata.sliding_window
+                o = cpu_ops.paged_decode_attention(
+                    q, kv_cache, k_pages, batch.first_key_pos, batch.seq_lens, window, scale
                 )
+            if o is not None:
                 if out is None:
                     return o
                 out[batch.out_rows] = o

@@ -3,7 +3,7 @@
 On CPU, torch's default `F.linear` runs a GEMM that reads the weight in its plain layout on
 every call, which is slow for the few rows of a decode step. So each weight gets a packed copy:
 
-- on AVX-512 CPUs, panels for specserve's own kernel (`cpu_kernels.panel_linear`): it streams
+- on AVX-512 CPUs, panels for specserve's own kernel (`kernels.panel_linear`): it streams
   each weight once per 16 rows at about the CPU's peak. For SmolLM2's 121 matmuls (LM head
   included) on a 2-core AMD Zen 4: 23.6 ms at 16 rows in float32 (oneDNN packed: 29.7 ms) and
   13.1 ms in bfloat16 (17.3 ms); 11.8 ms (20.7 ms) at one row; on par (+-10%) from 64 rows
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.worker import cpu_kernels
+from specserve.worker.cpu import kernels
 
 log = structlog.get_logger(__name__)
 
@@ -49,7 +49,7 @@ CALIBRATION_ROWS = (1, 2, 4, 8, 16)
 
 @dataclass(eq=False)
 class PackedWeight:
-    """`weight` laid out for a CPU GEMM (`tensor`): panels for `cpu_kernels.panel_linear`, else
+    """`weight` laid out for a CPU GEMM (`tensor`): panels for `kernels.panel_linear`, else
     oneDNN's blocked layout; used for inputs of at least `min_rows` rows."""
 
     tensor: torch.Tensor
@@ -59,7 +59,7 @@ class PackedWeight:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.panels:
-            return cpu_kernels.panel_linear(x, self.tensor, bias, self.weight.shape[0])
+            return kernels.panel_linear(x, self.tensor, bias, self.weight.shape[0])
         return torch.ops.mkldnn._linear_pointwise(x, self.tensor, bias, "none", [], "")
 
 
@@ -73,7 +73,7 @@ def _panel_kernel_runs(weight: torch.Tensor) -> bool:
     return (
         weight.device.type == "cpu"
         and weight.dim() == 2
-        and weight.dtype in cpu_kernels.linear_dtypes()
+        and weight.dtype in kernels.linear_dtypes()
     )
 
 
@@ -95,7 +95,7 @@ def pack_weight(weight: torch.Tensor, min_rows: int = 1) -> PackedWeight | None:
     """The weight laid out for the panel kernel or oneDNN, or None where `F.linear` must be
     used."""
     if _panel_kernel_runs(weight):
-        return PackedWeight(cpu_kernels.pack_panels(weight), weight, min_rows, panels=True)
+        return PackedWeight(kernels.pack_panels(weight), weight, min_rows, panels=True)
     if not _onednn_runs(weight):
         return None
     try:

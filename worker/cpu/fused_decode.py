@@ -20,20 +20,17 @@ always the one used, and the C code never reads past a tensor.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.worker import cpu_kernels
 from specserve.worker.attention.base import AttentionMetadata
 from specserve.worker.attention.torch_backend import PaddedBatch, TorchGroupMetadata
-from specserve.worker.cpu_kernels import PANEL
+from specserve.worker.config import ModelConfig
+from specserve.worker.cpu import kernels
+from specserve.worker.cpu.kernels import PANEL
+from specserve.worker.cpu.linear import Linear
 from specserve.worker.kv_cache import PagedKVCache
-from specserve.worker.linear import Linear
-
-if TYPE_CHECKING:
-    from specserve.worker.config import ModelConfig
-    from specserve.worker.models import DecoderLayer, DecoderModel, RMSNorm
+from specserve.worker.models import DecoderLayer, DecoderModel, RMSNorm
 
 # Columns of the tables `decode_layers` reads (the enums of csrc/decode_step.c): per layer the
 # input norm, qkv (+ bias), q/k norms, o (+ bias), post norm, gate/up (+ bias), down (+ bias)
@@ -45,18 +42,19 @@ GROUP_FIELDS = 6
 
 def decode_step(
     model: DecoderModel,
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
     metadata: AttentionMetadata,
     kv_cache: PagedKVCache,
     aux_layers: Sequence[int],
 ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-    """`forward_with_aux`'s result for a decode step, from the embeddings `x [B, hidden]` (which
-    it overwrites) and the step's RoPE tables; None when the step or model does not fit the
-    kernel, and the caller runs the layers one by one."""
+    """`model.forward_with_aux`'s result for a decode step; None when the step or model does
+    not fit the kernel, and the caller runs the layers one by one."""
     batches = _decode_batches(metadata)
-    if batches is None or not _inputs_fit(model, x, cos, sin, kv_cache, len(batches)):
+    if batches is None:
+        return None
+    x, cos, sin = model.embed_step(input_ids, positions, metadata, aux_layers)
+    if not _inputs_fit(model, x, cos, sin, kv_cache, len(batches)):
         return None
     rows = x.shape[0]
     table = [_layer_row(layer, model.config, x.dtype, rows) for layer in model.layers]
@@ -93,7 +91,7 @@ def decode_step(
     caches = torch.tensor([kv_cache.layers[i].data_ptr() for i in layer_ids], dtype=torch.int64)
     out = torch.empty_like(x)
     errors = torch.zeros(2, dtype=torch.int64)
-    lib = cpu_kernels.load()
+    lib = kernels.load()
     assert lib is not None  # _inputs_fit checked
     status = lib.decode_layers(
         layers.data_ptr(),
@@ -113,9 +111,9 @@ def decode_step(
     )
     bad_rows, failed = errors.tolist()
     if bad_rows:
-        raise IndexError(cpu_kernels.kv_rows_error(bad_rows, kv_cache.num_blocks))
+        raise IndexError(kernels.kv_rows_error(bad_rows, kv_cache.num_blocks))
     if failed:
-        raise RuntimeError(cpu_kernels.attention_error(failed))
+        raise RuntimeError(kernels.attention_error(failed))
     if status == 1:
         raise MemoryError("decode_layers: no memory for the step's intermediates")
     if status:
@@ -172,7 +170,7 @@ def _inputs_fit(
         and x.dim() == 2
         and x.shape[1] == config.hidden_size
         and x.is_contiguous()
-        and x.dtype in cpu_kernels.linear_dtypes()
+        and x.dtype in kernels.linear_dtypes()
         and len(model.layers) > 0
         and dim % 2 == 0
         and config.num_heads % config.num_kv_heads == 0

@@ -106,7 +106,7 @@ def _build(compiler: str, rebuild: bool = False) -> Path:
         for cmd in commands:
             subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
         os.replace(lib, target)
-    log.info("cpu_kernels.built", path=str(target), seconds=round(time.perf_counter() - start, 2))
+    log.info("kernels.built", path=str(target), seconds=round(time.perf_counter() - start, 2))
     return target
 
 
@@ -114,11 +114,11 @@ def _build(compiler: str, rebuild: bool = False) -> Path:
 def load() -> ctypes.CDLL | None:
     """The kernel library, built if needed; None (logged once) where it cannot be had."""
     if not enabled():
-        log.info("cpu_kernels.disabled", reason="SPECSERVE_CPU_KERNELS=0")
+        log.info("kernels.disabled", reason="SPECSERVE_CPU_KERNELS=0")
         return None
     compiler = _compiler()
     if compiler is None:
-        log.warning("cpu_kernels.unavailable", reason="no C compiler (set CC)")
+        log.warning("kernels.unavailable", reason="no C compiler (set CC)")
         return None
     try:
         try:
@@ -127,7 +127,7 @@ def load() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(_build(compiler, rebuild=True)))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", None) or str(exc)
-        log.warning("cpu_kernels.unavailable", reason=detail.strip()[-500:])
+        log.warning("kernels.unavailable", reason=detail.strip()[-500:])
         return None
     i64, f32, flag = _C_INT64, ctypes.c_float, ctypes.c_int
     signatures = {
