@@ -49,7 +49,7 @@ from redis import Redis
 from specserve.cache_index import IndexReader, IndexWriter, Namespace, connect, register_worker
 from specserve.cache_index.local_server import LocalRedis, free_port
 from specserve.client import AsyncClient, ServiceError
-from specserve.control.server import ControlArgs, ControlPlane
+from specserve.control.control_plane import ControlArgs, ControlPlane
 from specserve.shared.config import AttentionType, KVGroupSpec
 from specserve.shared.kv_events import BlockStored
 from specserve.shared.logging import configure_logging
@@ -149,7 +149,7 @@ if sys.platform.startswith("linux"):
 import torch
 torch.set_num_threads(1)
 from specserve.worker.engine import EngineArgs
-from specserve.worker.server import run_worker
+from specserve.worker.worker_process import run_worker
 sys.exit(run_worker(EngineArgs(**{engine!r}), {url!r}, {worker_id!r}))
 """
 

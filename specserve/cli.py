@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     from redis import Redis
 
     from specserve.cache_index import Namespace
+    from specserve.control.control_plane import ControlArgs
     from specserve.control.request import SpecDecodingStats
-    from specserve.control.server import ControlArgs
     from specserve.launcher import UpPlan
     from specserve.shared.protocol import SamplingParams
     from specserve.worker.engine import EngineArgs
@@ -455,7 +455,7 @@ def _print_stream(outputs: Iterable[Any]) -> None:
 
 
 def control_args(args: argparse.Namespace) -> ControlArgs:
-    from specserve.control.server import ControlArgs
+    from specserve.control.control_plane import ControlArgs
 
     return ControlArgs(
         bind=args.bind,
@@ -471,7 +471,7 @@ def control_args(args: argparse.Namespace) -> ControlArgs:
 
 
 def cmd_control(args: argparse.Namespace) -> int:
-    from specserve.control.server import run_control
+    from specserve.control.control_plane import run_control
 
     return run_control(control_args(args))
 
@@ -483,7 +483,7 @@ def worker_engine_args(args: argparse.Namespace) -> EngineArgs:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from specserve.worker.server import run_worker
+    from specserve.worker.worker_process import run_worker
 
     return run_worker(
         worker_engine_args(args),

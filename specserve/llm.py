@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from specserve.control.frontend import Frontend
 from specserve.control.request import Request, SpecDecodingStats
-from specserve.engine import EngineArgs, InProcessEngine
+from specserve.in_process import EngineArgs, InProcessEngine
 from specserve.shared.protocol import SamplingParams, TokenLogprobs
 
 Prompt = str | Sequence[int]

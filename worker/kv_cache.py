@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specserve.worker.config import KVLayerGroup
+from specserve.worker.model_config import KVLayerGroup
 
 NULL_BLOCK = 0
 

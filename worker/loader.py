@@ -19,8 +19,8 @@ from torch import nn
 
 from specserve.worker.attention.base import AttentionBackend
 from specserve.worker.attention.torch_backend import TorchAttentionBackend
-from specserve.worker.config import ModelConfig
 from specserve.worker.cpu.linear import pack_weights
+from specserve.worker.model_config import ModelConfig
 from specserve.worker.models import DecoderModel
 
 logger = logging.getLogger(__name__)

@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.worker.attention.base import AttentionBackend, AttentionMetadata
-from specserve.worker.config import ModelConfig, RopeScaling
 from specserve.worker.cpu import ops as cpu_ops
 from specserve.worker.cpu.linear import Linear, PackedWeight, linear, pack_again, pack_weight
 from specserve.worker.kv_cache import PagedKVCache
+from specserve.worker.model_config import ModelConfig, RopeScaling
 
 
 class RMSNorm(nn.Module):

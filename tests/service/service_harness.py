@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from specserve.cache_index.local_server import free_port
-from specserve.control.server import ControlArgs, ControlPlane
+from specserve.control.control_plane import ControlArgs, ControlPlane
 
 WORKER_ENGINE = dict(num_blocks=160, block_size=4, max_model_len=256, max_num_seqs=16)
 
@@ -59,7 +59,7 @@ class Service:
             "import sys, torch\n"
             "torch.set_num_threads(1)\n"
             "from specserve.worker.engine import EngineArgs\n"
-            "from specserve.worker.server import run_worker\n"
+            "from specserve.worker.worker_process import run_worker\n"
             f"sys.exit(run_worker(EngineArgs(**{kwargs!r}), {self.url!r}, {worker_id!r}, "
             "heartbeat_interval_s=0.2))\n"
         )

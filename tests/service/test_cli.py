@@ -37,7 +37,7 @@ from specserve.cli import (
     up_plan,
     worker_engine_args,
 )
-from specserve.control.server import ControlArgs
+from specserve.control.control_plane import ControlArgs
 from specserve.launcher import LaunchError, check_port_free
 from specserve.shared.hashing import BlockHasher, extend_block_hashes
 from specserve.shared.kv_events import BlockStored

@@ -24,7 +24,7 @@ import zmq
 
 from specserve.control.request import Request
 from specserve.control.scheduler import Scheduler
-from specserve.engine import InProcessEngine
+from specserve.in_process import InProcessEngine
 from specserve.shared import protocol
 from specserve.shared.config import AttentionType, KVGroupSpec
 from specserve.shared.protocol import (
@@ -40,7 +40,7 @@ from specserve.shared.protocol import (
     Welcome,
 )
 from specserve.worker.engine import EngineArgs
-from specserve.worker.server import run_worker
+from specserve.worker.worker_process import run_worker
 
 WORKER_ID = "w-test"
 HB_ID = WORKER_ID + "#hb"
@@ -53,7 +53,7 @@ WORKER_MAIN = """
 import sys
 from specserve.shared.logging import configure_logging
 from specserve.worker.engine import EngineArgs
-from specserve.worker.server import run_worker
+from specserve.worker.worker_process import run_worker
 configure_logging("debug")
 args = EngineArgs(model=sys.argv[1], num_blocks=64, block_size=4, max_model_len=256)
 sys.exit(run_worker(args, sys.argv[2], sys.argv[3], heartbeat_interval_s=float(sys.argv[4])))

@@ -37,8 +37,8 @@ from specserve.worker.attention.metadata import (
 )
 from specserve.worker.attention.selection import flashinfer_unavailable_reason, select_backend
 from specserve.worker.attention.torch_backend import TorchAttentionBackend
-from specserve.worker.config import KVLayerGroup
 from specserve.worker.kv_cache import PagedKVCache
+from specserve.worker.model_config import KVLayerGroup
 
 BS = 4
 FULL = KVLayerGroup(AttentionType.FULL, None, (0,))

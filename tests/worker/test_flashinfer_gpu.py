@@ -21,7 +21,7 @@ import torch
 from specserve.shared.config import AttentionType
 from specserve.worker.attention.base import SequenceStep
 from specserve.worker.attention.torch_backend import TorchAttentionBackend
-from specserve.worker.config import KVLayerGroup
+from specserve.worker.model_config import KVLayerGroup
 
 pytestmark = pytest.mark.gpu
 

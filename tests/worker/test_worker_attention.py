@@ -14,13 +14,13 @@ from transformers.masking_utils import sliding_window_causal_mask_function
 from specserve.shared.config import AttentionType
 from specserve.worker.attention.base import SequenceStep
 from specserve.worker.attention.torch_backend import TorchAttentionBackend
-from specserve.worker.config import KVLayerGroup
 from specserve.worker.kv_cache import (
     NULL_BLOCK,
     PagedKVCache,
     bytes_per_block,
     num_blocks_for_budget,
 )
+from specserve.worker.model_config import KVLayerGroup
 
 ATOL = 1e-10
 HQ, HKV, D, BS = 4, 2, 8, 4

@@ -14,8 +14,8 @@ from paged_driver import PagedDriver
 from safetensors.torch import load_file, save_file
 
 from specserve.shared.config import AttentionType, KVGroupSpec
-from specserve.worker.config import ModelConfig
 from specserve.worker.loader import build_model, load_model, read_safetensors
+from specserve.worker.model_config import ModelConfig
 from specserve.worker.models import rope_inv_freq
 
 LLAMA3_ROPE = {

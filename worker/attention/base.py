@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from specserve.worker.config import KVLayerGroup
 from specserve.worker.kv_cache import kv_write_rows
+from specserve.worker.model_config import KVLayerGroup
 
 _T = TypeVar("_T")
 

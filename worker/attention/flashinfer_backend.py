@@ -65,7 +65,7 @@ from specserve.worker.attention.metadata import (
     PersistentBuffers,
     build_group_host_metadata,
 )
-from specserve.worker.config import KVLayerGroup
+from specserve.worker.model_config import KVLayerGroup
 
 INSTALL_HINT = "pip install 'specserve[gpu]'"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)

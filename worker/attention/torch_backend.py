@@ -31,8 +31,8 @@ from specserve.worker.attention.base import (
     validate_steps,
 )
 from specserve.worker.attention.metadata import host_slot_mapping, kv_span, query_starts
-from specserve.worker.config import KVLayerGroup
 from specserve.worker.cpu import ops as cpu_ops
+from specserve.worker.model_config import KVLayerGroup
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,11 @@ import torch
 
 from specserve.worker.attention.base import AttentionMetadata
 from specserve.worker.attention.torch_backend import PaddedBatch, TorchGroupMetadata
-from specserve.worker.config import ModelConfig
 from specserve.worker.cpu import kernels
 from specserve.worker.cpu.kernels import PANEL
 from specserve.worker.cpu.linear import Linear
 from specserve.worker.kv_cache import PagedKVCache
+from specserve.worker.model_config import ModelConfig
 from specserve.worker.models import DecoderLayer, DecoderModel, RMSNorm
 
 # Columns of the tables `decode_layers` reads (the enums of csrc/decode_step.c): per layer the

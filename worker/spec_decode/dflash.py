@@ -39,10 +39,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.worker.attention.base import AttentionBackend, SequenceStep
-from specserve.worker.config import ModelConfig
 from specserve.worker.cpu.linear import Linear
 from specserve.worker.kv_cache import PagedKVCache, kv_write_rows
 from specserve.worker.loader import assign_weights, map_decoder_layer
+from specserve.worker.model_config import ModelConfig
 from specserve.worker.models import (
     DecoderLayer,
     DecoderModel,

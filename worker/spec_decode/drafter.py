@@ -34,9 +34,9 @@ from torch import nn
 
 from specserve.shared.config import AttentionType
 from specserve.worker.attention.base import AttentionBackend, AttentionMetadata, SequenceStep
-from specserve.worker.config import KVLayerGroup, ModelConfig
 from specserve.worker.kv_cache import PagedKVCache, bytes_per_block
 from specserve.worker.loader import read_safetensors, resolve_dtype
+from specserve.worker.model_config import KVLayerGroup, ModelConfig
 from specserve.worker.models import DecoderModel, RMSNorm
 
 

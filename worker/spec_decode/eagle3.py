@@ -46,10 +46,10 @@ import torch
 from torch import nn
 
 from specserve.worker.attention.base import AttentionBackend, AttentionMetadata, SequenceStep
-from specserve.worker.config import ModelConfig
 from specserve.worker.cpu.linear import Linear
 from specserve.worker.kv_cache import PagedKVCache
 from specserve.worker.loader import assign_weights, map_decoder_layer
+from specserve.worker.model_config import ModelConfig
 from specserve.worker.models import (
     DecoderLayer,
     DecoderModel,
