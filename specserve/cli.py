@@ -1,8 +1,8 @@
 """The `specserve` command line.
 
 `generate` serves one prompt in-process (or asks a running service with `--url`), `control` and
-`worker` run the two halves of the distributed service, `up` starts a whole local service, and
-`cache` inspects the Redis prefix index.
+`worker` run the two halves of the distributed service, `up` starts a whole local service,
+`cache` inspects the Redis prefix index and `train-drafter` trains a drafter for a model.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from specserve.shared.logging import configure_logging
+from specserve.training.command import add_parser as train_command
 
 if TYPE_CHECKING:
     from redis import Redis
@@ -308,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_logging_args(parser, None, False)
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_generate, _add_control, _add_worker, _add_up, _add_cache):
+    for add in (_add_generate, _add_control, _add_worker, _add_up, _add_cache, train_command):
         add(sub)
     # The logging flags also work after the subcommand (`specserve control --log-json`); there
     # they default to "not given", so they never undo the same flag given before it.

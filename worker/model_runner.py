@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -68,6 +69,20 @@ class RequestState:
     draft_probs: torch.Tensor | None = None  # [len(draft_token_ids), vocab] when sampled
 
 
+class HiddenStateRecorder(Protocol):
+    """Receives the target's hidden states of every row a step computes (drafter training).
+
+    `aux` holds the outputs of `layers` concatenated (`[n, len(layers) * hidden]`), `final`
+    the normed final hidden states (`[n, hidden]`), for `n` rows at positions `start..`.
+    """
+
+    layers: tuple[int, ...]
+
+    def record(
+        self, request_id: str, start: int, aux: torch.Tensor, final: torch.Tensor
+    ) -> None: ...
+
+
 @dataclass(frozen=True)
 class _Scheduled:
     state: RequestState
@@ -88,6 +103,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.config = model.config
         self.speculator = speculator
+        self.recorder: HiddenStateRecorder | None = None  # set for drafter training only
         self.requests: dict[int, RequestState] = {}
         groups = self.config.kv_groups
         if (
@@ -192,7 +208,13 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         aux_layers = self.speculator.aux_layer_ids if self.speculator else ()
+        if self.recorder is not None:
+            if self.speculator is not None:
+                raise ValueError("hidden states are recorded only without speculation")
+            aux_layers = self.recorder.layers
         hidden, aux = forward_step(self.model, ids, pos, metadata, self.kv_cache, aux_layers)
+        if self.recorder is not None:
+            self._record(scheduled, row_starts, hidden, aux)
 
         emitted, logprobs = self._sample(scheduled, row_starts, hidden)
         results = []
@@ -236,6 +258,24 @@ class ModelRunner:
                     result.handle, result.sampled_token_ids, proposed.tokens, result.logprobs
                 )
         return results
+
+    def _record(
+        self,
+        scheduled: Sequence[_Scheduled],
+        row_starts: Sequence[int],
+        hidden: torch.Tensor,
+        aux: Sequence[torch.Tensor],
+    ) -> None:
+        assert self.recorder is not None
+        features = torch.cat(list(aux), dim=-1)
+        for item, row_start in zip(scheduled, row_starts, strict=True):
+            rows = slice(row_start, row_start + item.num_tokens)
+            self.recorder.record(
+                item.state.request_id,
+                item.state.num_computed_tokens,
+                features[rows],
+                hidden[rows],
+            )
 
     def _sample(
         self, scheduled: Sequence[_Scheduled], row_starts: Sequence[int], hidden: torch.Tensor

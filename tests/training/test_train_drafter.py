@@ -1,0 +1,355 @@
+"""`specserve train-drafter` on a tiny random chat model: regeneration, training, export,
+serving equivalence, resume, bad input, and acceptance through the real runner."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from drafter_reference import Dims, dflash_dense, eagle3_dense
+from safetensors.torch import load_file
+
+import specserve
+from specserve.training.corpus import CorpusError
+from specserve.training.dflash import DFlashTrainee
+from specserve.training.eagle3 import Eagle3Trainee
+from specserve.training.evaluate import measure
+from specserve.training.features import ShardReader
+from specserve.training.pipeline import TrainDrafterArgs, train_drafter
+from specserve.training.regenerate import read_samples
+from specserve.training.trainer import STATE_FILE, TrainConfig, Trainer, build_trainee
+from specserve.worker.attention.base import SequenceStep
+from specserve.worker.loader import load_model
+from specserve.worker.model_runner import forward_step
+from specserve.worker.spec_decode.dflash import load_dflash
+from specserve.worker.spec_decode.eagle3 import load_eagle3
+
+torch.set_num_threads(1)
+LAYERS = (1, 3, 4)  # aux_layers_for(8): low, middle, high
+PROMPTS = [
+    "Name three rivers.",
+    "Count to five.",
+    "What is a cat?",
+    "Say hello twice.",
+    "List some colours.",
+    "Describe the sea.",
+    "Spell the word tree.",
+    "Give me a number.",
+    "Why is the sky blue?",
+    "Write one short line.",
+]
+
+
+@pytest.fixture
+def prompts_file(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return path
+
+
+def _args(method: str, target: Path, data: Path, out: Path, **changes) -> TrainDrafterArgs:
+    base = TrainDrafterArgs(
+        method=method,
+        model=str(target),
+        out=out,
+        data=str(data),
+        max_samples=len(PROMPTS),
+        held_out=0,
+        eval_samples=0,
+        max_len=96,
+        max_new_tokens=40,
+        max_turns=1,
+        concurrency=4,
+        epochs=200.0,
+        steps=120,
+        lr=3e-3,
+        warmup_steps=5,
+        batch_tokens=100_000,  # every sample in every step
+        checkpoint_every=1000,
+        num_spec_tokens=4 if method == "eagle3" else 3,
+        draft_vocab_size=1024,
+        num_layers=2,
+        max_anchors=16,
+        bf16=False,
+        threads=1,
+    )
+    return replace(base, **changes)
+
+
+@pytest.fixture(scope="module")
+def regenerated(chat_target: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Samples and features of the prompts, made by a zero-step EAGLE-3 run."""
+    out = tmp_path_factory.mktemp("regenerated")
+    data = out / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    train_drafter(_args("eagle3", chat_target, data, out / "drafter", work_dir=out, steps=1))
+    return out
+
+
+def test_regeneration_is_the_targets_greedy_output_and_hidden_states(
+    chat_target: Path, regenerated: Path
+) -> None:
+    samples = read_samples(regenerated / "samples.jsonl")
+    assert len(samples) == len(PROMPTS)
+    llm = specserve.LLM(str(chat_target))
+    params = specserve.SamplingParams(max_tokens=40, temperature=0.0)
+    outputs = llm.generate([s.prompt for s in samples], params)
+    assert [s.response for s in samples] == [list(o.token_ids) for o in outputs]
+    model = load_model(chat_target)
+    reader = ShardReader(regenerated / "shards")
+    for sample in samples[:3]:
+        tokens, aux, final = reader.rows(sample.rows, sample.num_tokens)
+        assert tokens.tolist() == sample.token_ids
+        want_final, want_aux = _forward(model, tokens[:-1], LAYERS)
+        torch.testing.assert_close(aux[:-1], want_aux, atol=2e-3, rtol=1e-3)  # float16 rows
+        torch.testing.assert_close(final[:-1], want_final, atol=2e-3, rtol=1e-3)
+        assert not aux[-1].any() and not final[-1].any()  # the last token is never run
+
+
+def _forward(model, tokens: torch.Tensor, layers) -> tuple[torch.Tensor, torch.Tensor]:
+    from specserve.worker.kv_cache import PagedKVCache
+
+    c, n, bs = model.config, tokens.shape[0], 4
+    blocks = -(-n // bs)
+    cache = PagedKVCache(
+        c.kv_groups, blocks + 1, bs, c.num_kv_heads, c.head_dim, model.dtype, "cpu"
+    )
+    tables = [list(range(1, blocks + 1))] * len(c.kv_groups)
+    meta = model.backend.build_metadata([SequenceStep(n, n, tables)], c.kv_groups, bs, "cpu")
+    final, aux = forward_step(model, tokens, torch.arange(n), meta, cache, layers)
+    return final, torch.cat(aux, dim=-1)
+
+
+def _trainer(method: str, chat_target: Path, regenerated: Path, out: Path, **changes) -> Trainer:
+    model = load_model(chat_target)
+    samples = read_samples(regenerated / "samples.jsonl")
+    config = TrainConfig(
+        method=method,
+        aux_layers=LAYERS,
+        epochs=100.0,
+        max_steps=None,
+        lr=3e-3,
+        warmup_steps=1,
+        batch_tokens=100_000,
+        seed=0,
+        checkpoint_every=1000,
+        num_spec_tokens=4 if method == "eagle3" else 3,
+        draft_vocab_size=1024,
+        num_layers=2,
+        max_anchors=16,
+        decay_gamma=2.0,
+        mask_token_id=16,
+        bf16=False,
+    )
+    config = replace(config, **changes)
+    trainee = build_trainee(config, model, samples)
+    out.mkdir(parents=True, exist_ok=True)
+    return Trainer(config, trainee, model.config, samples, ShardReader(regenerated / "shards"), out)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_training_steps_lower_the_loss(
+    method: str, chat_target: Path, regenerated: Path, tmp_path: Path
+) -> None:
+    trainer = _trainer(method, chat_target, regenerated, tmp_path)
+    batch = trainer.train[:6]
+    seed_state = trainer.generator.get_state()
+
+    def loss() -> float:
+        trainer.generator.set_state(seed_state)  # the same DFlash anchors each time
+        m = trainer.evaluate(batch)
+        return m.loss / m.weight
+
+    before = loss()
+    for _ in range(10):
+        trainer.optimizer_step(batch)
+    after = loss()
+    assert after < 0.8 * before, (before, after)
+
+
+def test_trained_eagle3_is_what_serving_and_the_reference_compute(
+    chat_target: Path, regenerated: Path, tmp_path: Path
+) -> None:
+    """The exported drafter, loaded by the serving loader, gives the training forward's logits
+    at every TTT step, and so does the dense reference written from EAGLE-3's equations."""
+    trainer = _trainer("eagle3", chat_target, regenerated, tmp_path)
+    for _ in range(3):
+        trainer.optimizer_step(trainer.train)
+    trainer.export()
+    trainee = trainer.trainee
+    assert isinstance(trainee, Eagle3Trainee)
+    exported = load_file(tmp_path / "model.safetensors")
+    trainee.load_state_dict(
+        {k: v.float() if v.is_floating_point() else v for k, v in exported.items()}
+    )
+    sample = trainer.train[0]
+    tokens, aux, final = trainer.reader.rows(sample.rows, sample.num_tokens)
+    captured: list[torch.Tensor] = []
+    head = trainee.lm_head.forward
+    trainee.lm_head.forward = lambda x: captured.append(head(x)) or captured[-1]  # type: ignore[method-assign]
+    trainee.sequence_loss(tokens, aux, final, len(sample.prompt), 4)
+    first = max(0, len(sample.prompt) - 1 - 4)  # where steps >= 1 start (sequence_loss)
+
+    model = load_model(chat_target)
+    drafter = load_eagle3(tmp_path, model)
+    weights = {k: v.float() for k, v in exported.items()}
+    config = json.loads((tmp_path / "config.json").read_text())
+    dims = Dims.of(config)
+    embed = model.embed_tokens.weight
+    ids_of = drafter.draft_to_target
+    for p in (first + 1, sample.num_tokens - 6):
+        # Serving: step 0 over rows 0..p with target features, then 3 chained steps.
+        table = [list(range(1, 64))]
+        cache = drafter.make_kv_cache(64, 4)
+        meta = drafter.build_attn_metadata([SequenceStep(p + 1, p + 1, table)], 4, "cpu")
+        fused = drafter.combine_hidden_states(aux[: p + 1])
+        normed, pre = drafter(tokens[1 : p + 2], fused, torch.arange(p + 1), meta, cache)
+        outputs = [drafter.compute_logits(normed[-1:])[0, ids_of]]
+        feed = pre[-1:]
+        ref_ids, ref_hidden = tokens[1 : p + 2], fused
+        for j in range(1, 4):
+            meta = drafter.build_attn_metadata([SequenceStep(1, p + j + 1, table)], 4, "cpu")
+            ids = tokens[p + 1 + j : p + 2 + j]
+            ref_ids, ref_hidden = torch.cat([ref_ids, ids]), torch.cat([ref_hidden, feed])
+            normed, feed = drafter(ids, feed, torch.tensor([p + j]), meta, cache)
+            outputs.append(drafter.compute_logits(normed)[0, ids_of])
+            ref_normed, _ = eagle3_dense(weights, 1, False, embed, ref_ids, ref_hidden, dims)
+            reference = ref_normed[-1] @ weights["lm_head.weight"].T
+            torch.testing.assert_close(outputs[-1], reference, atol=2e-4, rtol=1e-4)
+        for j, got in enumerate(outputs):  # the training rows start at `first`
+            torch.testing.assert_close(got, captured[j][p - first], atol=2e-4, rtol=1e-4)
+
+
+def test_trained_dflash_is_what_serving_and_the_reference_compute(
+    chat_target: Path, regenerated: Path, tmp_path: Path
+) -> None:
+    trainer = _trainer("dflash", chat_target, regenerated, tmp_path)
+    for _ in range(3):
+        trainer.optimizer_step(trainer.train)
+    trainer.export()
+    trainee = trainer.trainee
+    assert isinstance(trainee, DFlashTrainee)
+    sample = trainer.train[0]
+    tokens, aux, _ = trainer.reader.rows(sample.rows, sample.num_tokens)
+    model = load_model(chat_target)
+    drafter = load_dflash(tmp_path, model)
+    weights = {k: v.float() for k, v in load_file(tmp_path / "model.safetensors").items()}
+    dims = Dims.of(json.loads((tmp_path / "config.json").read_text()))
+    trainee.load_state_dict({k: v for k, v in weights.items()})  # the exported (bf16) values
+    for anchor in (len(sample.prompt), sample.num_tokens - 3):
+        block = torch.tensor([int(tokens[anchor])] + [16] * 3)
+        # Serving: context K/V of rows < anchor, then the block.
+        cache = drafter.make_kv_cache(64, 4)
+        table = list(range(1, 64))
+        slots = torch.tensor([table[p // 4] * 4 + p % 4 for p in range(anchor)])
+        context = drafter.combine_hidden_states(aux[:anchor])
+        drafter.write_context_kv(context, torch.arange(anchor), slots, cache)
+        step = SequenceStep(4, anchor + 4, [table], causal=False)
+        meta = drafter.build_attn_metadata([step], 4, "cpu")
+        served = drafter(block, torch.arange(anchor, anchor + 4), meta, cache)
+        reference = dflash_dense(
+            weights, drafter.config.layer_attention, model.embed_tokens.weight,
+            aux[:anchor], block, dims,
+        )  # fmt: skip
+        torch.testing.assert_close(served, reference, atol=2e-4, rtol=1e-4)
+        logits = trainee_block_logits(trainee, tokens, aux, anchor)
+        torch.testing.assert_close(drafter.compute_logits(served[1:]), logits, atol=2e-3, rtol=1e-3)
+
+
+def trainee_block_logits(
+    trainee: DFlashTrainee, tokens: torch.Tensor, aux: torch.Tensor, anchor: int
+) -> torch.Tensor:
+    """The training forward's mask-row logits of one block (its anchors forced to `anchor`)."""
+    import specserve.training.dflash as dflash_module
+
+    captured: list[torch.Tensor] = []
+    sample_anchors = dflash_module._sample_anchors
+    cross_entropy = dflash_module.F.cross_entropy
+    try:
+        dflash_module._sample_anchors = lambda *a: torch.tensor([anchor])  # type: ignore[assignment]
+        dflash_module.F.cross_entropy = lambda x, y, reduction: (  # type: ignore[assignment]
+            captured.append(x.detach()) or cross_entropy(x, y, reduction=reduction)
+        )
+        with torch.no_grad():
+            trainee.sequence_loss(tokens, aux, 0, 1, torch.Generator())
+    finally:
+        dflash_module._sample_anchors = sample_anchors
+        dflash_module.F.cross_entropy = cross_entropy
+    return captured[0]
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_an_overfit_drafter_is_accepted_through_the_runner(
+    method: str, chat_target: Path, prompts_file: Path, tmp_path: Path
+) -> None:
+    """Trained to memorise the target's answers, the drafter's drafts are accepted by the
+    real scheduler, runner and verifier: mean acceptance length above K/2, and the output is
+    exactly the target's."""
+    args = _args(method, chat_target, prompts_file, tmp_path / "drafter")
+    report = train_drafter(args)
+    assert report["steps"] == args.steps
+    k = args.num_spec_tokens
+    samples = read_samples(tmp_path / "drafter" / "data" / "samples.jsonl")
+    prompts = [s.prompt for s in samples]
+    plain = specserve.LLM(str(chat_target))
+    expected = measure(plain, prompts, max_tokens=40, batch=4).outputs
+    spec = specserve.LLM(
+        str(chat_target), spec_method=method, drafter=str(tmp_path / "drafter"), num_spec_tokens=k
+    )
+    served = measure(spec, prompts, max_tokens=40, batch=4)
+    assert served.outputs == expected
+    assert served.stats.mean_acceptance_length > k / 2, served.stats
+
+
+def test_resume_continues_where_it_stopped(
+    chat_target: Path, prompts_file: Path, tmp_path: Path
+) -> None:
+    work = tmp_path / "data"
+    straight = _args("dflash", chat_target, prompts_file, tmp_path / "a", work_dir=work, steps=6)
+    train_drafter(replace(straight, checkpoint_every=3))
+    stopped = replace(straight, out=tmp_path / "b", steps=3, checkpoint_every=3)
+    train_drafter(stopped)
+    with pytest.raises(ValueError, match="--resume"):
+        train_drafter(replace(stopped, steps=6))
+    resumed = train_drafter(replace(stopped, steps=6, resume=True))
+    assert resumed["steps"] == 6
+    a = load_file(tmp_path / "a" / "model.safetensors")
+    b = load_file(tmp_path / "b" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    state = torch.load(tmp_path / "b" / STATE_FILE, weights_only=False)
+    assert state["step"] == 6
+
+
+def test_bad_input_is_refused_with_a_message_naming_it(
+    chat_target: Path, prompts_file: Path, regenerated: Path, tmp_path: Path
+) -> None:
+    args = _args("eagle3", chat_target, prompts_file, tmp_path / "out", steps=1)
+    with pytest.raises(CorpusError, match=r"cannot read data file .*missing.jsonl"):
+        train_drafter(replace(args, data=str(tmp_path / "missing.jsonl")))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "fine"}\n{"prompt": \n')
+    with pytest.raises(CorpusError, match=r"bad.jsonl:2: not JSON"):
+        train_drafter(replace(args, data=str(bad), work_dir=tmp_path / "w1"))
+    with pytest.raises(ValueError, match=r"--max-len 4096 exceeds .* maximum length 512"):
+        train_drafter(replace(args, max_len=4096))
+    # Data regenerated by another target (another vocabulary) is not mixed in.
+    manifest = json.loads((regenerated / "manifest.json").read_text())
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "manifest.json").write_text(
+        json.dumps({**manifest, "model": "smollm2-135m", "vocab_size": 32000})
+    )
+    with pytest.raises(ValueError, match="regenerated by 'smollm2-135m' \\(vocabulary 32000\\)"):
+        train_drafter(replace(args, work_dir=other))
+    # A drafter trained for another target is not evaluated (nor resumed) against this one.
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "config.json").write_text(
+        json.dumps({"specserve_training": {"target": "smollm2-135m"}})
+    )
+    with pytest.raises(ValueError, match="trained for 'smollm2-135m'"):
+        train_drafter(replace(args, out=tmp_path / "foreign", eval_only=True))

@@ -1,0 +1,100 @@
+"""`specserve train-drafter`: its flags (torch-free, so `specserve --help` stays fast) and run."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+DEFAULTS_NOTE = (
+    "Regenerates the chats' answers with the target (recording its hidden states) into the "
+    "work directory, then trains the drafter into OUT in the format vLLM, SGLang and specserve "
+    "load, checkpointing as it goes (--resume continues). OUT/training.json reports the run."
+)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train-drafter",
+        help="train an EAGLE-3 or DFlash drafter for a model",
+        description=DEFAULTS_NOTE,
+    )
+    p.add_argument("--method", required=True, choices=["eagle3", "dflash"])
+    p.add_argument("--model", default="smollm2-135m", help="bundled name or HF checkpoint dir")
+    p.add_argument("--out", required=True, type=Path, help="where the drafter goes")
+    p.add_argument(
+        "--data",
+        default="sharegpt",
+        help="'sharegpt' (needs specserve[train]) or a JSONL file of chats or prompts",
+    )
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="regenerated data (default OUT/data); both drafters can share one",
+    )
+    p.add_argument("--max-samples", type=int, default=2000, help="training chats")
+    p.add_argument("--held-out", type=int, default=200, help="leading chats never trained on")
+    p.add_argument("--max-len", type=int, default=1024, help="tokens per sample")
+    p.add_argument("--max-new-tokens", type=int, default=384, help="tokens per answer")
+    p.add_argument("--max-turns", type=int, default=2, help="user turns answered per chat")
+    p.add_argument("--epochs", type=float, default=2.0)
+    p.add_argument("--steps", type=int, default=None, help="stop after this many steps")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    p.add_argument("--batch-tokens", type=int, default=16384, help="tokens per optimizer step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-every", type=int, default=25, help="steps between checkpoints")
+    p.add_argument(
+        "--num-spec-tokens",
+        type=int,
+        default=None,
+        help="EAGLE-3: steps unrolled (default 5); DFlash: block size - 1 (15)",
+    )
+    p.add_argument("--draft-vocab-size", type=int, default=8192, help="EAGLE-3")
+    p.add_argument("--num-layers", type=int, default=2, help="DFlash drafter layers")
+    p.add_argument("--mask-token-id", type=int, default=None, help="DFlash")
+    p.add_argument("--no-bf16", action="store_true", help="train matmuls in float32")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--resume", action="store_true", help="continue OUT's last checkpoint")
+    p.add_argument(
+        "--eval-only",
+        action="store_true",
+        help="measure OUT's drafter on held-out prompts through the serving path",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from specserve.training.pipeline import TrainDrafterArgs, train_drafter
+
+    train_drafter(
+        TrainDrafterArgs(
+            method=args.method,
+            model=args.model,
+            out=args.out,
+            work_dir=args.work_dir,
+            data=args.data,
+            max_samples=args.max_samples,
+            held_out=args.held_out,
+            max_len=args.max_len,
+            max_new_tokens=args.max_new_tokens,
+            max_turns=args.max_turns,
+            epochs=args.epochs,
+            steps=args.steps,
+            lr=args.lr,
+            batch_tokens=args.batch_tokens,
+            seed=args.seed,
+            checkpoint_every=args.checkpoint_every,
+            num_spec_tokens=args.num_spec_tokens,
+            draft_vocab_size=args.draft_vocab_size,
+            num_layers=args.num_layers,
+            mask_token_id=args.mask_token_id,
+            bf16=not args.no_bf16,
+            resume=args.resume,
+            eval_only=args.eval_only,
+            threads=args.threads,
+            command=shlex.join(["specserve", *sys.argv[1:]]),
+        )
+    )
+    return 0

@@ -1,0 +1,195 @@
+"""EAGLE-3 training: the drafter unrolled on its own outputs ("training-time test").
+
+Serving (`worker/spec_decode/speculators.py`) runs the drafter like this: row p reads token
+p+1 and the fused target features of row p, at position p, and predicts token p+2; then each
+further draft step feeds back the drafter's own pre-norm output as the hidden input, with the
+token it just proposed, one position further on, attending to the context K/V (computed from
+target features) and to the K/V of the earlier steps of its own chain.
+
+Training reproduces exactly that over whole sequences. Step 0 runs every row with target
+features (causal attention over step-0 keys). Step j runs row p at position p+j with the
+step-(j-1) output of row p as hidden input and token p+1+j as input id (the target's own
+greedy token, i.e. what the drafter proposes whenever its chain is still accepted); its query
+sees step-0 keys of rows <= p and the keys of row p at steps 1..j. The loss of step j at row p
+is the cross entropy against the target's distribution at position p+1+j over the draft
+vocabulary, counted where token p+2+j is a response token whose target argmax the draft
+vocabulary holds; steps are weighted 0.8^j (EAGLE-3's schedule).
+
+Parameter names are those of `LlamaForCausalLMEagle3` checkpoints (`midlayer.*`, `fc`, `norm`,
+`lm_head`, `d2t`, `t2d`), the format vLLM, SGLang and `worker/spec_decode/eagle3.py` load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.training.layers import MLP, RMSNorm, SelfAttention, init_weights
+from specserve.worker.model_config import ModelConfig
+from specserve.worker.models import apply_rope, rope_cos_sin, rope_inv_freq
+
+STEP_WEIGHT = 0.8  # loss weight of TTT step j: STEP_WEIGHT ** j
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Per TTT step: loss rows, summed loss, and rows whose argmax matched the target's."""
+
+    rows: list[int]
+    loss: list[float]
+    correct: list[int]
+
+
+class Eagle3FirstLayer(nn.Module):
+    """The EAGLE-3 decoder layer: attention reads `[input_layernorm(embeds), hidden_norm(h)]`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.input_layernorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.self_attn = SelfAttention(config, 2 * hidden, qk_norm=False)
+        self.post_attention_layernorm = RMSNorm(hidden, config.rms_norm_eps)
+        self.mlp = MLP(hidden, config.intermediate_size)
+
+
+class Eagle3Trainee(nn.Module):
+    """The trainable EAGLE-3 drafter plus the frozen target parts its loss needs."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_aux_layers: int,
+        draft_ids: torch.Tensor,
+        target_embed: torch.Tensor,
+        target_head: torch.Tensor,
+    ) -> None:
+        """`config`: the drafter layer's geometry (the target's); `draft_ids`: the target ids
+        of the draft vocabulary, ascending; `target_embed`/`target_head`: the target's input
+        embeddings and LM head weight (frozen; shared, never saved)."""
+        super().__init__()
+        hidden = config.hidden_size
+        self.config = config
+        self.fc = nn.Linear(num_aux_layers * hidden, hidden, bias=False)
+        self.midlayer = Eagle3FirstLayer(config)
+        self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, draft_ids.numel(), bias=False)
+        init_weights(self)
+        with torch.no_grad():  # the target's head rows of the draft vocab: a strong start
+            self.lm_head.weight.copy_(target_head[draft_ids].float())
+        t2d = torch.zeros(target_embed.shape[0], dtype=torch.bool)
+        t2d[draft_ids] = True
+        self.register_buffer("d2t", draft_ids - torch.arange(draft_ids.numel()))
+        self.register_buffer("t2d", t2d)
+        self.draft_ids = draft_ids
+        self.target_embed = target_embed.detach().float()
+        self.target_head_draft = target_head[draft_ids].detach().float()
+        self.inv_freq = rope_inv_freq(config)
+
+    def sequence_loss(
+        self,
+        tokens: torch.Tensor,
+        aux: torch.Tensor,
+        final: torch.Tensor,
+        prompt_len: int,
+        num_steps: int,
+    ) -> tuple[torch.Tensor, StepStats]:
+        """Weighted TTT loss of one sequence (summed over its loss rows) and per-step stats.
+
+        `tokens [n]`; `aux [n, A]` and `final [n, H]` hold the target's rows (the last one is
+        never used: no token follows it). Step 0 runs every row (their K/V are the context
+        of all later rows); the later steps and every LM head run only from the first row
+        whose chain can still reach a response token.
+        """
+        n = tokens.shape[0]
+        m = n - 1  # rows with a next token
+        first = max(0, prompt_len - 1 - num_steps)  # row p's last step labels token p+num_steps+1
+        # The target's log-probabilities over the draft vocab at positions `first + 1 ..`.
+        target_logp = F.log_softmax(final[first + 1 : n] @ self.target_head_draft.T, dim=-1)
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        total = aux.new_zeros(())
+        stats = StepStats([], [], [])
+        hidden = self.fc(aux[:m])
+        for step in range(num_steps):
+            start = 0 if step == 0 else first
+            rows = m - step - start  # rows p >= start whose input token p+1+step exists
+            if rows <= 0:
+                break
+            p = torch.arange(start, start + rows)
+            ids = tokens[p + 1 + step]
+            hidden = self._step(ids, hidden[:rows], p + step, start, keys, values)
+            if step == 0:  # later steps start at `first`: keep those rows only
+                hidden = hidden[first:]
+            own = p[-hidden.shape[0] :] if step == 0 else p
+            label_pos = own + 2 + step  # the token the step predicts
+            mask = (label_pos >= prompt_len) & (label_pos < n)
+            labels = tokens[label_pos.clamp(max=n - 1)]
+            mask &= self.t2d[labels]
+            logits = self.lm_head(self.norm(hidden)).float()
+            targets = target_logp[(label_pos - 2 - first).clamp(max=target_logp.shape[0] - 1)]
+            row_loss = -(targets.exp() * F.log_softmax(logits, dim=-1)).sum(-1)
+            step_loss = (row_loss * mask).sum()
+            total = total + STEP_WEIGHT**step * step_loss
+            with torch.no_grad():
+                hits = (logits.argmax(-1) == targets.argmax(-1)) & mask
+            stats.rows.append(int(mask.sum()))
+            stats.loss.append(float(step_loss.detach()))
+            stats.correct.append(int(hits.sum()))
+        return total, stats
+
+    def _step(
+        self,
+        ids: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        first_row: int,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """One TTT step over rows `first_row ..` (step 0: all rows from 0); appends its
+        keys/values; returns the pre-norm output."""
+        layer = self.midlayer
+        attn = layer.self_attn
+        rows = ids.shape[0]
+        embeds = self.target_embed[ids]
+        x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        q = apply_rope(attn.queries(x), cos, sin)
+        k, v = attn.keys_values(x)
+        k = apply_rope(k, cos, sin)
+        keys.append(attn.expand_kv(k))
+        values.append(attn.expand_kv(v))
+        out = _chain_attention(q, keys, values, first_row, attn.scale)
+        h = hidden + attn.o_proj(out.reshape(rows, -1))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def _chain_attention(
+    q: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    first_row: int,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of step j's queries `[rows, H, D]` (rows `first_row ..`; step 0 starts at
+    row 0): causal over step 0's keys, plus each row's own keys of steps 1..j (the draft
+    chain that row has built), which are stored for rows `first_row ..` as well."""
+    rows = q.shape[0]
+    q = q.transpose(0, 1)  # [H, rows, D]
+    k0, v0 = keys[0].transpose(0, 1), values[0].transpose(0, 1)  # [H, m, D]
+    context = (q @ k0.transpose(1, 2)) * scale  # [H, rows, m]
+    row_ids = torch.arange(first_row, first_row + rows)
+    future = torch.arange(k0.shape[1])[None, :] > row_ids[:, None]
+    context = context.masked_fill(future, float("-inf"))
+    own = [(q * k[:rows].transpose(0, 1)).sum(-1, keepdim=True) * scale for k in keys[1:]]
+    weights = torch.softmax(torch.cat([context, *own], dim=-1).float(), dim=-1).to(q.dtype)
+    width = k0.shape[1]
+    out = weights[..., :width] @ v0
+    for i, v in enumerate(values[1:]):
+        out = out + weights[..., width + i : width + i + 1] * v[:rows].transpose(0, 1)
+    return out.transpose(0, 1)  # [rows, H, D]

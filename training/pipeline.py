@@ -1,0 +1,312 @@
+"""`specserve train-drafter`: from chats to a drafter in its serving format, resumable.
+
+1. Chats (`corpus.py`): the first `held_out` are held out for evaluation, training uses the
+   next `max_samples`.
+2. Regeneration (`regenerate.py`): the target answers them through specserve's engine and its
+   hidden states are recorded. Cached in the work directory, which both drafters can share;
+   a manifest there refuses data made by another target or with other settings.
+3. Training (`trainer.py`), checkpointed into the output directory.
+4. A report (`training.json`): the command, seed, data, wall times, tokens seen, and the
+   teacher-forced per-position accuracy on held-out samples.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from specserve.shared.tokenizer import load_tokenizer
+from specserve.training.corpus import SHAREGPT, read_chats
+from specserve.training.dflash import default_decay_gamma
+from specserve.training.features import ShardReader
+from specserve.training.regenerate import RegenerateOptions, regenerate
+from specserve.training.trainer import (
+    STATE_FILE,
+    TrainConfig,
+    Trainer,
+    build_trainee,
+    write_report,
+)
+
+log = structlog.get_logger(__name__)
+
+METHODS = ("eagle3", "dflash")
+BLOCK_SIZE = 16  # regeneration's KV cache holds `concurrency` sequences of `max_len` tokens
+# A token the chat never produces, whose (frozen) embedding marks DFlash's masked rows.
+MASK_TOKEN_CANDIDATES = ("<|mask|>", "<mask>", "<|MASK|>", "<empty_output>", "<unk>")
+
+
+@dataclass(frozen=True)
+class TrainDrafterArgs:
+    method: str
+    model: str
+    out: Path
+    work_dir: Path | None = None  # default: OUT/data
+    data: str = SHAREGPT
+    max_samples: int = 2000  # training chats
+    held_out: int = 200  # leading chats never trained on
+    eval_samples: int = 32  # held-out chats regenerated for evaluation
+    max_len: int = 1024
+    max_new_tokens: int = 384
+    max_turns: int = 2
+    concurrency: int = 64
+    epochs: float = 2.0
+    steps: int | None = None
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    batch_tokens: int = 16384
+    seed: int = 0
+    checkpoint_every: int = 25
+    num_spec_tokens: int | None = None  # default: 5 (EAGLE-3 TTT steps), 15 (DFlash)
+    draft_vocab_size: int = 8192
+    num_layers: int = 2
+    max_anchors: int = 32
+    mask_token_id: int | None = None  # DFlash; default: a special token the chat never uses
+    bf16: bool = True  # autocast training matmuls to bfloat16
+    resume: bool = False
+    eval_only: bool = False
+    threads: int | None = None
+    command: str = ""
+
+
+def aux_layers_for(num_target_layers: int) -> tuple[int, ...]:
+    """The target layers both drafters read (output of layer i): EAGLE-3's default low/mid/
+    high choice, which DFlash uses too, so one regeneration serves both."""
+    L = num_target_layers
+    return (1, L // 2 - 1, L - 4)
+
+
+def train_drafter(args: TrainDrafterArgs) -> dict[str, Any]:
+    """Run the whole pipeline; returns the report it also writes to OUT/training.json."""
+    if args.method not in METHODS:
+        raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {args.method!r}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import specserve  # the in-process engine; heavy, so imported when a run starts
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    work_dir = args.work_dir or args.out / "data"
+    started = time.perf_counter()
+    if args.eval_only:
+        report = evaluate_drafter(args, held_out_prompts(args, load_tokenizer(args.model), 64))
+        print(json.dumps(report, indent=2))
+        return report
+    llm = specserve.LLM(
+        args.model,
+        max_num_seqs=args.concurrency,
+        num_blocks=args.concurrency * -(-args.max_len // BLOCK_SIZE) + 1,
+        block_size=BLOCK_SIZE,
+        enable_prefix_caching=False,
+    )
+    _check_max_len(args, llm.engine.max_model_len)
+    target = llm.engine.loaded.model
+    layers = aux_layers_for(target.config.num_layers)
+    _check_manifest(work_dir, args, target.config.vocab_size, layers)
+    mask_token = None
+    if args.method == "dflash":
+        mask_token = pick_mask_token(llm.tokenizer, target.config.vocab_size, args.mask_token_id)
+    chats = list(islice(read_chats(args.data), args.held_out + args.max_samples))
+    if len(chats) <= args.held_out:
+        raise ValueError(
+            f"{args.data}: {len(chats)} chats, not more than the {args.held_out} held out"
+        )
+    held, train_chats = chats[: args.held_out], chats[args.held_out :]
+    options = RegenerateOptions(
+        args.max_len, args.max_new_tokens, args.max_turns, args.concurrency, wave=128
+    )
+    samples = regenerate(
+        llm,
+        held[: args.eval_samples] + train_chats,
+        {c.id for c in held},
+        work_dir,
+        layers,
+        options,
+    )
+    regenerate_seconds = time.perf_counter() - started
+    del llm  # frees the KV cache; the target stays for the loss
+    train = [s for s in samples if not s.held_out]
+    evaluation = [s for s in samples if s.held_out]
+    config = _train_config(args, target, layers, mask_token or 0)
+    trainee = build_trainee(config, target, train)
+    trainer = Trainer(
+        config, trainee, target.config, train, ShardReader(work_dir / "shards"), args.out
+    )
+    state = args.out / STATE_FILE
+    if args.resume and state.is_file():
+        trainer.load(state)
+        log.info("train.resumed", step=trainer.step, of=trainer.total_steps)
+    elif state.is_file() and not args.resume:
+        raise ValueError(f"{state} exists: pass --resume to continue it, or use another --out")
+    trainer.run()
+    held_out = trainer.evaluate(evaluation)
+    report = {
+        "method": args.method,
+        "model": args.model,
+        "command": args.command,
+        "seed": args.seed,
+        "data": args.data,
+        "train_samples": len(train),
+        "train_tokens": sum(s.num_tokens for s in train),
+        "response_tokens": sum(len(s.response) for s in train),
+        "steps": trainer.step,
+        "tokens_seen": trainer.tokens_seen,
+        "train_seconds": round(trainer.seconds, 1),
+        "regenerate_seconds": round(regenerate_seconds, 1),
+        "held_out_samples": len(evaluation),
+        "held_out_accuracy": [round(a, 4) for a in held_out.accuracy()],
+        "held_out_expected_acceptance_length": round(1 + held_out.expected_accepted(), 3),
+    }
+    write_report(args.out / "training.json", report)
+    return report
+
+
+def _train_config(
+    args: TrainDrafterArgs, target, layers: tuple[int, ...], mask: int
+) -> TrainConfig:
+    k = args.num_spec_tokens or (5 if args.method == "eagle3" else 15)
+    return TrainConfig(
+        method=args.method,
+        aux_layers=layers,
+        epochs=args.epochs,
+        max_steps=args.steps,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        batch_tokens=args.batch_tokens,
+        seed=args.seed,
+        checkpoint_every=args.checkpoint_every,
+        num_spec_tokens=k,
+        draft_vocab_size=args.draft_vocab_size,
+        num_layers=args.num_layers,
+        max_anchors=args.max_anchors,
+        decay_gamma=default_decay_gamma(k + 1),
+        mask_token_id=mask,
+        bf16=args.bf16,
+        provenance={
+            "target": args.model,
+            "command": args.command,
+            "seed": args.seed,
+            "num_spec_tokens": k,
+        },
+    )
+
+
+def pick_mask_token(tokenizer, vocab_size: int, explicit: int | None) -> int:
+    """DFlash's mask token: the one given, else the first of `MASK_TOKEN_CANDIDATES` the
+    tokenizer knows."""
+    if explicit is not None:
+        if not 0 <= explicit < vocab_size:
+            raise ValueError(
+                f"--mask-token-id {explicit} is outside the vocabulary 0..{vocab_size - 1}"
+            )
+        return explicit
+    for name in MASK_TOKEN_CANDIDATES:
+        token_id = tokenizer.token_to_id(name) if tokenizer is not None else None
+        if token_id is not None and token_id < vocab_size:
+            return token_id
+    raise ValueError(
+        "no mask token for DFlash: the tokenizer has none of "
+        f"{', '.join(MASK_TOKEN_CANDIDATES)}; pass --mask-token-id"
+    )
+
+
+def _check_max_len(args: TrainDrafterArgs, model_max_len: int) -> None:
+    if args.max_len > model_max_len:
+        raise ValueError(
+            f"--max-len {args.max_len} exceeds {args.model}'s maximum length {model_max_len}"
+        )
+    if args.max_len < 64:
+        raise ValueError(f"--max-len {args.max_len} is too short to train on (64 at least)")
+
+
+MANIFEST = "manifest.json"
+
+
+def _check_manifest(
+    work_dir: Path, args: TrainDrafterArgs, vocab_size: int, layers: tuple[int, ...]
+) -> None:
+    """Refuse regenerated data made by another target or with other settings."""
+    expected = {
+        "model": args.model,
+        "vocab_size": vocab_size,
+        "layers": list(layers),
+        "data": args.data,
+        "held_out": args.held_out,
+        "max_len": args.max_len,
+        "max_new_tokens": args.max_new_tokens,
+        "max_turns": args.max_turns,
+    }
+    path = work_dir / MANIFEST
+    if not path.is_file():
+        work_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(expected, indent=2, sort_keys=True) + "\n")
+        return
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    if found.get("vocab_size") != vocab_size or found.get("model") != args.model:
+        raise ValueError(
+            f"{work_dir} holds data regenerated by {found.get('model')!r} (vocabulary "
+            f"{found.get('vocab_size')}), not {args.model!r} (vocabulary {vocab_size}): "
+            "use another --work-dir"
+        )
+    different = sorted(k for k, v in expected.items() if found.get(k) != v)
+    if different:
+        shown = ", ".join(f"{k}={found.get(k)!r} (now {expected[k]!r})" for k in different)
+        raise ValueError(f"{work_dir} was regenerated with {shown}: use another --work-dir")
+
+
+def _check_drafter_target(out: Path, args: TrainDrafterArgs) -> None:
+    """A drafter already in OUT must have been trained for this target and method."""
+    config_path = out / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"no drafter in {out} (config.json missing): train one first")
+    config = json.loads(config_path.read_text())
+    made = config.get("specserve_training") or {}
+    if made.get("target") not in (None, args.model):
+        raise ValueError(
+            f"the drafter in {out} was trained for {made['target']!r}, not {args.model!r}"
+        )
+
+
+def evaluate_drafter(args: TrainDrafterArgs, prompts: list[list[int]]) -> dict[str, Any]:
+    """Mean acceptance length and per-position acceptance of the drafter in OUT on `prompts`,
+    through the serving path (batched, greedy)."""
+    import specserve
+    from specserve.training.evaluate import measure
+
+    _check_drafter_target(args.out, args)
+    k = args.num_spec_tokens or (5 if args.method == "eagle3" else 15)
+    llm = specserve.LLM(
+        args.model, spec_method=args.method, drafter=str(args.out), num_spec_tokens=k
+    )
+    stats = measure(llm, prompts, max_tokens=128, batch=16).stats
+    return {
+        "num_spec_tokens": k,
+        "prompts": len(prompts),
+        "mean_acceptance_length": round(stats.mean_acceptance_length, 3),
+        "per_position_acceptance": [round(r, 4) for r in stats.acceptance_rate_per_position],
+        "draft_rounds": stats.num_drafts,
+    }
+
+
+def held_out_prompts(args: TrainDrafterArgs, tokenizer, count: int) -> list[list[int]]:
+    """The first user turn of the first `count` held-out chats, chat template applied."""
+    chats = list(islice(read_chats(args.data), min(count, args.held_out)))
+    prompts = []
+    for chat in chats:
+        turns = []
+        for role, text in chat.turns:
+            turns.append({"role": role, "content": text})
+            if role == "user":
+                break
+        text = tokenizer.apply_chat_template(turns, add_generation_prompt=True)
+        prompts.append(tokenizer.encode(text, add_special_tokens=False)[-args.max_len // 2 :])
+    return prompts

@@ -1,0 +1,224 @@
+"""Regenerate the assistant turns of chats with the target itself, through specserve's engine.
+
+A drafter is verified against the target's own outputs, so it is trained on them: every user
+turn of a chat is answered greedily by the target (batched), turn after turn, with its earlier
+answers in the history. Each answered turn becomes one sample: the prompt's token ids (chat
+template applied) and the response's, plus the target's hidden states at every position
+(`features.py`), recorded by the same forward passes that generated the response. The prefix
+cache is off for the run, so that every position of a sample is computed by its own request.
+
+A wave of chats is written at once (its shard, then its JSON lines), so a stopped run resumes
+at the first wave it had not finished.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import structlog
+import torch
+
+from specserve.shared.protocol import SamplingParams
+from specserve.training.corpus import Chat
+from specserve.training.features import FeatureRecorder, SampleRows, write_shard
+from specserve.training.progress import Progress
+
+log = structlog.get_logger(__name__)
+
+MIN_RESPONSE_TOKENS = 16  # a prompt leaving less room than this is skipped
+
+
+class Sample(msgspec.Struct, frozen=True):
+    """One regenerated turn: the target's greedy response to `prompt`."""
+
+    chat: str
+    turn: int
+    held_out: bool
+    prompt: list[int]
+    response: list[int]
+    finish: str
+    shard: str  # file under the work dir's shards/ holding the rows
+    row: int  # the sample's first row there
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.response)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt + self.response
+
+    @property
+    def rows(self) -> SampleRows:
+        return SampleRows(self.shard, self.row)
+
+
+@dataclass(frozen=True)
+class RegenerateOptions:
+    max_len: int  # prompt + response tokens of one sample
+    max_new_tokens: int
+    max_turns: int
+    concurrency: int  # requests in flight at once
+    wave: int  # chats per wave (one engine call per turn of a wave)
+
+
+def read_samples(path: Path) -> list[Sample]:
+    """Samples written so far (a torn last line from an interrupted run is dropped)."""
+    if not path.is_file():
+        return []
+    decoder = msgspec.json.Decoder(Sample)
+    samples = []
+    for line in path.read_bytes().splitlines():
+        try:
+            samples.append(decoder.decode(line))
+        except msgspec.DecodeError:
+            break
+    return samples
+
+
+def regenerate(
+    llm,  # specserve.LLM with prefix caching off; the caller owns the model
+    chats: Sequence[Chat],
+    held_out_ids: set[str],
+    work_dir: Path,
+    layers: Sequence[int],
+    options: RegenerateOptions,
+) -> list[Sample]:
+    """Answer every user turn of `chats` with `llm`, recording the target's hidden states at
+    `layers`; samples go to `work_dir/samples.jsonl`, rows to `work_dir/shards/`.
+
+    Chats whose samples are already there are skipped, so calling it again after a stop
+    continues the run.
+    """
+    index = work_dir / "samples.jsonl"
+    done = [s for s in read_samples(index) if (work_dir / "shards" / s.shard).is_file()]
+    finished_chats = {s.chat for s in done}
+    todo = [c for c in chats if c.id not in finished_chats]
+    _rewrite(index, done)  # drops a torn last line before appending
+    recorder = FeatureRecorder(layers)
+    llm.engine.runner.recorder = recorder
+    progress = Progress(
+        "regenerating", total=len(chats), unit="chats", initial=len(chats) - len(todo)
+    )
+    try:
+        with index.open("ab") as out:
+            for first in range(0, len(todo), options.wave):
+                wave = todo[first : first + options.wave]
+                answered = _answer_wave(llm, recorder, wave, options)
+                samples = _save_wave(work_dir, answered, held_out_ids)
+                for sample in samples:
+                    out.write(msgspec.json.encode(sample) + b"\n")
+                out.flush()
+                done.extend(samples)
+                progress.update(len(wave), tokens=sum(len(s.response) for s in samples))
+    finally:
+        llm.engine.runner.recorder = None
+        progress.close()
+    return done
+
+
+@dataclass(frozen=True)
+class _Answer:
+    chat: str
+    turn: int
+    prompt: list[int]
+    response: list[int]
+    finish: str
+    aux: torch.Tensor
+    final: torch.Tensor
+
+
+def _save_wave(work_dir: Path, answers: Sequence[_Answer], held_out_ids: set[str]) -> list[Sample]:
+    if not answers:
+        return []
+    shards = work_dir / "shards"
+    name = f"wave-{len(list(shards.glob('wave-*.safetensors'))):05d}.safetensors"
+    firsts = write_shard(shards / name, [(a.prompt + a.response, a.aux, a.final) for a in answers])
+    return [
+        Sample(a.chat, a.turn, a.chat in held_out_ids, a.prompt, a.response, a.finish, name, first)
+        for a, first in zip(answers, firsts, strict=True)
+    ]
+
+
+def _answer_wave(
+    llm, recorder: FeatureRecorder, wave: Sequence[Chat], options: RegenerateOptions
+) -> list[_Answer]:
+    """All turns of one wave of chats: turn k of every chat in one batched engine call."""
+    tokenizer = llm.tokenizer
+    histories: dict[str, list[dict[str, str]]] = {c.id: [] for c in wave}
+    pending = {c.id: list(c.turns) for c in wave}
+    answers: list[_Answer] = []
+    for turn in range(options.max_turns):
+        prompts: list[tuple[str, list[int]]] = []
+        for chat in wave:
+            messages = _next_prompt(histories[chat.id], pending[chat.id])
+            if messages is None:
+                continue
+            ids = tokenizer.encode(
+                tokenizer.apply_chat_template(messages, add_generation_prompt=True),
+                add_special_tokens=False,
+            )
+            if len(ids) + MIN_RESPONSE_TOKENS > options.max_len:
+                pending[chat.id] = []  # the history outgrew max_len: the chat ends here
+                continue
+            prompts.append((chat.id, ids))
+        if not prompts:
+            break
+        params = [
+            SamplingParams(
+                max_tokens=min(options.max_new_tokens, options.max_len - len(ids)),
+                temperature=0.0,
+            )
+            for _, ids in prompts
+        ]
+        recorder.clear()
+        outputs = llm.generate([ids for _, ids in prompts], params)
+        for (chat_id, ids), output in zip(prompts, outputs, strict=True):
+            response = list(output.token_ids)
+            rows = recorder.take(output.request_id, len(ids) + len(response) - 1)
+            if output.error is not None or rows is None or not response:
+                log.warning(
+                    "regenerate.turn_dropped",
+                    chat=chat_id,
+                    turn=turn,
+                    error=output.error or "hidden states incomplete",
+                )
+                pending[chat_id] = []
+                continue
+            finish = output.finish_reason or ""
+            answers.append(_Answer(chat_id, turn, ids, response, finish, *rows))
+            text = tokenizer.decode(response)
+            histories[chat_id].append({"role": "assistant", "content": text})
+    return answers
+
+
+def _next_prompt(
+    history: list[dict[str, str]], pending: list[tuple[str, str]]
+) -> list[dict[str, str]] | None:
+    """Move turns up to and including the next user turn into `history`; None when done."""
+    while pending:
+        role, text = pending.pop(0)
+        history.append({"role": role, "content": text})
+        if role == "user":
+            return list(history)
+    return None
+
+
+def _rewrite(path: Path, samples: Iterable[Sample]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("wb") as out:
+        for sample in samples:
+            out.write(msgspec.json.encode(sample) + b"\n")
+    tmp.replace(path)
+
+
+def save_json(path: Path, value: object) -> None:
+    """Write `value` as indented JSON, atomically."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)

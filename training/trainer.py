@@ -1,0 +1,350 @@
+"""The training loop shared by both drafters: batches, schedule, checkpoints, resume, progress.
+
+An optimizer step takes whole samples (in a seeded order, reshuffled each epoch) until it holds
+`batch_tokens` tokens, and averages their losses. Every `checkpoint_every` steps, and at the
+end, the trainer writes the drafter in its serving format to the output directory and its own
+state (weights, optimizer, schedule, position, random state) next to it, so `--resume`
+continues exactly where the last checkpoint was taken.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from specserve.training.dflash import DFlashTrainee
+from specserve.training.eagle3 import Eagle3Trainee
+from specserve.training.export import dflash_config, eagle3_config, save_checkpoint
+from specserve.training.features import ShardReader
+from specserve.training.progress import Progress
+from specserve.training.regenerate import Sample
+
+log = structlog.get_logger(__name__)
+
+STATE_FILE = "train_state.pt"
+EXPORT_DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that shapes a run; stored with its state so a resume can check it."""
+
+    method: str  # eagle3 | dflash
+    aux_layers: tuple[int, ...]  # target layers the drafter reads (output of layer i)
+    epochs: float
+    max_steps: int | None
+    lr: float
+    warmup_steps: int
+    batch_tokens: int
+    seed: int
+    checkpoint_every: int
+    num_spec_tokens: int  # EAGLE-3: TTT steps; DFlash: mask rows (block = K + 1)
+    draft_vocab_size: int  # EAGLE-3
+    num_layers: int  # DFlash
+    max_anchors: int  # DFlash blocks per sequence
+    decay_gamma: float  # DFlash
+    mask_token_id: int  # DFlash
+    bf16: bool  # autocast matmuls to bfloat16 (weights and optimizer stay float32)
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Metrics:
+    """Running sums since the last report, per draft position."""
+
+    loss: float = 0.0
+    weight: float = 0.0
+    rows: list[int] = field(default_factory=list)
+    correct: list[int] = field(default_factory=list)
+    tokens: int = 0
+
+    def add(self, rows: Sequence[int], correct: Sequence[int]) -> None:
+        if len(self.rows) < len(rows):
+            self.rows += [0] * (len(rows) - len(self.rows))
+            self.correct += [0] * (len(rows) - len(self.correct))
+        for i, (r, c) in enumerate(zip(rows, correct, strict=True)):
+            self.rows[i] += r
+            self.correct[i] += c
+
+    def accuracy(self) -> list[float]:
+        return [c / r if r else 0.0 for r, c in zip(self.rows, self.correct, strict=True)]
+
+    def expected_accepted(self) -> float:
+        """Teacher-forced estimate of drafts accepted per round: sum of cumulative products
+        of per-position accuracies (each position counts only if all before it matched)."""
+        total, alive = 0.0, 1.0
+        for acc in self.accuracy():
+            alive *= acc
+            total += alive
+        return total
+
+
+def draft_vocabulary(samples: Sequence[Sample], vocab_size: int, size: int) -> torch.Tensor:
+    """The `size` target ids most frequent in the responses (EAGLE-3's reduced vocabulary),
+    ascending; ties and unused slots go to the lowest ids."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for sample in samples:
+        counts += torch.bincount(torch.tensor(sample.response), minlength=vocab_size)
+    size = min(size, vocab_size)
+    order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))
+    return torch.tensor(sorted(order[:size]))
+
+
+def build_trainee(
+    config: TrainConfig, target, samples: Sequence[Sample]
+) -> Eagle3Trainee | DFlashTrainee:
+    """A fresh drafter for `target` (a `DecoderModel`)."""
+    torch.manual_seed(config.seed)
+    head = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+    embed = target.embed_tokens.weight
+    if config.method == "eagle3":
+        ids = draft_vocabulary(samples, target.config.vocab_size, config.draft_vocab_size)
+        return Eagle3Trainee(target.config, len(config.aux_layers), ids, embed, head)
+    return DFlashTrainee(
+        target.config,
+        config.num_layers,
+        len(config.aux_layers),
+        config.mask_token_id,
+        config.num_spec_tokens + 1,
+        embed,
+        head,
+        config.decay_gamma,
+    )
+
+
+def plan_batches(
+    samples: Sequence[Sample], batch_tokens: int, seed: int, epoch: int
+) -> list[list[int]]:
+    """Sample indices per optimizer step for one epoch (a seeded shuffle, packed by tokens)."""
+    order = list(range(len(samples)))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    batches: list[list[int]] = [[]]
+    tokens = 0
+    for i in order:
+        if tokens >= batch_tokens:
+            batches.append([])
+            tokens = 0
+        batches[-1].append(i)
+        tokens += samples[i].num_tokens
+    return [b for b in batches if b]
+
+
+class Trainer:
+    def __init__(
+        self,
+        config: TrainConfig,
+        trainee: Eagle3Trainee | DFlashTrainee,
+        target_config,
+        train: Sequence[Sample],
+        reader: ShardReader,
+        out: Path,
+    ) -> None:
+        self.config = config
+        self.trainee = trainee
+        self.target_config = target_config
+        self.train = list(train)
+        self.reader = reader
+        self.out = out
+        params = [p for p in trainee.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95))
+        self.steps_per_epoch = len(plan_batches(self.train, config.batch_tokens, config.seed, 0))
+        total = math.ceil(self.steps_per_epoch * config.epochs)
+        self.total_steps = min(total, config.max_steps) if config.max_steps else total
+        self.step = 0
+        self.tokens_seen = 0
+        self.seconds = 0.0
+        self.generator = torch.Generator().manual_seed(config.seed)
+
+    # ---- state -----------------------------------------------------------------------------
+
+    def save(self) -> None:
+        """Export the drafter and the training state (atomically, the state last)."""
+        self.export()
+        state = {
+            "config": asdict(self.config),
+            "model": self.trainee.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "seconds": self.seconds,
+            "generator": self.generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
+        }
+        tmp = self.out / (STATE_FILE + ".tmp")
+        torch.save(state, tmp)
+        tmp.replace(self.out / STATE_FILE)
+
+    def load(self, path: Path) -> None:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        saved = TrainConfig(
+            **{**state["config"], "aux_layers": tuple(state["config"]["aux_layers"])}
+        )
+        mismatched = [
+            name
+            for name in ("method", "aux_layers", "seed", "batch_tokens", "num_spec_tokens",
+                         "draft_vocab_size", "num_layers", "mask_token_id")
+            if getattr(saved, name) != getattr(self.config, name)
+        ]  # fmt: skip
+        if mismatched:
+            raise ValueError(
+                f"cannot resume {path}: it was started with different "
+                + ", ".join(f"{n}={getattr(saved, n)!r}" for n in mismatched)
+            )
+        self.trainee.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = state["step"]
+        self.tokens_seen = state["tokens_seen"]
+        self.seconds = state["seconds"]
+        self.generator.set_state(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+
+    def export(self) -> None:
+        config = self.config
+        provenance = {
+            **config.provenance,
+            "steps": self.step,
+            "tokens_seen": self.tokens_seen,
+            "train_seconds": round(self.seconds, 1),
+        }
+        state = {k: v for k, v in self.trainee.state_dict().items() if not k.startswith("target_")}
+        if config.method == "eagle3":
+            assert isinstance(self.trainee, Eagle3Trainee)
+            hf = eagle3_config(
+                self.target_config,
+                config.aux_layers,
+                self.trainee.lm_head.out_features,
+                EXPORT_DTYPE,
+                provenance,
+            )
+        else:
+            hf = dflash_config(
+                self.target_config,
+                config.num_layers,
+                config.aux_layers,
+                config.mask_token_id,
+                config.num_spec_tokens + 1,
+                EXPORT_DTYPE,
+                provenance,
+            )
+        save_checkpoint(self.out, hf, state, EXPORT_DTYPE)
+
+    # ---- the loop --------------------------------------------------------------------------
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up, then cosine decay to a tenth of the peak."""
+        peak, warmup = self.config.lr, self.config.warmup_steps
+        if step < warmup:
+            return peak * (step + 1) / warmup
+        progress = (step - warmup) / max(1, self.total_steps - warmup)
+        return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+    def run(self) -> Metrics:
+        """Train to `total_steps` from wherever the state is; returns the last metrics."""
+        progress = Progress(
+            f"training {self.config.method}", self.total_steps, "steps", initial=self.step
+        )
+        metrics = Metrics()
+        epoch, offset = divmod(self.step, self.steps_per_epoch)
+        plan = plan_batches(self.train, self.config.batch_tokens, self.config.seed, epoch)
+        self.trainee.train()
+        while self.step < self.total_steps:
+            if offset >= len(plan):
+                epoch, offset = epoch + 1, 0
+                plan = plan_batches(self.train, self.config.batch_tokens, self.config.seed, epoch)
+            started = time.perf_counter()
+            step_metrics = self.optimizer_step([self.train[i] for i in plan[offset]])
+            self.seconds += time.perf_counter() - started
+            offset += 1
+            self.step += 1
+            self.tokens_seen += step_metrics.tokens
+            metrics = step_metrics
+            accuracy = step_metrics.accuracy()
+            progress.update(
+                1,
+                tokens=step_metrics.tokens,
+                loss=step_metrics.loss / max(step_metrics.weight, 1e-9),
+                acc1=accuracy[0] if accuracy else 0.0,
+                al=1 + step_metrics.expected_accepted(),
+            )
+            if self.step % self.config.checkpoint_every == 0 or self.step == self.total_steps:
+                self.save()
+        progress.close()
+        return metrics
+
+    def optimizer_step(self, batch: Sequence[Sample]) -> Metrics:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(self.step)
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = Metrics()
+        losses = []
+        for sample in batch:
+            result = self.sample_loss(sample, metrics)
+            if result is not None:
+                losses.append(result)
+        if metrics.weight <= 0:
+            return metrics
+        loss = torch.stack(losses).sum() / metrics.weight
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.trainee.parameters(), 1.0)
+        self.optimizer.step()
+        return metrics
+
+    def sample_loss(self, sample: Sample, metrics: Metrics) -> torch.Tensor | None:
+        """One sample's summed loss; adds its rows, hits, weight and tokens to `metrics`."""
+        tokens, aux, final = self.reader.rows(sample.rows, sample.num_tokens)
+        metrics.tokens += sample.num_tokens
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.bf16):
+            return self._sample_loss(sample, tokens, aux, final, metrics)
+
+    def _sample_loss(
+        self,
+        sample: Sample,
+        tokens: torch.Tensor,
+        aux: torch.Tensor,
+        final: torch.Tensor,
+        metrics: Metrics,
+    ) -> torch.Tensor | None:
+        prompt_len = len(sample.prompt)
+        if isinstance(self.trainee, Eagle3Trainee):
+            loss, stats = self.trainee.sequence_loss(
+                tokens, aux, final, prompt_len, self.config.num_spec_tokens
+            )
+            metrics.add(stats.rows, stats.correct)
+            metrics.weight += stats.rows[0] if stats.rows else 0
+            metrics.loss += sum(stats.loss[:1])
+            return loss
+        result = self.trainee.sequence_loss(
+            tokens, aux, prompt_len, self.config.max_anchors, self.generator
+        )
+        if result is None:
+            return None
+        loss, block = result
+        metrics.add(block.rows, block.correct)
+        metrics.weight += block.weight
+        metrics.loss += float(loss.detach())
+        return loss
+
+    @torch.no_grad()
+    def evaluate(self, samples: Sequence[Sample]) -> Metrics:
+        """Teacher-forced per-position accuracy on `samples` (e.g. the held-out ones)."""
+        self.trainee.eval()
+        metrics = Metrics()
+        for sample in samples:
+            self.sample_loss(sample, metrics)
+        self.trainee.train()
+        return metrics
+
+
+def write_report(path: Path, report: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
