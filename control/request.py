@@ -94,8 +94,6 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
     adapter: str | None = None
-    # KV arrives from elsewhere (prefill/decode disaggregation): the drafter cannot run on it.
-    load_kv_async: bool = False
 
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(init=False)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specserve.control.kv_cache_manager import CacheHit, KVCacheManager
+from specserve.control.kv_cache_manager import KVCacheManager
 from specserve.control.request import Request, RequestStatus, SpecDecodingStats
 from specserve.control.request_queue import make_queue
 from specserve.shared.config import CacheConfig, SchedulerConfig, SchedulingPolicy, SpecConfig
@@ -67,11 +67,12 @@ class Scheduler:
             cache_config, config.max_model_len, use_eagle=self.spec.reads_target_hidden_states
         )
         self.lookahead_tokens = self.spec.lookahead_tokens
+        # KV is always computed here, so a first prefill gets the full lookahead too.
+        self.admission_lookahead = self.spec.admission_lookahead_tokens(kv_arrives_async=False)
         self.draft_slots = self.spec.drafter_input_slots
         self.requests: dict[str, Request] = {}
         self.waiting = make_queue(config.policy)
         self.running: list[Request] = []
-        self.waiting_for_kv: dict[str, Request] = {}
         self._finished_spec_stats = SpecDecodingStats()  # folded in as requests finish
         self.num_preemptions = 0
         self._hash_block_size = cache_config.hash_block_size
@@ -147,22 +148,13 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            elif request_id in self.waiting_for_kv:
-                del self.waiting_for_kv[request_id]
             else:
                 self.waiting.remove(request)
             self._finish(request, RequestStatus.FINISHED_ABORTED)
 
-    def on_remote_kv_ready(self, request_id: str) -> None:
-        """KV for all but the last prompt token has arrived; schedule the rest normally."""
-        request = self.waiting_for_kv.pop(request_id)
-        request.num_computed_tokens = request.num_tokens - 1
-        request.status = RequestStatus.WAITING
-        self.waiting.push_front(request)
-
     @property
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or len(self.waiting) or self.waiting_for_kv)
+        return bool(self.running or len(self.waiting))
 
     # --- scheduling -------------------------------------------------------------------------
 
@@ -257,14 +249,9 @@ class Scheduler:
             and len(self.running) < cfg.max_num_seqs
         ):
             request = self.waiting.peek()
-            if request.num_computed_tokens == 0:
-                hit = self.kv.get_computed_blocks(request)
-            else:  # remote KV arrived
-                hit = CacheHit.empty(self.kv.num_groups)
-            num_computed = request.num_computed_tokens + hit.num_tokens
+            hit = self.kv.get_computed_blocks(request)
+            num_computed = hit.num_tokens  # waiting requests hold no KV (new, or preempted)
             n = request.num_tokens - num_computed
-            if request.load_kv_async and request.num_computed_tokens == 0:
-                n = max(n - 1, 0)  # slots for the transferred KV; the last token is computed here
             if 0 < cfg.long_prefill_token_threshold < n:
                 n = cfg.long_prefill_token_threshold
             if not cfg.enable_chunked_prefill and n > token_budget:
@@ -272,16 +259,11 @@ class Scheduler:
             n = min(n, token_budget, input_budget - self.draft_slots)
             if n <= 0:
                 break
-            lookahead = self.admission_lookahead(request)
-            new_ids = self.kv.allocate_slots(request, n, hit, lookahead)
+            new_ids = self.kv.allocate_slots(request, n, hit, self.admission_lookahead)
             if new_ids is None:
                 break  # waiting requests never preempt running ones
             self.waiting.pop()
             self.kv.record_prefix_stats(request, hit)
-            if request.load_kv_async and request.num_computed_tokens == 0:
-                self.waiting_for_kv[request.request_id] = request
-                request.load_kv_async = False  # what remains is computed locally
-                continue
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             new_requests.append(
@@ -300,17 +282,6 @@ class Scheduler:
             num_scheduled[request.request_id] = n
             token_budget -= n
             input_budget -= n + self.draft_slots
-
-    def admission_lookahead(self, request: Request) -> int:
-        """Lookahead slots for a request being admitted.
-
-        The drafter already runs in the first prefill's step and writes KV past the prompt, so a
-        normal first prefill gets the full lookahead. Only a request whose KV arrives from
-        elsewhere, with a drafter that needs target hidden states it cannot have, skips it.
-        """
-        if request.load_kv_async and self.spec.reads_target_hidden_states:
-            return 0
-        return self.lookahead_tokens
 
     def _pick_victim(self) -> Request:
         if self.config.policy == SchedulingPolicy.PRIORITY:

@@ -73,6 +73,18 @@ class SpecConfig:
             return self.num_spec_tokens
         return 0
 
+    def admission_lookahead_tokens(self, *, kv_arrives_async: bool) -> int:
+        """Lookahead slots for a request's first allocation (seed 001).
+
+        The drafter already runs in the first prefill's step and writes KV past the prompt, so a
+        normal first prefill gets the full lookahead. Only a request whose KV arrives from
+        elsewhere (prefill/decode disaggregation), with a drafter that needs target hidden states
+        it cannot have, may skip it.
+        """
+        if kv_arrives_async and self.reads_target_hidden_states:
+            return 0
+        return self.lookahead_tokens
+
     @property
     def reads_target_hidden_states(self) -> bool:
         """EAGLE-style drafters: their draft KV at a block's last position depends on the next

@@ -100,7 +100,7 @@ def test_dflash_first_prefill_reserves_k_plus_one_lookahead_slots():
 
 def test_removing_the_first_prefill_lookahead_is_caught(monkeypatch):
     s = make_scheduler(SpecConfig("dflash", 3))
-    monkeypatch.setattr(s, "admission_lookahead", lambda request: 0)
+    monkeypatch.setattr(s, "admission_lookahead", 0)
     req = add(s, "a", list(range(16)))
     s.schedule()
     assert s.kv.block_ids(req) == [[1]]
@@ -129,23 +129,16 @@ def test_lookahead_per_method_at_first_prefill_and_in_decode(method, k, lookahea
 
 
 def test_async_kv_skips_lookahead_only_for_hidden_state_drafters():
-    s = make_scheduler(SpecConfig("eagle3", 3), block_size=4)
-    remote = add(s, "remote", list(range(12)), load_kv_async=True)
-    local = add(s, "local", list(range(100, 112)))
-    step = s.schedule()
-    assert s.kv.block_ids(remote) == [[1, 2, 3]]  # 11 transferred slots, no lookahead
-    assert len(s.kv.block_ids(local)[0]) == 4  # 12 + 3 lookahead slots
-    assert "remote" not in step.num_scheduled_tokens and remote.request_id in s.waiting_for_kv
-    s.on_remote_kv_ready("remote")
-    s.update_from_output(step, ScriptedWorker(s).result(step))
-    step = s.schedule()
-    assert step.num_scheduled_tokens["remote"] == 1
-    assert step.batch.new_requests[0].num_computed_tokens == 11
-    assert len(s.kv.block_ids(remote)[0]) == 4  # now with its lookahead
+    for method, k, lookahead in [("eagle3", 3, 3), ("dflash", 3, 4)]:
+        spec = SpecConfig(method, k)
+        assert spec.admission_lookahead_tokens(kv_arrives_async=True) == 0
+        assert spec.admission_lookahead_tokens(kv_arrives_async=False) == lookahead
+    assert SpecConfig("ngram", 3).admission_lookahead_tokens(kv_arrives_async=True) == 0
 
-    ngram = make_scheduler(SpecConfig("ngram", 3), block_size=4)
-    add(ngram, "r", list(range(12)), load_kv_async=True)
-    assert ngram.admission_lookahead(ngram.waiting.peek()) == 0
+    s = make_scheduler(SpecConfig("eagle3", 3), block_size=4)
+    local = add(s, "local", list(range(100, 112)))
+    s.schedule()
+    assert len(s.kv.block_ids(local)[0]) == 4  # 12 + 3 lookahead slots
 
 
 # --- chunked prefill, drafts, rollback -----------------------------------------------------

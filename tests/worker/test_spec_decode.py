@@ -17,7 +17,6 @@ import torch
 from drafter_checkpoints import write_random_dflash, write_random_eagle3
 from hf_reference import hf_greedy, prompts
 
-from specserve.control.scheduler import Scheduler
 from specserve.llm import LLM
 from specserve.shared.config import SpecMethod
 from specserve.shared.protocol import SamplingParams, StepResult
@@ -207,12 +206,12 @@ def test_dflash_drafts_do_not_depend_on_prefix_sharing(qwen3_ckpt, tmp_path):
 
 
 def test_removing_the_first_prefill_lookahead_makes_dflash_fail(qwen3_ckpt, tmp_path, monkeypatch):
-    monkeypatch.setattr(Scheduler, "admission_lookahead", lambda self, request: 0)
     drafter = _drafter(qwen3_ckpt, "dflash", tmp_path)
     llm = LLM(
         str(qwen3_ckpt.path), spec_method="dflash", drafter=drafter, num_spec_tokens=K,
         block_size=4, num_blocks=64,
     )  # fmt: skip
+    monkeypatch.setattr(llm.engine.scheduler, "admission_lookahead", 0)
     with pytest.raises(DraftSlotError, match="lookahead is too small"):
         llm.generate(prompts([16], seed=3)[0], SamplingParams(max_tokens=4, temperature=0.0))
 
