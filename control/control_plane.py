@@ -21,7 +21,6 @@ import signal
 import threading
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass
 
 import structlog
@@ -32,13 +31,13 @@ from specserve.cache_index.schema import key_model_name
 from specserve.control.frontend import ClientRequest, Frontend
 from specserve.control.index_sync import IndexSync
 from specserve.control.metrics import ServiceMetrics
-from specserve.control.request import Request, SpecDecodingStats
-from specserve.control.router import Candidate, Router, Routing
+from specserve.control.placement import Placement
+from specserve.control.request import SpecDecodingStats
+from specserve.control.router import Router, Routing
 from specserve.control.scheduler import RequestUpdate, Scheduler
 from specserve.control.worker_handle import WorkerHandle
 from specserve.shared import protocol
 from specserve.shared.config import SchedulingPolicy
-from specserve.shared.hashing import BlockHash, extend_block_hashes
 from specserve.shared.protocol import (
     PROTOCOL_VERSION,
     AbortRequest,
@@ -53,7 +52,6 @@ from specserve.shared.protocol import (
     SpecStats,
     StepResult,
     Welcome,
-    check_token_ids,
     check_worker_id,
 )
 from specserve.shared.tokenizer import load_tokenizer
@@ -85,7 +83,7 @@ class ControlPlane:
     def __init__(self, args: ControlArgs) -> None:
         self.args = args
         self.policy = SchedulingPolicy(args.policy)
-        self.router = Router(Routing(args.routing), args.load_weight)
+        router = Router(Routing(args.routing), args.load_weight)
         if args.heartbeat_timeout_s <= 0 or args.step_timeout_s <= 0:
             raise ValueError("heartbeat_timeout_s and step_timeout_s must be > 0")
         self.frontend = Frontend(load_tokenizer(args.model))
@@ -93,13 +91,13 @@ class ControlPlane:
         self.metrics = ServiceMetrics()
         self.workers: dict[str, WorkerHandle] = {}
         self.requests: dict[str, ClientRequest] = {}
-        self.pending: deque[str] = deque()  # accepted while no worker was available
         self._registrations = itertools.count(1)
         self._reregistered: dict[bytes, float] = {}  # identity -> last Reregister sent
         client = None
         if args.redis_url:
             client = connect(args.redis_url, socket_timeout=0.5, connect_timeout=0.5)
         self.index = IndexSync(client, self.workers, self.metrics, self.session)
+        self.placement = Placement(self.workers, router, self.index, self.metrics)
         self._last_tick = 0.0
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -246,7 +244,8 @@ class ControlPlane:
             epoch=worker.epoch,
             pid=info.pid,
         )
-        self._place_pending()
+        for req in self.placement.take_pending():
+            self._place(req)
 
     def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
         worker = self.workers.get(msg.worker_id)
@@ -397,145 +396,25 @@ class ControlPlane:
         req = self.requests.get(msg.request_id)
         if req is None or req.client != client:
             return  # finished already, or not this client's: nothing to do
-        self._abort(req)
+        self.placement.withdraw(req)
         self._finish(req, [], "abort", None)
-
-    def _abort(self, req: ClientRequest) -> None:
-        worker = self.workers.get(req.worker_id or "")
-        if worker is not None:
-            worker.scheduler.abort_requests([req.request_id])
-        if req.request_id in self.pending:
-            self.pending.remove(req.request_id)
 
     def _client_gone(self, client: bytes) -> None:
         gone = [r for r in self.requests.values() if r.client == client]
         log.info("client.gone", requests=len(gone))
         for req in gone:
-            self._abort(req)
+            self.placement.withdraw(req)
             del self.requests[req.request_id]
             self.metrics.requests.labels("abort").inc()
 
     # --- placing requests on workers --------------------------------------------------------
 
-    def _place_pending(self) -> None:
-        while self.pending and self.workers:
-            req = self.requests.get(self.pending.popleft())
-            if req is not None:
-                self._place(req)
-
     def _place(self, req: ClientRequest) -> None:
-        if not self.workers:
-            self.pending.append(req.request_id)
-            req.worker_id = None
-            return
-        token_ids = req.prompt_token_ids + req.output_token_ids
-        hashes = self._block_hashes(token_ids, req.cache_salt)
-        cached = self._cached_tokens(hashes, len(token_ids))
-        candidates = [Candidate(w.worker_id, w.load) for w in self.workers.values() if not w.failed]
-        if not candidates:
-            self.pending.append(req.request_id)
-            req.worker_id = None
-            return
-        decision = self.router.choose(candidates, len(token_ids), cached)
-        worker = self.workers[decision.worker_id]
-        request = Request(
-            req.request_id,
-            req.prompt_token_ids,
-            req.sampling,
-            eos_token_id=req.eos_token_id,
-            priority=req.priority,
-            cache_salt=req.cache_salt,
-        )
-        request.all_token_ids.extend(req.output_token_ids)  # resuming: generated so far
-        if worker.scheduler.kv.enable_caching:
-            # Hashed for routing with this scheduler's own hasher: it need not hash them again.
-            request.block_hashes = list(hashes[worker.namespace])
         try:
-            self._check_fits(worker, request)
-            worker.scheduler.add_request(request)
+            self.placement.place(req)
         except ValueError as exc:
             del self.requests[req.request_id]
             self._reject(req.client, req.request_id, str(exc))
-            return
-        req.worker_id = worker.worker_id
-        worker.remember_routed(hashes[worker.namespace], time.monotonic())
-        if req.num_resumptions == 0:
-            req.num_cached_tokens = decision.cached_tokens
-            self.metrics.prompt_tokens.inc(len(token_ids))
-            self.metrics.prefix_query_tokens.inc(len(token_ids))
-            self.metrics.prefix_hit_tokens.inc(decision.cached_tokens)
-        log.debug(
-            "request.routed",
-            request_id=req.request_id,
-            worker=worker.worker_id,
-            cached_tokens=decision.cached_tokens,
-            resumption=req.num_resumptions,
-        )
-
-    @staticmethod
-    def _check_fits(worker: WorkerHandle, request: Request) -> None:
-        info = worker.info
-        check_token_ids(request.prompt_token_ids, info.vocab_size, "prompt token ids")
-        request.sampling.validate(info.vocab_size)
-        # The longest the request can grow, not just its prompt: a request that outgrows the
-        # whole cache could only preempt itself, again and again.
-        longest = min(request.num_prompt_tokens + request.sampling.max_tokens, info.max_model_len)
-        slots = longest + worker.scheduler.lookahead_tokens
-        needed = 0
-        for group in info.kv_groups:
-            blocks = -(-slots // group.block_size)
-            if group.sliding_window is not None:  # only the window (plus a block) is held
-                blocks = min(blocks, -(-group.sliding_window // group.block_size) + 1)
-            needed += blocks
-        if needed > info.num_blocks - 1:
-            raise ValueError(
-                f"the request can grow to {longest} tokens, which needs {needed} KV blocks; a "
-                f"worker has {info.num_blocks - 1}: lower max_tokens or add KV cache memory"
-            )
-
-    def _block_hashes(self, token_ids: list[int], salt: str | None) -> dict[Namespace, list]:
-        """The prompt's block hashes once per namespace, exactly as the schedulers hash it."""
-        out: dict[Namespace, list[BlockHash]] = {}
-        for worker in self.workers.values():
-            ns, kv = worker.namespace, worker.scheduler.kv
-            if ns not in out:
-                hashes: list[BlockHash] = []
-                extend_block_hashes(kv.hasher, hashes, token_ids, kv.hash_block_size, salt)
-                out[ns] = hashes
-        return out
-
-    def _cached_tokens(
-        self, hashes: dict[Namespace, list[BlockHash]], num_tokens: int
-    ) -> dict[str, int]:
-        """Per worker, prompt tokens it caches: from the index (else from our own pools), or
-        will cache once the requests just routed to it are scheduled."""
-        blocks: dict[str, int] = {}
-        for ns, ns_hashes in hashes.items():
-            found = self.index.lookup(ns, ns_hashes) if ns_hashes else {}
-            if found is None:
-                break
-            blocks.update(found)
-        if not self.index.up:
-            for worker in self.workers.values():
-                pool = worker.scheduler.kv.pool
-                n = 0
-                for block_hash in hashes[worker.namespace]:
-                    if pool.get_cached_block(block_hash, 0) is None:
-                        break
-                    n += 1
-                blocks[worker.worker_id] = n
-        now = time.monotonic()
-        for worker in self.workers.values():
-            if worker.routed:
-                pending = worker.routed_prefix(hashes[worker.namespace], now)
-                if pending > blocks.get(worker.worker_id, 0):
-                    blocks[worker.worker_id] = pending
-        cap = num_tokens - 1  # the last token is always recomputed
-        return {
-            wid: min(n * self.workers[wid].namespace.block_size, cap)
-            for wid, n in blocks.items()
-            if wid in self.workers
-        }
 
     # --- outputs ----------------------------------------------------------------------------
 

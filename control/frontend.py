@@ -22,9 +22,10 @@ from specserve.shared.tokenizer import DetokenizeOffsets, Tokenizer
 MAX_REQUEST_ID_LEN = 256
 
 
-@dataclass
+@dataclass(eq=False)
 class ClientRequest:
-    """One accepted request as the control plane tracks it, across workers and resumptions."""
+    """One accepted request as the control plane tracks it, across workers and resumptions
+    (by identity: two requests are never equal)."""
 
     request_id: str
     client: bytes  # the ZeroMQ identity to answer

@@ -15,7 +15,7 @@ from specserve.control.kv_coordinator import KVCoordinator
 from specserve.control.kv_group_manager import KVGroupManager
 from specserve.control.request import Request
 from specserve.shared.config import AttentionType, CacheConfig
-from specserve.shared.hashing import BlockHasher
+from specserve.shared.hashing import BlockHash, BlockHasher, extend_block_hashes
 from specserve.shared.kv_events import KVEvent
 
 
@@ -74,6 +74,29 @@ class KVCacheManager:
             request.block_hashes
         ):
             request.update_block_hashes(self.hasher, self.hash_block_size)
+
+    def block_hashes(self, token_ids: Sequence[int], cache_salt: str | None) -> list[BlockHash]:
+        """The hashes `hash_request` gives a request with these tokens, for routing to look up."""
+        hashes: list[BlockHash] = []
+        extend_block_hashes(self.hasher, hashes, token_ids, self.hash_block_size, cache_salt)
+        return hashes
+
+    def cached_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of `block_hashes` the first KV group caches (a routing estimate
+        that needs no index: this control plane owns the pool)."""
+        n = 0
+        for block_hash in block_hashes:
+            if self.pool.get_cached_block(block_hash, 0) is None:
+                break
+            n += 1
+        return n
+
+    def blocks_needed(self, num_tokens: int, num_lookahead_tokens: int = 0) -> int:
+        """KV blocks one request may hold at once when it has `num_tokens` tokens, its lookahead
+        slots included; a sliding-window group holds only its window. Counted without
+        `allocate_slots`' cap at max_model_len, so it errs on the safe side."""
+        num_slots = num_tokens + num_lookahead_tokens
+        return sum(m.max_blocks(num_slots) for m in self.coordinator.managers)
 
     def get_computed_blocks(self, request: Request) -> CacheHit:
         """Longest usable prefix hit; touches nothing, so an unscheduled lookup leaves no trace.

@@ -83,6 +83,10 @@ class KVGroupManager:
     def reachable_mask(self, first: int, end: int) -> list[bool] | None:
         return None
 
+    def max_blocks(self, num_slots: int) -> int:
+        """Blocks a request's table holds at most while it has `num_slots` slots."""
+        return cdiv(num_slots, self.block_size)
+
     def find_longest_cache_hit(
         self,
         block_hashes: Sequence[BlockHash],
@@ -206,6 +210,10 @@ class SlidingWindowManager(KVGroupManager):
 
     def num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return max(0, num_computed_tokens - self.sliding_window + 1)
+
+    def max_blocks(self, num_slots: int) -> int:
+        """Only the window, plus the block it straddles, stays allocated: older blocks are freed."""
+        return min(super().max_blocks(num_slots), cdiv(self.sliding_window, self.block_size) + 1)
 
     def reachable_mask(self, first: int, end: int) -> list[bool] | None:
         return sliding_window_reachable_mask(

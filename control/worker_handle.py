@@ -33,6 +33,18 @@ class WorkerHandle:
     # prefix would scatter over the workers before the first one is scheduled.
     routed: OrderedDict[BlockHash, float] = field(default_factory=OrderedDict)
 
+    def block_hashes(self, token_ids: list[int], cache_salt: str | None) -> list[BlockHash]:
+        """The prompt's block hashes exactly as this worker's scheduler will hash it."""
+        return self.scheduler.kv.block_hashes(token_ids, cache_salt)
+
+    def cached_blocks(self, hashes: list[BlockHash]) -> int:
+        """Leading blocks of `hashes` in this worker's KV cache (its pool is ours: exact)."""
+        return self.scheduler.kv.cached_blocks(hashes)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """KV blocks a request of `num_tokens` tokens may hold here, drafter lookahead included."""
+        return self.scheduler.kv.blocks_needed(num_tokens, self.scheduler.lookahead_tokens)
+
     def remember_routed(self, hashes: list[BlockHash], now: float) -> None:
         routed = self.routed
         for block_hash in hashes:

@@ -152,3 +152,22 @@ def test_allocate_needs_tokens():
     kv = _manager()
     with pytest.raises(ValueError, match="at least one new token"):
         kv.allocate_slots(_request("a", [1]), 0)
+
+
+def test_blocks_needed_counts_lookahead_and_only_the_sliding_window():
+    hybrid = (KVGroupSpec("full", 4), KVGroupSpec("sliding", 4, sliding_window=8))
+    kv = _manager(groups=hybrid)
+    assert kv.blocks_needed(10) == 3 + 3
+    assert kv.blocks_needed(100, num_lookahead_tokens=4) == 26 + 3  # window 8: 2 blocks + 1
+    assert _manager(groups=(KVGroupSpec("full", 4),)).blocks_needed(9, 3) == 3
+
+
+def test_routing_hashes_and_cached_blocks_agree_with_the_scheduler():
+    kv = _manager()
+    req = _request("a", list(range(40)))
+    req.cache_salt = "tenant"
+    _run_prefill(kv, req)
+    hashes = kv.block_hashes(list(range(40)), "tenant")
+    assert hashes == req.block_hashes
+    assert kv.cached_blocks(hashes) == 2
+    assert kv.cached_blocks(kv.block_hashes(list(range(40)), None)) == 0

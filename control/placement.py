@@ -1,0 +1,156 @@
+"""Puts accepted client requests on workers.
+
+The prompt is hashed once per index namespace, exactly as the schedulers will hash it. Each
+worker's cached prefix comes from the Redis index in one round trip (from the control plane's own
+block pools while Redis is away), raised to what the router just sent there; the router weighs it
+against load. A request that could outgrow the chosen worker's whole KV cache is refused, since
+it could only preempt itself again and again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import structlog
+
+from specserve.cache_index import Namespace
+from specserve.control.frontend import ClientRequest
+from specserve.control.index_sync import IndexSync
+from specserve.control.metrics import ServiceMetrics
+from specserve.control.request import Request
+from specserve.control.router import Candidate, Router
+from specserve.control.worker_handle import WorkerHandle
+from specserve.shared.hashing import BlockHash
+from specserve.shared.protocol import check_token_ids
+
+log = structlog.get_logger(__name__)
+
+
+class Placement:
+    def __init__(
+        self,
+        workers: dict[str, WorkerHandle],
+        router: Router,
+        index: IndexSync,
+        metrics: ServiceMetrics,
+    ) -> None:
+        self.workers = workers  # the control plane's own dict: its current workers
+        self.router = router
+        self.index = index
+        self.metrics = metrics
+        self.pending: deque[ClientRequest] = deque()  # accepted while no worker could take them
+
+    def place(self, req: ClientRequest) -> None:
+        """Add `req` to the best worker's scheduler, or hold it until a worker registers.
+
+        Raises ValueError when the chosen worker cannot serve it.
+        """
+        candidates = [Candidate(w.worker_id, w.load) for w in self.workers.values() if not w.failed]
+        if not candidates:
+            self.pending.append(req)
+            req.worker_id = None
+            return
+        token_ids = req.prompt_token_ids + req.output_token_ids
+        hashes = self._block_hashes(token_ids, req.cache_salt)
+        cached = self._cached_tokens(hashes, len(token_ids))
+        decision = self.router.choose(candidates, len(token_ids), cached)
+        worker = self.workers[decision.worker_id]
+        _check_fits(worker, req)
+        request = _scheduler_request(req)
+        if worker.info.enable_prefix_caching:
+            # Hashed for routing with this scheduler's own hasher: it need not hash them again.
+            request.block_hashes = list(hashes[worker.namespace])
+        worker.scheduler.add_request(request)
+        req.worker_id = worker.worker_id
+        worker.remember_routed(hashes[worker.namespace], time.monotonic())
+        if req.num_resumptions == 0:
+            req.num_cached_tokens = decision.cached_tokens
+            self.metrics.prompt_tokens.inc(len(token_ids))
+            self.metrics.prefix_query_tokens.inc(len(token_ids))
+            self.metrics.prefix_hit_tokens.inc(decision.cached_tokens)
+        log.debug(
+            "request.routed",
+            request_id=req.request_id,
+            worker=worker.worker_id,
+            cached_tokens=decision.cached_tokens,
+            resumption=req.num_resumptions,
+        )
+
+    def take_pending(self) -> list[ClientRequest]:
+        """The requests held for want of a worker, to place again."""
+        pending, self.pending = list(self.pending), deque()
+        return pending
+
+    def withdraw(self, req: ClientRequest) -> None:
+        """Stop serving `req` wherever it is: abort it on its worker, or stop holding it."""
+        worker = self.workers.get(req.worker_id or "")
+        if worker is not None:
+            worker.scheduler.abort_requests([req.request_id])
+        if req in self.pending:
+            self.pending.remove(req)
+
+    def _block_hashes(
+        self, token_ids: list[int], salt: str | None
+    ) -> dict[Namespace, list[BlockHash]]:
+        """The prompt's block hashes once per namespace, exactly as the schedulers hash it."""
+        out: dict[Namespace, list[BlockHash]] = {}
+        for worker in self.workers.values():
+            if worker.namespace not in out:
+                out[worker.namespace] = worker.block_hashes(token_ids, salt)
+        return out
+
+    def _cached_tokens(
+        self, hashes: dict[Namespace, list[BlockHash]], num_tokens: int
+    ) -> dict[str, int]:
+        """Per worker, prompt tokens it caches: from the index (else from our own pools), or
+        will cache once the requests just routed to it are scheduled."""
+        blocks: dict[str, int] = {}
+        for ns, ns_hashes in hashes.items():
+            found = self.index.lookup(ns, ns_hashes) if ns_hashes else {}
+            if found is None:
+                break
+            blocks.update(found)
+        if not self.index.up:
+            for worker in self.workers.values():
+                blocks[worker.worker_id] = worker.cached_blocks(hashes[worker.namespace])
+        now = time.monotonic()
+        for worker in self.workers.values():
+            if worker.routed:
+                pending = worker.routed_prefix(hashes[worker.namespace], now)
+                if pending > blocks.get(worker.worker_id, 0):
+                    blocks[worker.worker_id] = pending
+        cap = num_tokens - 1  # the last token is always recomputed
+        return {
+            wid: min(n * self.workers[wid].namespace.block_size, cap)
+            for wid, n in blocks.items()
+            if wid in self.workers
+        }
+
+
+def _check_fits(worker: WorkerHandle, req: ClientRequest) -> None:
+    """ValueError unless the request, at the longest it can grow, fits in the worker's cache."""
+    info = worker.info
+    check_token_ids(req.prompt_token_ids, info.vocab_size, "prompt token ids")
+    req.sampling.validate(info.vocab_size)
+    longest = min(len(req.prompt_token_ids) + req.sampling.max_tokens, info.max_model_len)
+    needed = worker.blocks_needed(longest)
+    if needed > info.num_blocks - 1:
+        raise ValueError(
+            f"the request can grow to {longest} tokens, which needs {needed} KV blocks; a "
+            f"worker has {info.num_blocks - 1}: lower max_tokens or add KV cache memory"
+        )
+
+
+def _scheduler_request(req: ClientRequest) -> Request:
+    """The scheduler's view of `req`, with the tokens generated so far when it resumes."""
+    request = Request(
+        req.request_id,
+        req.prompt_token_ids,
+        req.sampling,
+        eos_token_id=req.eos_token_id,
+        priority=req.priority,
+        cache_salt=req.cache_salt,
+    )
+    request.all_token_ids.extend(req.output_token_ids)
+    return request
