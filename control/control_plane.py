@@ -32,9 +32,8 @@ from specserve.control.frontend import ClientRequest, Frontend
 from specserve.control.index_sync import IndexSync
 from specserve.control.metrics import ServiceMetrics
 from specserve.control.placement import Placement
-from specserve.control.request import SpecDecodingStats
 from specserve.control.router import Router, Routing
-from specserve.control.scheduler import RequestUpdate, Scheduler
+from specserve.control.scheduler import Scheduler
 from specserve.control.worker_handle import WorkerHandle
 from specserve.shared import protocol
 from specserve.shared.config import SchedulingPolicy
@@ -49,7 +48,6 @@ from specserve.shared.protocol import (
     Rejected,
     RequestResult,
     Reregister,
-    SpecStats,
     StepResult,
     Welcome,
     check_worker_id,
@@ -86,11 +84,10 @@ class ControlPlane:
         router = Router(Routing(args.routing), args.load_weight)
         if args.heartbeat_timeout_s <= 0 or args.step_timeout_s <= 0:
             raise ValueError("heartbeat_timeout_s and step_timeout_s must be > 0")
-        self.frontend = Frontend(load_tokenizer(args.model))
+        tokenizer = load_tokenizer(args.model)
         self.session = uuid.uuid4().hex[:16]
         self.metrics = ServiceMetrics()
         self.workers: dict[str, WorkerHandle] = {}
-        self.requests: dict[str, ClientRequest] = {}
         self._registrations = itertools.count(1)
         self._reregistered: dict[bytes, float] = {}  # identity -> last Reregister sent
         client = None
@@ -98,6 +95,7 @@ class ControlPlane:
             client = connect(args.redis_url, socket_timeout=0.5, connect_timeout=0.5)
         self.index = IndexSync(client, self.workers, self.metrics, self.session)
         self.placement = Placement(self.workers, router, self.index, self.metrics)
+        self.frontend = Frontend(tokenizer, self.metrics, self._send, self.placement.withdraw)
         self._last_tick = 0.0
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -186,7 +184,7 @@ class ControlPlane:
         elif isinstance(msg, GenerateRequest):
             self._on_generate(identity, msg)
         elif isinstance(msg, AbortRequest):
-            self._on_abort(identity, msg)
+            self.frontend.abort(identity, msg.request_id)
         elif isinstance(msg, Register):
             self._on_register(identity, msg)
         else:
@@ -282,7 +280,7 @@ class ControlPlane:
         msg = self._checked_result(worker, msg)
         updates = worker.scheduler.update_from_output(step, msg)
         self._dispatch(worker)  # keep the worker busy before anything else
-        self._deliver(updates)
+        self.frontend.deliver(updates)
         if worker.failed:  # only now: resumption must start from the tokens just delivered
             self._remove_worker(worker, worker.failed)
 
@@ -321,7 +319,7 @@ class ControlPlane:
         self.index.write(worker)
         early = scheduler.take_early_updates()
         if early:
-            self._deliver(early)
+            self.frontend.deliver(early)
         batch = step.batch
         if not (step.num_scheduled_tokens or batch.finished or batch.preempted):
             return
@@ -341,10 +339,11 @@ class ControlPlane:
         self.metrics.worker_up.labels(worker.worker_id).set(0)
         self.metrics.workers.set(len(self.workers))
         self.index.remove(worker)
-        orphans = [rid for rid in worker.scheduler.requests if rid in self.requests]
+        requests = self.frontend.requests
+        orphans = [rid for rid in worker.scheduler.requests if rid in requests]
         log.warning("worker.removed", worker=worker.worker_id, reason=reason, resumed=len(orphans))
         for request_id in orphans:
-            req = self.requests[request_id]
+            req = requests[request_id]
             req.num_resumptions += 1
             self.metrics.resumed.inc()
             self._place(req)
@@ -355,13 +354,13 @@ class ControlPlane:
         request_id = msg.request_id
         try:
             Frontend.check_request_id(request_id)
-            if request_id in self.requests:
+            if request_id in self.frontend.requests:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             msg.sampling.validate()
             vocab = self._vocab_size()
             prompt = self.frontend.prompt_token_ids(msg, vocab if vocab is not None else 2**31)
         except ValueError as exc:
-            self._reject(client, request_id, str(exc))
+            self.frontend.reject(client, request_id, str(exc))
             return
         tokenizer = self.frontend.tokenizer
         eos = tokenizer.eos_token_ids if tokenizer else self._eos_token_ids()
@@ -375,14 +374,9 @@ class ControlPlane:
             priority=msg.priority,
             eos_token_id=eos[0] if eos else None,
         )
-        self.requests[request_id] = req
+        self.frontend.requests[request_id] = req
         log.debug("request.accepted", request_id=request_id, prompt_tokens=len(prompt))
         self._place(req)
-
-    def _reject(self, client: bytes, request_id: str | None, reason: str) -> None:
-        self.metrics.rejected.inc()
-        log.info("request.rejected", request_id=request_id, reason=reason)
-        self._send(client, ErrorReply(PROTOCOL_VERSION, reason, request_id))
 
     def _vocab_size(self) -> int | None:
         return min((w.info.vocab_size for w in self.workers.values()), default=None)
@@ -392,102 +386,13 @@ class ControlPlane:
             return tuple(worker.info.eos_token_ids)
         return ()
 
-    def _on_abort(self, client: bytes, msg: AbortRequest) -> None:
-        req = self.requests.get(msg.request_id)
-        if req is None or req.client != client:
-            return  # finished already, or not this client's: nothing to do
-        self.placement.withdraw(req)
-        self._finish(req, [], "abort", None)
-
-    def _client_gone(self, client: bytes) -> None:
-        gone = [r for r in self.requests.values() if r.client == client]
-        log.info("client.gone", requests=len(gone))
-        for req in gone:
-            self.placement.withdraw(req)
-            del self.requests[req.request_id]
-            self.metrics.requests.labels("abort").inc()
-
     # --- placing requests on workers --------------------------------------------------------
 
     def _place(self, req: ClientRequest) -> None:
         try:
             self.placement.place(req)
         except ValueError as exc:
-            del self.requests[req.request_id]
-            self._reject(req.client, req.request_id, str(exc))
-
-    # --- outputs ----------------------------------------------------------------------------
-
-    def _deliver(self, updates: list[RequestUpdate]) -> None:
-        now = time.monotonic()
-        for update in updates:
-            req = self.requests.get(update.request_id)
-            if req is None:
-                continue
-            new = update.new_token_ids
-            if new:
-                if req.last_token_time is None:
-                    self.metrics.ttft.observe(now - req.arrival)
-                else:
-                    gap = (now - req.last_token_time) / len(new)
-                    for _ in new:
-                        self.metrics.itl.observe(gap)
-                req.last_token_time = now
-                req.output_token_ids.extend(new)
-                self.metrics.generated_tokens.inc(len(new))
-            if update.finished:
-                logprobs = [update.logprobs] if update.logprobs is not None else []
-                self._finish(
-                    req, new, update.status.finish_reason, update.error, logprobs,
-                    update.spec_stats,
-                )  # fmt: skip
-            elif new:
-                self._emit(req, new, update.logprobs and [update.logprobs])
-
-    def _emit(self, req: ClientRequest, new: list[int], logprobs) -> None:
-        text = self.frontend.text_delta(req, final=False)
-        if not req.stream:
-            if text:
-                req.text.append(text)
-            req.logprobs.extend(logprobs or [])
-            return
-        out = Frontend.output(req, new, text, logprobs=logprobs or None)
-        if not self._send(req.client, out):
-            self._client_gone(req.client)
-
-    def _finish(
-        self,
-        req: ClientRequest,
-        new: list[int],
-        reason: str | None,
-        error: str | None,
-        logprobs: list | None = None,
-        stats: SpecDecodingStats | None = None,
-    ) -> None:
-        self.requests.pop(req.request_id, None)
-        self.metrics.requests.labels(reason or "unknown").inc()
-        spec = None
-        if stats is not None and stats.num_drafts:
-            self.metrics.acceptance_length.observe(stats.mean_acceptance_length)
-            spec = SpecStats(
-                stats.num_drafts,
-                stats.num_draft_tokens,
-                stats.num_accepted_tokens,
-                list(stats.accepted_counts),
-            )
-        text = self.frontend.text_delta(req, final=True)
-        if req.stream:
-            tokens, out_logprobs = new, logprobs
-        else:
-            tokens = req.output_token_ids
-            out_logprobs = req.logprobs + (logprobs or [])
-            text = "".join(req.text) + (text or "") if text is not None else None
-        out = Frontend.output(
-            req, tokens, text, finished=True, finish_reason=reason, error=error,
-            logprobs=out_logprobs or None, spec=spec,
-        )  # fmt: skip
-        self._send(req.client, out)
-        log.debug("request.finished", request_id=req.request_id, reason=reason, error=error)
+            self.frontend.refuse(req, str(exc))
 
     # --- periodic work ----------------------------------------------------------------------
 
@@ -511,8 +416,7 @@ class ControlPlane:
             self.metrics.kv_usage.labels(worker.worker_id).set(s.kv.usage())
 
     def _shutdown(self) -> None:
-        for req in list(self.requests.values()):
-            self._finish(req, [], "error", "the control plane is shutting down")
+        self.frontend.fail_all("the control plane is shutting down")
         self.sock.close(linger=0)
         log.info("control.stopped")
 

@@ -1,16 +1,24 @@
 """The client-facing half of the control plane: turning requests into token ids, and tokens
-back into the outputs a client receives (incremental text, first-output metadata)."""
+back into the outputs a client receives (incremental text, finish reasons, first-output
+metadata), for every request a client has in flight."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
+import structlog
 
+from specserve.control.metrics import ServiceMetrics
+from specserve.control.request import SpecDecodingStats
+from specserve.control.scheduler import RequestUpdate
 from specserve.shared.protocol import (
     PROTOCOL_VERSION,
+    ErrorReply,
     GenerateRequest,
+    Message,
     RequestOutput,
     SamplingParams,
     SpecStats,
@@ -18,6 +26,8 @@ from specserve.shared.protocol import (
     check_token_ids,
 )
 from specserve.shared.tokenizer import DetokenizeOffsets, Tokenizer
+
+log = structlog.get_logger(__name__)
 
 MAX_REQUEST_ID_LEN = 256
 
@@ -48,11 +58,29 @@ class ClientRequest:
     num_resumptions: int = 0
 
 
-class Frontend:
-    """Tokenization, validation and detokenization for one served model."""
+Send = Callable[[bytes, Message], bool]  # False when the peer is gone
 
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
+
+class Frontend:
+    """Tokenization, validation and detokenization for one served model, and the requests that
+    clients have in flight.
+
+    `send` is the control plane's socket; `withdraw` stops a request on its worker (or wherever
+    placement holds it) when its client goes away.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        metrics: ServiceMetrics,
+        send: Send,
+        withdraw: Callable[[ClientRequest], None],
+    ) -> None:
         self.tokenizer = tokenizer
+        self.metrics = metrics
+        self._send = send
+        self._withdraw = withdraw
+        self.requests: dict[str, ClientRequest] = {}
 
     def prompt_token_ids(self, msg: GenerateRequest, vocab_size: int) -> list[int]:
         """The prompt as token ids; ValueError naming what is wrong with it."""
@@ -90,6 +118,117 @@ class Frontend:
             return sampling
         extra = tuple(t for t in eos_token_ids[1:] if t not in sampling.stop_token_ids)
         return msgspec.structs.replace(sampling, stop_token_ids=sampling.stop_token_ids + extra)
+
+    # --- requests refused, aborted or abandoned --------------------------------------------
+
+    def reject(self, client: bytes, request_id: str | None, reason: str) -> None:
+        """Answer a request that will not be served with an ErrorReply naming the reason."""
+        self.metrics.rejected.inc()
+        log.info("request.rejected", request_id=request_id, reason=reason)
+        self._send(client, ErrorReply(PROTOCOL_VERSION, reason, request_id))
+
+    def refuse(self, req: ClientRequest, reason: str) -> None:
+        """Forget an accepted request that no worker can serve, and tell its client why."""
+        del self.requests[req.request_id]
+        self.reject(req.client, req.request_id, reason)
+
+    def abort(self, client: bytes, request_id: str) -> None:
+        """A client's abort: stop the request and send its final output."""
+        req = self.requests.get(request_id)
+        if req is None or req.client != client:
+            return  # finished already, or not this client's: nothing to do
+        self._withdraw(req)
+        self.finish(req, [], "abort", None)
+
+    def fail_all(self, error: str) -> None:
+        """A final error output for every request in flight (the control plane is stopping)."""
+        for req in list(self.requests.values()):
+            self.finish(req, [], "error", error)
+
+    def _client_gone(self, client: bytes) -> None:
+        gone = [r for r in self.requests.values() if r.client == client]
+        log.info("client.gone", requests=len(gone))
+        for req in gone:
+            self._withdraw(req)
+            del self.requests[req.request_id]
+            self.metrics.requests.labels("abort").inc()
+
+    # --- outputs ------------------------------------------------------------------------------
+
+    def deliver(self, updates: list[RequestUpdate]) -> None:
+        """Pass one step's updates on to their clients (buffered for non-streaming requests)."""
+        now = time.monotonic()
+        for update in updates:
+            req = self.requests.get(update.request_id)
+            if req is None:
+                continue  # aborted, or its client is gone
+            new = update.new_token_ids
+            if new:
+                self._record_tokens(req, new, now)
+            logprobs = [update.logprobs] if update.logprobs is not None else []
+            if update.finished:
+                reason = update.status.finish_reason
+                self.finish(req, new, reason, update.error, logprobs, update.spec_stats)
+            elif new:
+                self._emit(req, new, logprobs)
+
+    def _record_tokens(self, req: ClientRequest, new: list[int], now: float) -> None:
+        if req.last_token_time is None:
+            self.metrics.ttft.observe(now - req.arrival)
+        else:
+            gap = (now - req.last_token_time) / len(new)
+            for _ in new:
+                self.metrics.itl.observe(gap)
+        req.last_token_time = now
+        req.output_token_ids.extend(new)
+        self.metrics.generated_tokens.inc(len(new))
+
+    def _emit(self, req: ClientRequest, new: list[int], logprobs: list[TokenLogprobs]) -> None:
+        text = self.text_delta(req, final=False)
+        if not req.stream:
+            if text:
+                req.text.append(text)
+            req.logprobs.extend(logprobs)
+            return
+        out = self.output(req, new, text, logprobs=logprobs or None)
+        if not self._send(req.client, out):
+            self._client_gone(req.client)
+
+    def finish(
+        self,
+        req: ClientRequest,
+        new: list[int],
+        reason: str | None,
+        error: str | None,
+        logprobs: list[TokenLogprobs] | None = None,
+        stats: SpecDecodingStats | None = None,
+    ) -> None:
+        """The request's last output: the rest of its text (all of it without streaming), the
+        finish reason and its speculative decoding statistics."""
+        self.requests.pop(req.request_id, None)
+        self.metrics.requests.labels(reason or "unknown").inc()
+        spec = None
+        if stats is not None and stats.num_drafts:
+            self.metrics.acceptance_length.observe(stats.mean_acceptance_length)
+            spec = SpecStats(
+                stats.num_drafts,
+                stats.num_draft_tokens,
+                stats.num_accepted_tokens,
+                list(stats.accepted_counts),
+            )
+        text = self.text_delta(req, final=True)
+        if req.stream:
+            tokens, out_logprobs = new, logprobs
+        else:
+            tokens = req.output_token_ids
+            out_logprobs = req.logprobs + (logprobs or [])
+            text = "".join(req.text) + (text or "") if text is not None else None
+        out = self.output(
+            req, tokens, text, finished=True, finish_reason=reason, error=error,
+            logprobs=out_logprobs or None, spec=spec,
+        )  # fmt: skip
+        self._send(req.client, out)
+        log.debug("request.finished", request_id=req.request_id, reason=reason, error=error)
 
     def text_delta(self, req: ClientRequest, final: bool) -> str | None:
         """Text completed by the newest tokens (held back while a character is incomplete)."""

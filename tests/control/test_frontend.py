@@ -5,13 +5,18 @@ from __future__ import annotations
 import pytest
 
 from specserve.control.frontend import ClientRequest, Frontend
+from specserve.control.metrics import ServiceMetrics
 from specserve.shared.protocol import PROTOCOL_VERSION, GenerateRequest, SamplingParams
-from specserve.shared.tokenizer import load_tokenizer
+from specserve.shared.tokenizer import Tokenizer, load_tokenizer
+
+
+def make_frontend(tokenizer: Tokenizer | None) -> Frontend:
+    return Frontend(tokenizer, ServiceMetrics(), send=lambda *_: True, withdraw=lambda _: None)
 
 
 @pytest.fixture(scope="module")
 def frontend() -> Frontend:
-    return Frontend(load_tokenizer("smollm2-135m"))
+    return make_frontend(load_tokenizer("smollm2-135m"))
 
 
 def request(**fields) -> GenerateRequest:
@@ -45,7 +50,7 @@ def test_bad_prompts_are_named(frontend: Frontend, fields: dict, message: str):
 
 def test_a_model_without_tokenizer_needs_token_ids():
     with pytest.raises(ValueError, match="send prompt_token_ids"):
-        Frontend(None).prompt_token_ids(request(prompt="hi"), 10)
+        make_frontend(None).prompt_token_ids(request(prompt="hi"), 10)
 
 
 def test_streamed_text_never_splits_a_character(frontend: Frontend):

@@ -95,7 +95,7 @@ def test_worker_lost_right_after_its_result_resumes_without_repeats(plane: Recor
     plane.register("w1")
     plane.generate("r1", [1, 2, 3, 4, 5], max_tokens=3)
     plane._dispatch_all()
-    a = plane.requests["r1"].worker_id
+    a = plane.frontend.requests["r1"].worker_id
     b = "w1" if a == "w0" else "w0"
     plane.answer(a, plane.batches(a)[-1], token=10)
     plane.unreachable.add(a.encode())  # gone right after sending its next result
@@ -115,7 +115,7 @@ def test_a_late_result_of_an_earlier_registration_is_ignored(plane: RecordingPla
     plane.generate("A", [1, 2, 3, 4, 5], client=b"alice", max_tokens=4)
     plane._dispatch_all()
     first = plane.batches("w1")[-1]
-    plane._on_abort(b"alice", AbortRequest(P, "A"))
+    plane._handle(b"alice", AbortRequest(P, "A"))
     plane.register("w1")  # the worker registers again (e.g. after a Reregister)
     plane.generate("C", [9, 9, 9, 9, 9, 9, 9], client=b"bob", max_tokens=4)
     plane._dispatch_all()
@@ -159,7 +159,7 @@ def test_a_request_the_worker_never_answers_fails_and_frees_its_blocks(plane: Re
     plane._on_result(b"w0", StepResult(P, batch.step_id, []))
     (out,) = plane.outputs()
     assert out.finish_reason == "error" and out.error == "the worker returned no result for it"
-    assert plane.requests == {}
+    assert plane.frontend.requests == {}
     assert plane.workers["w0"].scheduler.kv.pool.num_free_blocks == 63
 
 
@@ -170,7 +170,7 @@ def test_a_request_that_could_outgrow_the_cache_is_refused(plane: RecordingPlane
     assert isinstance(reply, ErrorReply) and reply.request_id == "big"
     assert "can grow to 256 tokens, which needs 64 KV blocks; a worker has 63" in reply.message
     plane.generate("ok", [1, 2, 3], max_tokens=200)
-    assert "ok" in plane.requests
+    assert "ok" in plane.frontend.requests
 
 
 def test_redis_refusing_writes_does_not_stop_serving(llama_ckpt, tmp_path: Path):

@@ -260,7 +260,7 @@ def test_bad_input_gets_clear_errors_and_harms_no_one(service: Service, llama_ck
     while plane.metrics.sample("specserve_requests_total", {"reason": "abort"}) != 1.0:
         assert time.monotonic() < deadline, "the vanished client's request was not aborted"
         time.sleep(0.05)
-    assert "leaver" not in plane.requests
+    assert "leaver" not in plane.frontend.requests
     with pytest.raises(RequestFailed, match="at most 255"), Client(url, timeout=30) as client:
         client.generate([1] * 400, greedy(1))
     assert service.workers["w0"].poll() is None  # nothing took the worker down
