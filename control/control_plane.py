@@ -351,35 +351,16 @@ class ControlPlane:
     # --- clients ----------------------------------------------------------------------------
 
     def _on_generate(self, client: bytes, msg: GenerateRequest) -> None:
-        request_id = msg.request_id
         try:
-            Frontend.check_request_id(request_id)
-            if request_id in self.frontend.requests:
-                raise ValueError(f"request id {request_id!r} is already in flight")
-            msg.sampling.validate()
-            vocab = self._vocab_size()
-            prompt = self.frontend.prompt_token_ids(msg, vocab if vocab is not None else 2**31)
+            req = self.frontend.accept(client, msg, self._vocab_size(), self._eos_token_ids())
         except ValueError as exc:
-            self.frontend.reject(client, request_id, str(exc))
+            self.frontend.reject(client, msg.request_id, str(exc))
             return
-        tokenizer = self.frontend.tokenizer
-        eos = tokenizer.eos_token_ids if tokenizer else self._eos_token_ids()
-        req = ClientRequest(
-            request_id=request_id,
-            client=client,
-            prompt_token_ids=prompt,
-            sampling=Frontend.with_stop_ids(msg.sampling, eos),
-            stream=msg.stream,
-            cache_salt=msg.cache_salt,
-            priority=msg.priority,
-            eos_token_id=eos[0] if eos else None,
-        )
-        self.frontend.requests[request_id] = req
-        log.debug("request.accepted", request_id=request_id, prompt_tokens=len(prompt))
         self._place(req)
 
-    def _vocab_size(self) -> int | None:
-        return min((w.info.vocab_size for w in self.workers.values()), default=None)
+    def _vocab_size(self) -> int:
+        """The served model's vocabulary size; until a worker tells it, the largest allowed."""
+        return min((w.info.vocab_size for w in self.workers.values()), default=MAX_VOCAB)
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         for worker in self.workers.values():

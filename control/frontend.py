@@ -82,6 +82,42 @@ class Frontend:
         self._withdraw = withdraw
         self.requests: dict[str, ClientRequest] = {}
 
+    # --- requests in ----------------------------------------------------------------------
+
+    def accept(
+        self,
+        client: bytes,
+        msg: GenerateRequest,
+        vocab_size: int,
+        worker_eos_token_ids: tuple[int, ...],
+    ) -> ClientRequest:
+        """Validate and tokenize a new request, the one time it is checked, and track it;
+        ValueError naming what is wrong with it.
+
+        Token ids (the prompt's and the stop ids) must lie below `vocab_size`; placement and the
+        scheduler take what is accepted here as valid.
+        """
+        request_id = msg.request_id
+        self.check_request_id(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        msg.sampling.validate(vocab_size)
+        prompt = self.prompt_token_ids(msg, vocab_size)
+        eos = self.tokenizer.eos_token_ids if self.tokenizer else worker_eos_token_ids
+        req = ClientRequest(
+            request_id=request_id,
+            client=client,
+            prompt_token_ids=prompt,
+            sampling=self.with_stop_ids(msg.sampling, eos),
+            stream=msg.stream,
+            cache_salt=msg.cache_salt,
+            priority=msg.priority,
+            eos_token_id=eos[0] if eos else None,
+        )
+        self.requests[request_id] = req
+        log.debug("request.accepted", request_id=request_id, prompt_tokens=len(prompt))
+        return req
+
     def prompt_token_ids(self, msg: GenerateRequest, vocab_size: int) -> list[int]:
         """The prompt as token ids; ValueError naming what is wrong with it."""
         if (msg.prompt is None) == (msg.prompt_token_ids is None):

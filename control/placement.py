@@ -22,7 +22,6 @@ from specserve.control.request import Request
 from specserve.control.router import Candidate, Router
 from specserve.control.worker_handle import WorkerHandle
 from specserve.shared.hashing import BlockHash
-from specserve.shared.protocol import check_token_ids
 
 log = structlog.get_logger(__name__)
 
@@ -131,8 +130,6 @@ class Placement:
 def _check_fits(worker: WorkerHandle, req: ClientRequest) -> None:
     """ValueError unless the request, at the longest it can grow, fits in the worker's cache."""
     info = worker.info
-    check_token_ids(req.prompt_token_ids, info.vocab_size, "prompt token ids")
-    req.sampling.validate(info.vocab_size)
     longest = min(len(req.prompt_token_ids) + req.sampling.max_tokens, info.max_model_len)
     needed = worker.blocks_needed(longest)
     if needed > info.num_blocks - 1:

@@ -112,6 +112,8 @@ class Scheduler:
     # --- requests in and out ----------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        """Queue a request whose sampling and token ids its entry point validated (the frontend,
+        or the in-process engine); refuse one that breaks this scheduler's own limits."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.num_prompt_tokens == 0:
@@ -122,7 +124,6 @@ class Scheduler:
                 f"{self.config.max_model_len - 1} prompt tokens (max_model_len "
                 f"{self.config.max_model_len}, one position kept for output)"
             )
-        request.sampling.validate()
         cfg = self.config
         if (
             not cfg.enable_chunked_prefill

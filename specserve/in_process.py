@@ -34,6 +34,7 @@ class InProcessEngine:
         return self.worker.eos_token_ids
 
     def add_request(self, request: Request) -> None:
+        """The in-process entry point, so the one place an in-process request is validated."""
         request.sampling.validate(self.vocab_size)
         protocol.check_token_ids(request.prompt_token_ids, self.vocab_size, "prompt token ids")
         self.scheduler.add_request(request)

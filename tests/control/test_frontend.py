@@ -48,6 +48,13 @@ def test_bad_prompts_are_named(frontend: Frontend, fields: dict, message: str):
         frontend.prompt_token_ids(request(**fields), 49152)
 
 
+def test_bad_sampling_is_rejected_as_the_request_enters(frontend: Frontend):
+    msg = request(prompt_token_ids=[1, 2], sampling=SamplingParams(top_p=0.0))
+    with pytest.raises(ValueError, match="top_p must be in"):
+        frontend.accept(b"c", msg, 49152, ())
+    assert not frontend.requests
+
+
 def test_a_model_without_tokenizer_needs_token_ids():
     with pytest.raises(ValueError, match="send prompt_token_ids"):
         make_frontend(None).prompt_token_ids(request(prompt="hi"), 10)

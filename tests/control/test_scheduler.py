@@ -370,7 +370,6 @@ def test_prefix_cache_statistics():
     [
         ([], GREEDY, "the prompt is empty"),
         (list(range(1024)), GREEDY, "at most 1023 prompt tokens"),
-        ([1, 2], SamplingParams(top_p=0.0), "top_p must be in"),
     ],
 )
 def test_bad_requests_are_rejected_with_a_clear_error(prompt, sampling, message):

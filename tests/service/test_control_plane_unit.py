@@ -173,6 +173,18 @@ def test_a_request_that_could_outgrow_the_cache_is_refused(plane: RecordingPlane
     assert "ok" in plane.frontend.requests
 
 
+def test_token_ids_are_checked_against_the_vocabulary_as_requests_enter(plane: RecordingPlane):
+    plane.register("w0")  # vocab_size 256
+    plane.generate("prompt", [1, 256])
+    plane.generate("stop", [1, 2], stop_token_ids=(300,))
+    replies = plane.outputs()
+    assert [r.request_id for r in replies] == ["prompt", "stop"]
+    assert all(isinstance(r, ErrorReply) for r in replies)
+    assert "prompt token ids [256] are outside the vocabulary (size 256)" in replies[0].message
+    assert "stop_token_ids [300] are outside the vocabulary (size 256)" in replies[1].message
+    assert plane.frontend.requests == {}
+
+
 def test_redis_refusing_writes_does_not_stop_serving(llama_ckpt, tmp_path: Path):
     try:
         redis_server = LocalRedis(tmp_path).start()

@@ -75,6 +75,8 @@ def test_a_prompt_longer_than_the_model_allows_is_a_clear_error(llama_ckpt):
         llm.generate(list(range(40)), GREEDY64)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate([1, 2, 100_000], GREEDY64)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        llm.generate([1, 2], SamplingParams(top_p=0.0))
 
 
 SEEDED = SamplingParams(max_tokens=40, temperature=1.0, seed=1234, ignore_eos=True)
