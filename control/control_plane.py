@@ -1,16 +1,18 @@
-"""The control plane: one ZeroMQ ROUTER socket for clients and workers, a scheduler per worker.
+"""The control plane: one ZeroMQ ROUTER socket for clients and workers, and the registry of
+workers (a scheduler per worker).
 
 The loop, single-threaded: read every waiting frame; hand each idle worker its next step the
 moment its last result is applied (the result, the index write-through and the next batch are
 handled back to back, before any client traffic); then a periodic tick checks heartbeats, the
-prefix index and the gauges.
+prefix index and the gauges. Client requests are validated and answered by the frontend
+(`frontend.py`) and put on workers by placement (`placement.py`); the index is kept in step by
+`index_sync.py`.
 
-Routing reads the Redis prefix index in one round trip; while Redis is unavailable the control
-plane keeps serving and estimates hits from its own block pools (which it owns, so they are
-exact), then re-registers every worker under a fresh epoch and resyncs the index when Redis is
-back. A worker that misses heartbeats is removed: its index epoch is fenced at once and its
-requests resume on the other workers from the tokens already delivered, so a client's stream
-continues with nothing lost and nothing repeated.
+A worker that misses heartbeats is removed: its index epoch is fenced at once and its requests
+resume on the other workers from the tokens already delivered, so a client's stream continues
+with nothing lost and nothing repeated. While Redis is unavailable the control plane keeps
+serving, then re-registers every worker under a fresh epoch and resyncs the index when Redis is
+back.
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ from specserve.shared.protocol import (
     ProtocolError,
     Register,
     Rejected,
-    RequestResult,
     Reregister,
     StepResult,
     Welcome,
@@ -277,30 +278,12 @@ class ControlPlane:
             return
         worker.outstanding = None
         worker.result_at = now
-        msg = self._checked_result(worker, msg)
+        msg = worker.checked_result(msg)
         updates = worker.scheduler.update_from_output(step, msg)
         self._dispatch(worker)  # keep the worker busy before anything else
         self.frontend.deliver(updates)
         if worker.failed:  # only now: resumption must start from the tokens just delivered
             self._remove_worker(worker, worker.failed)
-
-    @staticmethod
-    def _checked_result(worker: WorkerHandle, msg: StepResult) -> StepResult:
-        """Token ids outside the vocabulary fail their request instead of reaching a client."""
-        vocab = worker.info.vocab_size
-        bad = [
-            i
-            for i, res in enumerate(msg.results)
-            if res.sampled_token_ids
-            and (min(res.sampled_token_ids) < 0 or max(res.sampled_token_ids) >= vocab)
-        ]
-        if not bad:
-            return msg
-        results = list(msg.results)
-        for i in bad:
-            error = f"worker {worker.worker_id} returned token ids outside the vocabulary"
-            results[i] = RequestResult(results[i].handle, [], error=error)
-        return StepResult(msg.version, msg.step_id, results)
 
     def _dispatch_all(self) -> None:
         for worker in list(self.workers.values()):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from specserve.cache_index import IndexWriter, Namespace
 from specserve.control.scheduler import ScheduledStep, Scheduler
 from specserve.shared.hashing import BlockHash
-from specserve.shared.protocol import WorkerInfo
+from specserve.shared.protocol import RequestResult, StepResult, WorkerInfo
 
 ROUTED_HINT_S = 2.0  # a routed prefix is scheduled (and in the index) well within this
 ROUTED_HINT_MAX = 16_384  # block hashes remembered per worker
@@ -32,6 +32,23 @@ class WorkerHandle:
     # index learns them): block hash -> expiry. Without it, a burst of requests sharing a cold
     # prefix would scatter over the workers before the first one is scheduled.
     routed: OrderedDict[BlockHash, float] = field(default_factory=OrderedDict)
+
+    def checked_result(self, msg: StepResult) -> StepResult:
+        """Token ids outside the vocabulary fail their request instead of reaching a client."""
+        vocab = self.info.vocab_size
+        bad = [
+            i
+            for i, res in enumerate(msg.results)
+            if res.sampled_token_ids
+            and (min(res.sampled_token_ids) < 0 or max(res.sampled_token_ids) >= vocab)
+        ]
+        if not bad:
+            return msg
+        results = list(msg.results)
+        for i in bad:
+            error = f"worker {self.worker_id} returned token ids outside the vocabulary"
+            results[i] = RequestResult(results[i].handle, [], error=error)
+        return StepResult(msg.version, msg.step_id, results)
 
     def block_hashes(self, token_ids: list[int], cache_salt: str | None) -> list[BlockHash]:
         """The prompt's block hashes exactly as this worker's scheduler will hash it."""
