@@ -73,10 +73,17 @@ class KVCacheManager:
         if self.enable_caching and len(request.all_token_ids) // self.hash_block_size > len(
             request.block_hashes
         ):
-            request.update_block_hashes(self.hasher, self.hash_block_size)
+            extend_block_hashes(
+                self.hasher,
+                request.block_hashes,
+                request.all_token_ids,
+                self.hash_block_size,
+                request.cache_salt,
+            )
 
     def block_hashes(self, token_ids: Sequence[int], cache_salt: str | None) -> list[BlockHash]:
-        """The hashes `hash_request` gives a request with these tokens, for routing to look up."""
+        """The hashes `hash_request` gives a request with these tokens and salt (routing looks
+        them up before the request exists)."""
         hashes: list[BlockHash] = []
         extend_block_hashes(self.hasher, hashes, token_ids, self.hash_block_size, cache_salt)
         return hashes

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from specserve.shared.hashing import BlockHash, BlockHasher, extend_block_hashes
+from specserve.shared.hashing import BlockHash
 from specserve.shared.protocol import SamplingParams
 
 
@@ -93,14 +93,12 @@ class Request:
     priority: int = 0  # lower runs first under the priority policy
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
-    adapter: str | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     all_token_ids: list[int] = field(init=False)
     spec_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
-    stop_reason: int | str | None = None
     num_preemptions: int = 0
     handle: int = -1  # the integer id the worker knows this request by
     spec_stats: SpecDecodingStats = field(default_factory=SpecDecodingStats)
@@ -121,22 +119,3 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens :]
-
-    @property
-    def num_tokens_with_spec(self) -> int:
-        return len(self.all_token_ids) + len(self.spec_token_ids)
-
-    @property
-    def is_prefill_chunk(self) -> bool:
-        """Still processing known tokens: no output and no drafts for it this step."""
-        return self.num_computed_tokens < self.num_tokens
-
-    def update_block_hashes(self, hasher: BlockHasher, block_size: int) -> None:
-        extend_block_hashes(
-            hasher,
-            self.block_hashes,
-            self.all_token_ids,
-            block_size,
-            self.cache_salt,
-            self.adapter,
-        )

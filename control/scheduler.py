@@ -51,7 +51,6 @@ class RequestUpdate:
     new_token_ids: list[int]
     finished: bool = False
     status: RequestStatus = RequestStatus.RUNNING
-    stop_reason: int | str | None = None
     logprobs: TokenLogprobs | None = None
     error: str | None = None
     spec_stats: SpecDecodingStats | None = None  # the request's own, once it finished
@@ -446,7 +445,6 @@ class Scheduler:
             new_tokens,
             finished,
             request.status,
-            request.stop_reason,
             logprobs,
             spec_stats=request.spec_stats if finished else None,
         )
@@ -473,7 +471,6 @@ class Scheduler:
         if not sampling.ignore_eos and token == request.eos_token_id:
             return RequestStatus.FINISHED_STOPPED
         if token in sampling.stop_token_ids:
-            request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= sampling.max_tokens:
             return RequestStatus.FINISHED_LENGTH
