@@ -7,7 +7,7 @@ builds the scheduler that drives it (in the same process, or over ZeroMQ).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 import torch
@@ -23,9 +23,11 @@ from specserve.worker.models import DecoderModel
 from specserve.worker.spec_decode.drafter import draft_kv_bytes_per_block
 from specserve.worker.spec_decode.speculators import (
     Drafter,
+    default_num_spec_tokens,
     drafter_max_model_len,
     load_drafter,
     make_speculator,
+    resolve_drafter,
 )
 
 log = structlog.get_logger(__name__)
@@ -53,8 +55,11 @@ class EngineArgs:
 
 class WorkerEngine:
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
-        self.args = args
         method = SpecMethod(args.spec_method)
+        drafter_path = resolve_drafter(method, args.model, args.drafter)
+        num_spec = args.num_spec_tokens or default_num_spec_tokens(method, drafter_path)
+        args = replace(args, drafter=drafter_path, num_spec_tokens=num_spec)
+        self.args = args
         SpecConfig(method, args.num_spec_tokens)  # validate before loading anything
         if loaded is None:
             backend = select_backend(args.attention_backend, args.device, resolve_dtype(args.dtype))

@@ -10,9 +10,11 @@ table: a write past the lookahead the scheduler reserved would land in someone e
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Generic, TypeVar
 
 import torch
@@ -333,6 +335,34 @@ class DFlashSpeculator(_DrafterSpeculator[DFlashDrafter]):
 Drafter = Eagle3Drafter | DFlashDrafter
 
 
+BUNDLED_DRAFTERS = Path(__file__).with_name("bundled")  # <model>-<method>/ checkpoint dirs
+
+
+def resolve_drafter(method: SpecMethod, model: str, path: str | None) -> str | None:
+    """The drafter checkpoint to load: the one given, else the one shipped for a bundled
+    model (`specserve train-drafter` made them; their config says how)."""
+    if path is not None or method not in (SpecMethod.EAGLE3, SpecMethod.DFLASH):
+        return path
+    shipped = BUNDLED_DRAFTERS / f"{model}-{method.value}"
+    return str(shipped) if (shipped / "config.json").is_file() else None
+
+
+def default_num_spec_tokens(method: SpecMethod, path: str | None) -> int:
+    """K when none is given: what the drafter was trained with (a `specserve train-drafter`
+    checkpoint records it; a DFlash block of B tokens means K = B - 1), else 0."""
+    if path is None or method not in (SpecMethod.EAGLE3, SpecMethod.DFLASH):
+        return 0
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0  # the loader reports an unreadable checkpoint
+    trained = (config.get("specserve_training") or {}).get("num_spec_tokens")
+    if trained:
+        return int(trained)
+    block = config.get("block_size") if method == SpecMethod.DFLASH else None
+    return int(block) - 1 if block else 0
+
+
 def load_drafter(method: SpecMethod, path: str | None, target: DecoderModel) -> Drafter | None:
     """The drafter model for hidden-state methods (None for n-gram and no speculation)."""
     if method in (SpecMethod.NONE, SpecMethod.NGRAM):
@@ -340,7 +370,10 @@ def load_drafter(method: SpecMethod, path: str | None, target: DecoderModel) -> 
             raise ValueError(f"--drafter is not used with spec method {method.value!r}")
         return None
     if path is None:
-        raise ValueError(f"spec method {method.value!r} needs --drafter PATH (a checkpoint dir)")
+        raise ValueError(
+            f"spec method {method.value!r} needs --drafter PATH (a checkpoint dir); only the "
+            "bundled models ship one"
+        )
     if method == SpecMethod.EAGLE3:
         return load_eagle3(path, target)
     return load_dflash(path, target)
