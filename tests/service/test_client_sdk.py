@@ -19,7 +19,6 @@ import msgspec
 import pytest
 import zmq
 
-from specserve import client as client_module
 from specserve.client import (
     AsyncClient,
     Client,
@@ -27,6 +26,8 @@ from specserve.client import (
     RequestFailed,
     RequestTimeout,
 )
+from specserve.client import tombstones as client_tombstones
+from specserve.client import wire as client_wire
 from specserve.shared import protocol
 from specserve.shared.protocol import (
     PROTOCOL_VERSION,
@@ -340,7 +341,7 @@ def test_undecodable_frames_are_logged_and_skipped(serve, monkeypatch) -> None:
         def __getattr__(self, level: str) -> Callable[..., None]:
             return lambda event, **fields: events.append((level, event))
 
-    monkeypatch.setattr(client_module, "log", Recorder())
+    monkeypatch.setattr(client_wire, "log", Recorder())
     future_version = msgspec.msgpack.encode({"type": "output", "version": 99, "request_id": "x"})
 
     def garbage_first(request_id: str) -> list[Message | bytes]:
@@ -513,7 +514,7 @@ def test_retry_after_an_early_closed_stream_gets_only_its_own_outputs(serve) -> 
 
 
 def test_unanswered_abort_expires_and_bounds_the_retry(serve, monkeypatch) -> None:
-    monkeypatch.setattr(client_module, "TOMBSTONE_TTL_S", 0.5)
+    monkeypatch.setattr(client_tombstones, "TOMBSTONE_TTL_S", 0.5)
     server = serve(AbortConfirming(answer_aborts=False))
     with Client(server.url, timeout=WAIT) as client:
         with pytest.raises(RequestTimeout):
@@ -569,7 +570,7 @@ def test_async_retry_after_a_timeout_gets_its_own_tokens(serve) -> None:
 
 
 def test_async_unanswered_abort_expires(serve, monkeypatch) -> None:
-    monkeypatch.setattr(client_module, "TOMBSTONE_TTL_S", 0.5)
+    monkeypatch.setattr(client_tombstones, "TOMBSTONE_TTL_S", 0.5)
     server = serve(AbortConfirming(answer_aborts=False))
 
     async def main() -> None:

@@ -1,0 +1,145 @@
+"""`AsyncClient`: the calls of `ClientCore`, carried out in asyncio over one receive task."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Coroutine
+from types import TracebackType
+from typing import Any, TypeVar
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from specserve.client.core import CLOSE_LINGER_MS, DEFAULT_TIMEOUT, DEFAULT_URL, ClientCore
+from specserve.client.errors import ServiceError
+from specserve.client.state import Completion
+from specserve.client.steps import Run, Send, Step, Steps, Wait
+from specserve.client.wire import abort_frame
+from specserve.shared.protocol import GenerateRequest, RequestOutput
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+
+class AsyncClient(
+    ClientCore[
+        Coroutine[Any, Any, Completion], Coroutine[Any, Any, str], AsyncIterator[RequestOutput]
+    ]
+):
+    """asyncio client: many concurrent requests on one DEALER socket.
+
+    `generate`, `submit`, `result` and `abort` return coroutines, and nothing happens until they
+    are awaited. One background task receives every message and files it under its request. Close
+    a `stream` that is left early with `contextlib.aclosing` (or `aclose()`) so that its abort is
+    sent at once rather than when the iterator is garbage-collected.
+
+    As with `Client`, reusing the id of a request this client aborted is safe: the new request is
+    held back (within its call's timeout, else `RequestTimeout` with nothing sent) until the
+    control plane has confirmed the abort with the old request's final output, or until
+    `TOMBSTONE_TTL_S` has passed; the old request's outputs are dropped.
+    """
+
+    def __init__(self, url: str = DEFAULT_URL, timeout: float | None = DEFAULT_TIMEOUT) -> None:
+        super().__init__(url, timeout)
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.connect(url)
+        # The tasks waiting for news of an id (see `_wake`); an event is dropped once set.
+        self._news: dict[str, asyncio.Event] = {}
+        self._receiver: asyncio.Task[None] | None = None
+
+    async def abort(self, request_id: str) -> None:
+        """Ask the control plane to stop a request. A submitted request stays collectable: its
+        last output (finish_reason "abort", unless it had already finished) ends `result`."""
+        await self._send(abort_frame(request_id))
+
+    async def close(self) -> None:
+        """Abort the requests still in flight, fail their waiters and release the socket."""
+        if self._closed:
+            return
+        for frame in self._aborts_on_close():
+            await self._send(frame)
+        self._mark_closed()
+        if self._receiver is not None:
+            self._receiver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._receiver
+        self._socket.close(linger=CLOSE_LINGER_MS)
+        self._context.term()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    async def _run(self, steps: Steps[T]) -> T:
+        run = Run(steps)
+        for step in run:
+            try:
+                await self._perform(step)
+            except BaseException as exc:  # e.g. cancelled: the call frees its request
+                run.fail(exc)
+        return run.value
+
+    async def _stream(
+        self, request: GenerateRequest, limit: float | None
+    ) -> AsyncIterator[RequestOutput]:
+        await self._run(self._open_stream(request, limit))
+        try:
+            while True:
+                output = await self._run(self._next(request.request_id))
+                yield output
+                if output.finished:
+                    return
+        finally:  # left before the end: free it on the server
+            await self._run(self._release(request.request_id))
+
+    async def _perform(self, step: Step) -> None:
+        self._ensure_receiver()
+        if isinstance(step, Send):
+            await self._send(step.frame)
+        else:
+            await self._wait(step)
+
+    async def _wait(self, step: Wait) -> None:
+        """Sleep until the receive task brings news of the request, or until `step.until`."""
+        news = self._news.setdefault(step.request_id, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(step.until):
+                await news.wait()
+
+    def _wake(self, request_id: str) -> None:
+        news = self._news.pop(request_id, None)
+        if news is not None:
+            news.set()
+
+    def _ensure_receiver(self) -> None:
+        if self._receiver is None or self._receiver.done():
+            self._receiver = asyncio.get_running_loop().create_task(self._receive_loop())
+
+    async def _receive_loop(self) -> None:
+        """File every message under its request, for as long as the client is open."""
+        try:
+            while True:
+                self._file(await self._socket.recv_multipart())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the socket is unusable: nothing more will arrive
+            log.error("client.receive.failed", error=repr(exc))
+            self._fail_all(ServiceError(f"receiving from {self.url} failed: {exc!r}"))
+
+    async def _send(self, frame: bytes) -> None:
+        self._check_open()
+        await self._socket.send(frame)

@@ -1,0 +1,285 @@
+"""The one client implementation: the public calls and the state of every request in flight.
+
+`ClientCore` never touches a socket. Its calls are generators of `Send`/`Wait` steps (see
+`steps.py`); `Client` and `AsyncClient` carry those out, and feed every message they receive to
+`_file`. So request building, deadlines, tombstones and the folding of outputs exist once, and the
+state of a request (what was asked, its deadline, what it delivered) lives in one `RequestState`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Generic, TypeVar
+
+import structlog
+
+from specserve.client.errors import ServiceError
+from specserve.client.state import Completion, Deadline, RequestState, resolve_timeout
+from specserve.client.steps import Send, Steps, Wait
+from specserve.client.tombstones import Tombstones
+from specserve.client.wire import (
+    Prompt,
+    RequestArgs,
+    abort_frame,
+    check_reply,
+    ends_request,
+    parse_reply,
+)
+from specserve.shared import protocol
+from specserve.shared.protocol import GenerateRequest, RequestOutput, SamplingParams
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_URL = "tcp://127.0.0.1:5555"
+DEFAULT_TIMEOUT = 120.0
+# On close, queued messages (the aborts of unfinished requests) get this long to leave.
+CLOSE_LINGER_MS = 500
+
+# What the public calls return: the values themselves (`Client`), or coroutines and an async
+# iterator (`AsyncClient`).
+CompletionT = TypeVar("CompletionT")
+IdT = TypeVar("IdT")
+OutputsT = TypeVar("OutputsT")
+
+
+class ClientCore(ABC, Generic[CompletionT, IdT, OutputsT]):
+    """The calls of both clients, written once over a socket that a subclass provides.
+
+    A subclass supplies its clock (`_now`), runs a call's steps (`_run`, `_stream`) and files every
+    message it receives with `_file`; an asyncio one also overrides `_wake` to rouse the task that
+    waits on a request. Outputs of many requests share one socket, so they are demultiplexed by
+    request id into each request's inbox until its caller takes them.
+    """
+
+    def __init__(self, url: str, timeout: float | None) -> None:
+        self.url = url
+        self.timeout = timeout
+        self._requests: dict[str, RequestState] = {}
+        self._tombstones = Tombstones(on_clear=self._wake)
+        self._closed = False
+
+    def generate(
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        *,
+        chat: bool = False,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
+    ) -> CompletionT:
+        """Run one request to the end. Not streamed: the control plane sends a single output.
+
+        `timeout` bounds the whole call, including any wait for an earlier request with the same
+        id to finish aborting (see the class docstring).
+        """
+        args = RequestArgs(prompt, sampling, chat, request_id, cache_salt, priority, stream=False)
+        return self._run(self._generate(args, timeout))
+
+    def stream(
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        *,
+        chat: bool = False,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
+    ) -> OutputsT:
+        """Yield each output (its new tokens) as it arrives; closing the iterator early aborts.
+
+        The arguments are checked at once; the request is sent when iteration starts. `timeout`
+        bounds the whole request, including any wait for an earlier request with the same id to
+        finish aborting (see the class docstring).
+        """
+        args = RequestArgs(prompt, sampling, chat, request_id, cache_salt, priority, stream=True)
+        request = args.build()
+        return self._stream(request, resolve_timeout(timeout, self.timeout))
+
+    def submit(
+        self,
+        prompt: Prompt,
+        sampling: SamplingParams | None = None,
+        *,
+        chat: bool = False,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+        stream: bool = True,
+        timeout: float | None = None,
+    ) -> IdT:
+        """Send a request and return its id; collect it with `result`.
+
+        It returns at once, unless an earlier request with the same id is still being aborted:
+        then it waits for that first, for up to `timeout` (see the class docstring).
+        """
+        args = RequestArgs(prompt, sampling, chat, request_id, cache_salt, priority, stream)
+        return self._run(self._submit(args, timeout))
+
+    def result(self, request_id: str, timeout: float | None = None) -> CompletionT:
+        """Wait for a submitted request to finish and return all of it."""
+        return self._run(self._result(request_id, timeout))
+
+    # -- what a subclass provides --
+
+    @abstractmethod
+    def _now(self) -> float:
+        """The clock that deadlines and tombstones are kept on."""
+
+    @abstractmethod
+    def _run(self, steps: Steps[Any]) -> Any:
+        """Carry out a call's steps; its value (or a coroutine that returns it)."""
+
+    @abstractmethod
+    def _stream(self, request: GenerateRequest, limit: float | None) -> OutputsT:
+        """Send the request when iteration starts (`_open_stream`), then yield each `_next`
+        output; leaving early must `_release` it."""
+
+    def _wake(self, request_id: str) -> None:
+        """News of a request: a reply was filed or its tombstone cleared. A caller that waits in
+        another task overrides this to rouse it."""
+
+    # -- the calls, as steps --
+
+    def _generate(self, args: RequestArgs, timeout: float | None) -> Steps[Completion]:
+        request = args.build()
+        state = yield from self._send_request(request, self._deadline(timeout))
+        try:
+            return (yield from self._collect(state))
+        except BaseException:  # e.g. interrupted or cancelled: nobody will collect it, so free it
+            yield from self._release(request.request_id)
+            raise
+
+    def _submit(self, args: RequestArgs, timeout: float | None) -> Steps[str]:
+        request = args.build()
+        yield from self._send_request(request, self._deadline(timeout))
+        return request.request_id
+
+    def _result(self, request_id: str, timeout: float | None) -> Steps[Completion]:
+        deadline = self._deadline(timeout)
+        state = self._in_flight(request_id)
+        state.deadline = deadline  # this call's own limit, not the one its `submit` had
+        return (yield from self._collect(state))
+
+    def _open_stream(self, request: GenerateRequest, limit: float | None) -> Steps[None]:
+        yield from self._send_request(request, Deadline.after(limit, self._now()))
+
+    def _collect(self, state: RequestState) -> Steps[Completion]:
+        while True:
+            output = yield from self._next(state.request_id)
+            if output.finished:
+                return state.delivered
+
+    def _next(self, request_id: str) -> Steps[RequestOutput]:
+        """The request's next output, waited for until its deadline (which aborts it)."""
+        state = self._in_flight(request_id)
+        while not state.inbox:
+            if state.deadline.passed(self._now()):
+                yield from self._abandon(request_id)
+                raise state.deadline.timed_out(request_id)
+            yield Wait(request_id, state.deadline.at)
+        return self._take(state)
+
+    def _release(self, request_id: str) -> Steps[None]:
+        """Free a request whose caller left before its end."""
+        if request_id in self._requests:
+            yield from self._abandon(request_id)
+
+    # -- sending --
+
+    def _send_request(self, request: GenerateRequest, deadline: Deadline) -> Steps[RequestState]:
+        """Send the request once no earlier request with its id is being aborted."""
+        request_id = request.request_id
+        self._check_new(request_id)
+        frame = protocol.encode(request)
+        self._check_open()
+        yield from self._await_tombstone(request_id, deadline)
+        self._check_open()  # the client may have been closed meanwhile (by another task)
+        self._check_new(request_id)  # or another task may have taken the id
+        state = self._requests[request_id] = RequestState(request, deadline)
+        yield Send(frame)
+        return state
+
+    def _await_tombstone(self, request_id: str, deadline: Deadline) -> Steps[None]:
+        """Wait until an earlier, aborted request with this id is confirmed gone (or its
+        tombstone expires); RequestTimeout, with nothing sent, at the deadline."""
+        while True:
+            now = self._now()
+            expiry = self._tombstones.expiry(request_id, now)
+            if expiry is None:
+                return
+            if deadline.passed(now):
+                raise deadline.not_sent(request_id)
+            yield Wait(request_id, deadline.cap(expiry))
+
+    def _abandon(self, request_id: str) -> Steps[None]:
+        """Stop waiting for a request and abort it, leaving a tombstone for its final output."""
+        state = self._requests.pop(request_id, None)
+        if self._closed:
+            return
+        if state is None or not state.ended:  # with its last reply here, nothing more will come
+            self._tombstones.add(request_id, self._now())
+        yield Send(abort_frame(request_id))
+
+    # -- receiving --
+
+    def _file(self, frames: list[bytes]) -> None:
+        """File one message from the control plane under its request (or drop it)."""
+        reply = parse_reply(frames)
+        if reply is None or self._tombstones.swallow(reply):
+            return
+        state = self._requests.get(reply.request_id)
+        if state is None:  # e.g. the tail of an aborted request whose tombstone expired
+            log.debug("client.reply.unclaimed", request_id=reply.request_id)
+            return
+        state.file(reply)
+        self._wake(state.request_id)
+
+    def _take(self, state: RequestState) -> RequestOutput:
+        """The request's oldest reply, checked, and folded into what it delivered."""
+        item = state.inbox.popleft()
+        if isinstance(item, ServiceError) or ends_request(item):
+            self._requests.pop(state.request_id, None)
+        if isinstance(item, ServiceError):
+            raise item
+        output = check_reply(item)
+        state.delivered.add(output)
+        return output
+
+    def _fail_all(self, error: ServiceError) -> None:
+        """Fail every request in flight: nothing more will arrive for them."""
+        for request_id, state in self._requests.items():
+            state.file(ServiceError(str(error), request_id))
+            self._wake(request_id)
+
+    # -- open and closed --
+
+    def _aborts_on_close(self) -> list[bytes]:
+        """The aborts that free the requests still in flight, to send before `_mark_closed`."""
+        return [abort_frame(request_id) for request_id in self._requests]
+
+    def _mark_closed(self) -> None:
+        self._closed = True
+        self._fail_all(ServiceError("the client is closed"))  # wakes their waiters
+        self._requests.clear()
+        self._tombstones.clear_all()  # wakes the requests waiting to reuse those ids
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ServiceError("the client is closed")
+
+    def _check_new(self, request_id: str) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id} is already in flight")
+
+    def _in_flight(self, request_id: str) -> RequestState:
+        self._check_open()
+        state = self._requests.get(request_id)
+        if state is None:
+            raise KeyError(f"request {request_id} is not in flight on this client")
+        return state
+
+    def _deadline(self, timeout: float | None) -> Deadline:
+        return Deadline.after(resolve_timeout(timeout, self.timeout), self._now())

@@ -1,0 +1,106 @@
+"""`Client`: the calls of `ClientCore`, carried out by polling a socket in the calling thread."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from types import TracebackType
+from typing import TypeVar
+
+import zmq
+
+from specserve.client.core import CLOSE_LINGER_MS, DEFAULT_TIMEOUT, DEFAULT_URL, ClientCore
+from specserve.client.state import Completion
+from specserve.client.steps import Run, Send, Step, Steps
+from specserve.client.wire import abort_frame
+from specserve.shared.protocol import GenerateRequest, RequestOutput
+
+T = TypeVar("T")
+
+
+class Client(ClientCore[Completion, str, Iterator[RequestOutput]]):
+    """Synchronous client on one DEALER socket, for one thread (it is not thread-safe).
+
+    While it waits for one request, outputs of the others it has submitted are buffered, so many
+    requests can be submitted at once and collected one by one with `result`. A request that times
+    out, or whose stream is closed early, is aborted so that the control plane frees it.
+
+    Retrying such a request under the same `request_id` is safe: until the control plane has
+    confirmed the abort with the old request's final output (or `TOMBSTONE_TTL_S` has passed), the
+    new request is not sent; `generate`, `stream` and `submit` wait for that (receiving and
+    buffering other requests' outputs meanwhile) within their timeout, and raise `RequestTimeout`,
+    having sent nothing, if it does not come in time. The old request's outputs are dropped.
+    """
+
+    def __init__(self, url: str = DEFAULT_URL, timeout: float | None = DEFAULT_TIMEOUT) -> None:
+        super().__init__(url, timeout)
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.connect(url)
+
+    def abort(self, request_id: str) -> None:
+        """Ask the control plane to stop a request. A submitted request stays collectable: its
+        last output (finish_reason "abort", unless it had already finished) ends `result`."""
+        self._send(abort_frame(request_id))
+
+    def close(self) -> None:
+        """Abort the requests still in flight and release the socket."""
+        if self._closed:
+            return
+        for frame in self._aborts_on_close():
+            self._send(frame)
+        self._mark_closed()
+        self._socket.close(linger=CLOSE_LINGER_MS)
+        self._context.term()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _now(self) -> float:
+        return time.monotonic()
+
+    def _run(self, steps: Steps[T]) -> T:
+        run = Run(steps)
+        for step in run:
+            try:
+                self._perform(step)
+            except BaseException as exc:  # e.g. KeyboardInterrupt: the call frees its request
+                run.fail(exc)
+        return run.value
+
+    def _stream(self, request: GenerateRequest, limit: float | None) -> Iterator[RequestOutput]:
+        self._run(self._open_stream(request, limit))
+        try:
+            while True:
+                output = self._run(self._next(request.request_id))
+                yield output
+                if output.finished:
+                    return
+        finally:  # left before the end: free it on the server
+            self._run(self._release(request.request_id))
+
+    def _perform(self, step: Step) -> None:
+        if isinstance(step, Send):
+            self._send(step.frame)
+        else:
+            self._receive(step.until)
+
+    def _receive(self, until: float | None) -> None:
+        """Wait until `until` at most for one message, of any request, and file it."""
+        self._check_open()
+        timeout_ms = None if until is None else max(1, math.ceil((until - self._now()) * 1000))
+        if self._socket.poll(timeout_ms, zmq.POLLIN):
+            self._file(self._socket.recv_multipart())
+
+    def _send(self, frame: bytes) -> None:
+        self._check_open()
+        self._socket.send(frame)

@@ -1,0 +1,132 @@
+"""The client's side of the wire: the messages it sends and what it makes of those it receives."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from specserve.client.errors import RequestFailed
+from specserve.shared import protocol
+from specserve.shared.protocol import (
+    PROTOCOL_VERSION,
+    AbortRequest,
+    ErrorReply,
+    GenerateRequest,
+    ProtocolError,
+    RequestOutput,
+    SamplingParams,
+)
+
+log = structlog.get_logger(__name__)
+
+Prompt = str | Sequence[int]
+Reply = RequestOutput | ErrorReply
+
+
+def build_request(
+    prompt: Prompt,
+    sampling: SamplingParams | None,
+    *,
+    chat: bool,
+    request_id: str | None,
+    cache_salt: str | None,
+    priority: int,
+    stream: bool,
+) -> GenerateRequest:
+    """The `GenerateRequest` to send; raises ValueError (before anything is sent) on bad input."""
+    sampling = sampling if sampling is not None else SamplingParams()
+    sampling.validate()
+    if request_id is None:
+        request_id = uuid.uuid4().hex
+    elif not request_id:
+        raise ValueError("request_id must not be empty")
+    text, token_ids = _split_prompt(prompt)
+    return GenerateRequest(
+        version=PROTOCOL_VERSION,
+        request_id=request_id,
+        prompt=text,
+        prompt_token_ids=token_ids,
+        sampling=sampling,
+        chat=chat,
+        stream=stream,
+        cache_salt=cache_salt,
+        priority=priority,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RequestArgs:
+    """A call's request arguments as given. `build` checks them when the call runs, so an asyncio
+    call raises where it is awaited, as an `async def` would."""
+
+    prompt: Prompt
+    sampling: SamplingParams | None
+    chat: bool
+    request_id: str | None
+    cache_salt: str | None
+    priority: int
+    stream: bool
+
+    def build(self) -> GenerateRequest:
+        return build_request(
+            self.prompt,
+            self.sampling,
+            chat=self.chat,
+            request_id=self.request_id,
+            cache_salt=self.cache_salt,
+            priority=self.priority,
+            stream=self.stream,
+        )
+
+
+def _split_prompt(prompt: Prompt) -> tuple[str | None, list[int] | None]:
+    """Text goes as `prompt`, token ids as `prompt_token_ids`."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, bytes | bytearray):
+        raise TypeError("prompt must be a str or a sequence of token ids, not bytes")
+    token_ids = [int(t) for t in prompt]
+    if not token_ids:
+        raise ValueError("prompt_token_ids must not be empty")
+    return None, token_ids
+
+
+def abort_frame(request_id: str) -> bytes:
+    return protocol.encode(AbortRequest(version=PROTOCOL_VERSION, request_id=request_id))
+
+
+def parse_reply(frames: list[bytes]) -> Reply | None:
+    """Decode one message from the control plane; None (logged) for anything no request awaits."""
+    try:
+        msg = protocol.decode(frames[-1])  # the payload is the last frame, delimiter or not
+    except ProtocolError as exc:
+        log.warning("client.frame.undecodable", error=str(exc), size=len(frames[-1]))
+        return None
+    if isinstance(msg, ErrorReply) and msg.request_id is None:
+        # About a frame the control plane could not decode: no request of ours to fail.
+        log.warning("client.server_error", message=msg.message)
+        return None
+    if not isinstance(msg, RequestOutput | ErrorReply):
+        log.warning("client.frame.unexpected", type=type(msg).__name__)
+        return None
+    return msg
+
+
+def check_reply(reply: Reply) -> RequestOutput:
+    """The output itself, or RequestFailed when the request was refused or ended in an error."""
+    if isinstance(reply, ErrorReply):
+        raise RequestFailed(
+            f"request {reply.request_id} refused: {reply.message}", reply.request_id
+        )
+    if reply.finished and reply.finish_reason == "error":
+        error = reply.error or "unknown error"
+        raise RequestFailed(f"request {reply.request_id} failed: {error}", reply.request_id)
+    return reply
+
+
+def ends_request(reply: Reply) -> bool:
+    """Whether nothing more will come for the reply's request."""
+    return isinstance(reply, ErrorReply) or reply.finished
