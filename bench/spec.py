@@ -1,99 +1,188 @@
-"""Speculative decoding speed-up on CPU: the same requests with and without speculation.
+"""Speculative decoding on held-out ShareGPT prompts: acceptance, speed-up, the drafter's cost.
 
-Default: SmolLM2-135M with the n-gram proposer on prompts whose answers repeat their input.
-With --spec-method eagle3|dflash --drafter DIR (and --model DIR), the same harness measures a
-hidden-state drafter. Greedy decoding, one request at a time (batch 1, where speculation pays
-most); outputs with and without speculation are checked to be identical.
+In one run, on the bundled SmolLM2-135M-Instruct (fp32, greedy) and prompts that drafter
+training never saw (the first user turns of ShareGPT V3's held-out chats):
 
-    .venv/bin/python bench/spec.py [--quick] [--spec-method ngram --num-spec-tokens 4]
+1. Acceptance: mean acceptance length and per-position acceptance rates for EAGLE-3 at
+   K = 3, 5, 7 and DFlash at K+1 = 4, 8, 16 (the bundled drafters unless --eagle3/--dflash).
+2. Speed: output tokens/s at batch 1, 4 and 16 without speculation, with n-gram and with both
+   drafters, the engines interleaved and repeated; every speculative output is checked to be
+   the non-speculative one, token for token.
+3. The drafter's share of step time (time in the proposer over time in the worker's step).
+
+    .venv/bin/python bench/spec.py [--quick] [--prompts 16] [--max-tokens 128]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
+import statistics
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
+from machine import cpu_model
 
 from specserve.llm import LLM
 from specserve.shared.logging import configure_logging
-from specserve.shared.protocol import SamplingParams
+from specserve.shared.tokenizer import load_tokenizer
+from specserve.training.corpus import read_sharegpt
+from specserve.training.evaluate import Generation, measure
 
-PROMPTS = [
-    "Repeat this sentence three times: The quick brown fox jumps over the lazy dog.",
-    "Write the numbers from 1 to 40, separated by commas.",
-    "Copy this JSON exactly: "
-    '{"name": "specserve", "version": "0.1.0", "tags": ["llm", "serving", "speculative"]}',
-    "Rewrite this list, one item per line: apple, banana, cherry, date, elderberry, fig, grape, "
-    "honeydew, kiwi, lemon.",
-    "Here is a Python function:\n\ndef area(width, height):\n    return width * height\n\n"
-    "Write it again, with a docstring.",
-    "Spell the word 'banana' letter by letter, three times.",
-]
+MODEL = "smollm2-135m"
+HELD_OUT = 200  # `specserve train-drafter --held-out` default: chats no drafter trained on
 
 
-def run(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[list[list[int]], float, int]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    outputs = []
-    tokens = 0
-    start = time.perf_counter()
-    for prompt in prompts:
-        (out,) = llm.generate(prompt, params, chat=True)
-        outputs.append(out.token_ids)
-        tokens += len(out.token_ids)
-    return outputs, time.perf_counter() - start, tokens
+@dataclass(frozen=True)
+class Engine:
+    name: str
+    kwargs: dict
+
+
+def held_out_prompts(count: int, max_prompt_tokens: int) -> list[list[int]]:
+    """First user turns of held-out ShareGPT chats (chat template applied), short enough."""
+    tokenizer = load_tokenizer(MODEL)
+    assert tokenizer is not None
+    prompts = []
+    for number, chat in enumerate(read_sharegpt()):
+        if number >= HELD_OUT or len(prompts) == count:
+            break
+        text = next(t for role, t in chat.turns if role == "user")
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True
+        )
+        ids = tokenizer.encode(rendered, add_special_tokens=False)
+        if len(ids) <= max_prompt_tokens:
+            prompts.append(ids)
+    return prompts
+
+
+def timed_proposer(llm: LLM) -> Callable[[], tuple[float, float]]:
+    """Wrap the engine's proposer and step to time them; returns a reader of the totals."""
+    runner = llm.engine.runner
+    totals = {"propose": 0.0, "step": 0.0}
+    speculator = runner.speculator
+    if speculator is not None:
+        propose = speculator.propose
+
+        def timed_propose(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return propose(*args, **kwargs)
+            finally:
+                totals["propose"] += time.perf_counter() - start
+
+        speculator.propose = timed_propose  # type: ignore[method-assign]
+    execute = runner.execute
+
+    def timed_execute(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            totals["step"] += time.perf_counter() - start
+
+    runner.execute = timed_execute  # type: ignore[method-assign]
+    return lambda: (totals["propose"], totals["step"])
+
+
+def acceptance_table(
+    prompts: Sequence[list[int]], max_tokens: int, drafters: dict[str, str | None]
+) -> None:
+    print("\n## Acceptance on held-out prompts (greedy, batch 16)\n")
+    print("| method | K | mean acceptance length | acceptance rate per position |")
+    print("|---|---:|---:|---|")
+    for method, ks in (("eagle3", (3, 5, 7)), ("dflash", (3, 7, 15))):
+        for k in ks:
+            llm = LLM(MODEL, spec_method=method, drafter=drafters[method], num_spec_tokens=k)
+            stats = measure(llm, prompts, max_tokens, batch=16).stats
+            rates = ", ".join(f"{r:.2f}" for r in stats.acceptance_rate_per_position)
+            print(f"| {method} | {k} | {stats.mean_acceptance_length:.2f} | {rates} |", flush=True)
+
+
+def speed_table(
+    prompts: Sequence[list[int]],
+    max_tokens: int,
+    engines: Sequence[Engine],
+    batches: Sequence[int],
+    repeats: int,
+) -> None:
+    print("\n## Output tokens/s (greedy; median of repeats, engines interleaved)\n")
+    llms = {e.name: LLM(MODEL, **e.kwargs) for e in engines}
+    timers = {name: timed_proposer(llm) for name, llm in llms.items()}
+    for llm in llms.values():
+        measure(llm, prompts[:1], 8, batch=1)  # warm up
+    header = " | ".join(e.name for e in engines)
+    print(f"| batch | {header} | " + " | ".join(f"{e.name} vs none" for e in engines[1:]) + " |")
+    print("|---:|" + "---:|" * (2 * len(engines) - 1))
+    shares: dict[str, list[float]] = {e.name: [] for e in engines}
+    for batch in batches:
+        rates: dict[str, list[float]] = {e.name: [] for e in engines}
+        reference: list[list[int]] | None = None
+        for _ in range(repeats):
+            for engine in engines:
+                before = timers[engine.name]()
+                run: Generation = measure(llms[engine.name], prompts, max_tokens, batch)
+                after = timers[engine.name]()
+                if reference is None:
+                    reference = run.outputs
+                assert run.outputs == reference, f"{engine.name} output differs at batch {batch}"
+                rates[engine.name].append(run.tokens_per_second)
+                step = after[1] - before[1]
+                shares[engine.name].append((after[0] - before[0]) / step if step else 0.0)
+        medians = {name: statistics.median(r) for name, r in rates.items()}
+        base = medians[engines[0].name]
+        cells = " | ".join(f"{medians[e.name]:.1f}" for e in engines)
+        ratios = " | ".join(f"{medians[e.name] / base:.2f}x" for e in engines[1:])
+        print(f"| {batch} | {cells} | {ratios} |", flush=True)
+    print("\nDrafter's share of worker step time (all batches): " + ", ".join(
+        f"{name} {statistics.mean(s):.0%}" for name, s in shares.items() if any(s)
+    ))  # fmt: skip
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--spec-method", default="ngram", choices=["ngram", "eagle3", "dflash"])
-    parser.add_argument("--drafter", default=None)
-    parser.add_argument("--num-spec-tokens", type=int, default=4)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer prompts, tokens, repeats")
+    parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-prompt-tokens", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--batches", default="1,4,16")
+    parser.add_argument("--eagle3", default=None, help="EAGLE-3 drafter dir (default: bundled)")
+    parser.add_argument("--dflash", default=None, help="DFlash drafter dir (default: bundled)")
+    parser.add_argument("--eagle3-k", type=int, default=3, help="K of the speed runs")
+    parser.add_argument("--dflash-k", type=int, default=3, help="K of the speed runs")
+    parser.add_argument("--ngram-k", type=int, default=4)
+    parser.add_argument("--skip-acceptance", action="store_true")
     args = parser.parse_args()
     configure_logging("warning")
-    prompts = PROMPTS[:3] if args.quick else PROMPTS
-    max_tokens = 48 if args.quick else args.max_tokens
-
-    print(f"loading {args.model} without and with {args.spec_method} ...", flush=True)
-    base = LLM(args.model)
-    spec = LLM(
-        args.model,
-        spec_method=args.spec_method,
-        drafter=args.drafter,
-        num_spec_tokens=args.num_spec_tokens,
-    )
-    run(base, prompts[:1], 8)  # warm up both
-    run(spec, prompts[:1], 8)
-    print(f"generating {len(prompts)} prompts x {max_tokens} tokens, each way ...", flush=True)
-    base_out, base_s, base_tokens = run(base, prompts, max_tokens)
-    stats_before = spec.spec_stats.num_drafts
-    spec_out, spec_s, spec_tokens = run(spec, prompts, max_tokens)
-    assert spec_out == base_out, "speculative output differs from plain greedy output"
-    stats = spec.spec_stats
-    assert stats.num_drafts > stats_before
-
-    print()
-    print(
-        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-        f"torch {torch.__version__} with {torch.get_num_threads()} threads, float32"
-    )
-    print(f"model {args.model}, {args.spec_method} K={args.num_spec_tokens}, greedy, batch 1")
-    print(f"outputs identical with and without speculation: {spec_out == base_out}")
-    print(f"{'':<24} {'no speculation':>16} {args.spec_method:>12}")
-    print(f"{'tokens/s':<24} {base_tokens / base_s:>16.1f} {spec_tokens / spec_s:>12.1f}")
-    print(f"{'speed-up':<24} {'1.00x':>16} {base_s / spec_s:>11.2f}x")
-    print(f"mean acceptance length: {stats.mean_acceptance_length:.2f}")
-    rates = ", ".join(f"{r:.2f}" for r in stats.acceptance_rate_per_position)
-    print(f"acceptance rate per position: [{rates}]")
-    print(
-        f"drafts: {stats.num_drafts}, draft tokens: {stats.num_draft_tokens}, "
-        f"accepted: {stats.num_accepted_tokens}"
-    )
+    if args.quick:
+        args.prompts, args.max_tokens, args.repeats, args.batches = 4, 32, 1, "1,4"
+    prompts = held_out_prompts(args.prompts, args.max_prompt_tokens)
+    drafters = {"eagle3": args.eagle3, "dflash": args.dflash}
+    print(f"machine: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__} with "
+          f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}")  # fmt: skip
+    print(f"model {MODEL} fp32, {len(prompts)} held-out ShareGPT prompts, "
+          f"{args.max_tokens} new tokens each, greedy")  # fmt: skip
+    if not args.skip_acceptance:
+        acceptance_table(prompts, args.max_tokens, drafters)
+    engines = [
+        Engine("none", {}),
+        Engine("ngram", {"spec_method": "ngram", "num_spec_tokens": args.ngram_k}),
+        Engine(
+            f"eagle3 K={args.eagle3_k}",
+            {"spec_method": "eagle3", "drafter": args.eagle3, "num_spec_tokens": args.eagle3_k},
+        ),
+        Engine(
+            f"dflash K={args.dflash_k}",
+            {"spec_method": "dflash", "drafter": args.dflash, "num_spec_tokens": args.dflash_k},
+        ),
+    ]
+    batches = [int(b) for b in args.batches.split(",")]
+    speed_table(prompts, args.max_tokens, engines, batches, args.repeats)
+    print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

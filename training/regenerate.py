@@ -118,7 +118,8 @@ def regenerate(
     finally:
         llm.engine.runner.recorder = None
         progress.close()
-    return done
+    wanted = {c.id for c in chats}
+    return [s for s in done if s.chat in wanted]
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ table: a write past the lookahead the scheduler reserved would land in someone e
 
 from __future__ import annotations
 
+import functools
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ from typing import Generic, TypeVar
 
 import torch
 
-from specserve.shared.config import SpecMethod
+from specserve.shared.config import SpecConfig, SpecMethod
 from specserve.worker.attention.base import SequenceStep
 from specserve.worker.kv_cache import PagedKVCache
 from specserve.worker.models import DecoderModel
@@ -99,12 +100,16 @@ class Speculator(ABC):
     aux_layer_ids: tuple[int, ...] = ()  # target layers whose outputs the drafter reads
     max_model_len: int | None = None  # the drafter's own position limit, if any
 
+    @functools.cached_property
+    def window_extra(self) -> int:
+        """Positions past the sequence one draft round reaches (`SpecConfig` decides)."""
+        return SpecConfig(self.method, self.num_spec_tokens).drafter_window_extra
+
     def window_allows(self, seq_len: int) -> bool:
         """Draft only if one round stays inside the drafter's window (DFlash counts the bonus)."""
         if self.max_model_len is None:
             return True
-        extra = self.num_spec_tokens + (1 if self.method == SpecMethod.DFLASH else 0)
-        return seq_len + extra <= self.max_model_len
+        return seq_len + self.window_extra <= self.max_model_len
 
     @abstractmethod
     def propose(
