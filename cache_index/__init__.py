@@ -14,7 +14,16 @@ from specserve.cache_index.errors import (
     IndexOutOfSync,
     IndexUnavailable,
 )
-from specserve.cache_index.inspection import IndexStats, PromptLookup, lookup_prompt_blocks, stats
+from specserve.cache_index.inspection import (
+    DiscoveredNamespaces,
+    IndexStats,
+    PromptLookup,
+    WorkerList,
+    discover_namespaces,
+    lookup_prompt_blocks,
+    stats,
+    worker_list,
+)
 from specserve.cache_index.reader import IndexReader, usable_hit_blocks
 from specserve.cache_index.registry import (
     WorkerRecord,
@@ -24,12 +33,13 @@ from specserve.cache_index.registry import (
     mark_dead,
     register_worker,
 )
-from specserve.cache_index.schema import Namespace
+from specserve.cache_index.schema import Namespace, UnknownHasher
 from specserve.cache_index.writer import IndexWriter, WriterStats
 
 __all__ = [
     "CacheIndexError",
     "CleanupResult",
+    "DiscoveredNamespaces",
     "IndexFenced",
     "IndexOutOfSync",
     "IndexReader",
@@ -38,11 +48,14 @@ __all__ = [
     "IndexWriter",
     "Namespace",
     "PromptLookup",
+    "UnknownHasher",
+    "WorkerList",
     "WorkerRecord",
     "WriterStats",
     "cleanup_dead_worker",
     "cleanup_fenced",
     "connect",
+    "discover_namespaces",
     "expire_stale_workers",
     "heartbeat",
     "list_workers",
@@ -51,4 +64,5 @@ __all__ = [
     "register_worker",
     "stats",
     "usable_hit_blocks",
+    "worker_list",
 ]

@@ -1,12 +1,14 @@
-"""Read-only views of the index for operators (the `specserve cache` CLI builds on these).
+"""Read-only views of the index for operators (what `specserve cache` prints).
 
 Counts come from SCARD of reverse sets and the registry, never from a keyspace scan, so they are
-safe to run against a production Redis.
+safe to run against a production Redis. Only `discover_namespaces` scans, and only when an
+operator asks for every namespace.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import msgspec
 from redis import Redis
@@ -15,8 +17,38 @@ from specserve.cache_index.cleanup import fenced_epochs
 from specserve.cache_index.errors import unavailable_as_index_error
 from specserve.cache_index.reader import IndexReader, usable_hit_blocks
 from specserve.cache_index.registry import WorkerRecord, list_workers
-from specserve.cache_index.schema import Namespace
-from specserve.shared.hashing import BlockHash, BlockHasher, extend_block_hashes
+from specserve.cache_index.schema import Namespace, UnknownHasher
+from specserve.shared.hashing import (
+    DEFAULT_HASH_SEED,
+    BlockHash,
+    BlockHasher,
+    extend_block_hashes,
+)
+
+
+class DiscoveredNamespaces(NamedTuple):
+    namespaces: list[Namespace]  # sorted by key prefix
+    unknown_hasher: list[str]  # epochs keys of namespaces hashed with another algorithm or seed
+
+
+def discover_namespaces(
+    client: Redis, prefix: str = "ssi", hash_seed: str = DEFAULT_HASH_SEED
+) -> DiscoveredNamespaces:
+    """Every namespace under `prefix` that ever registered a worker (`<ns>:epochs` outlives them).
+
+    A SCAN over the whole keyspace: for operators only, never on a request path.
+    """
+    found: set[Namespace] = set()
+    unknown: set[str] = set()
+    with unavailable_as_index_error("namespace discovery"):
+        for key in client.scan_iter(match=Namespace.epochs_key_pattern(prefix), count=1000):
+            try:
+                found.add(Namespace.from_epochs_key(key, hash_seed))
+            except UnknownHasher:
+                unknown.add(key.decode(errors="replace"))
+            except ValueError:
+                continue  # a key that only looks like one, e.g. the record of worker "epochs"
+    return DiscoveredNamespaces(sorted(found, key=lambda ns: ns.base), sorted(unknown))
 
 
 class WorkerBlocks(msgspec.Struct, frozen=True):
@@ -78,6 +110,7 @@ def stats(client: Redis, ns: Namespace) -> IndexStats:
 
 
 class PromptLookup(msgspec.Struct, frozen=True):
+    namespace: str
     num_tokens: int
     num_full_blocks: int
     block_hashes: list[str]  # hex of the 16 key bytes, as in the block keys
@@ -107,6 +140,7 @@ def lookup_prompt_blocks(
     }
     best = max(sorted(matched), key=lambda w: matched[w], default=None)
     return PromptLookup(
+        namespace=ns.base.decode(),
         num_tokens=len(token_ids),
         num_full_blocks=len(hashes),
         block_hashes=[h[:16].hex() for h in hashes],
@@ -116,6 +150,11 @@ def lookup_prompt_blocks(
     )
 
 
-def workers(client: Redis, ns: Namespace) -> list[WorkerRecord]:
-    """The registry, for `specserve cache workers`."""
-    return list_workers(client, ns)
+class WorkerList(msgspec.Struct, frozen=True):
+    namespace: str
+    workers: list[WorkerRecord]
+
+
+def worker_list(client: Redis, ns: Namespace) -> WorkerList:
+    """The registry of one namespace, labelled with it like the other views."""
+    return WorkerList(ns.base.decode(), list_workers(client, ns))

@@ -23,8 +23,15 @@ DIGEST_BYTES = 16
 MAX_GROUPS = 256
 """KV groups are one byte in reverse-set members."""
 
-_MODEL_RE = re.compile(r"[A-Za-z0-9._/+-]{1,128}")
-_PREFIX_RE = re.compile(r"[A-Za-z0-9._-]{1,32}")
+_MODEL = r"[A-Za-z0-9._/+-]{1,128}"
+_PREFIX = r"[A-Za-z0-9._-]{1,32}"
+_MODEL_RE = re.compile(_MODEL)
+_PREFIX_RE = re.compile(_PREFIX)
+_BASE_RE = re.compile(
+    rf"(?P<prefix>{_PREFIX}):\{{(?P<model>{_MODEL})\|bs(?P<block_size>[1-9][0-9]*)"
+    r"\|(?P<algo>[A-Za-z0-9_]+)\.(?P<fingerprint>[0-9a-f]{8})\}"
+)
+_EPOCHS_SUFFIX = b":epochs"
 
 
 def hash_fingerprint(algo: str, seed: str) -> str:
@@ -75,6 +82,11 @@ def split_fenced_member(member: bytes | str) -> tuple[str, int]:
     return worker_id, int(epoch)
 
 
+class UnknownHasher(ValueError):
+    """A well-formed namespace whose hash algorithm or seed is not the one given: its block keys
+    cannot be recomputed from token ids here (a fingerprint cannot be inverted)."""
+
+
 @dataclass(frozen=True)
 class Namespace:
     """Which index a key belongs to: one per (model, block size, hash algorithm and seed).
@@ -110,6 +122,40 @@ class Namespace:
         """The namespace of a worker's cache config; hashes are taken at the finest block size."""
         return cls(model, cache.hash_block_size, cache.hash_algo, cache.hash_seed, prefix)
 
+    @classmethod
+    def for_model(cls, model: str, block_size: int, hash_algo: str = "sha256") -> Namespace:
+        """The namespace a control plane serving `model` (its `--model`, maybe a path) uses."""
+        return cls(key_model_name(model), block_size, hash_algo)
+
+    @classmethod
+    def parse(cls, base: bytes | str, hash_seed: str = DEFAULT_HASH_SEED) -> Namespace:
+        """The namespace whose keys start with `base`, hashed with `hash_seed`.
+
+        ValueError when `base` is not a namespace; `UnknownHasher` when it is one whose algorithm
+        or seed differs, because then its keys cannot be recomputed here.
+        """
+        text = base.decode(errors="replace") if isinstance(base, bytes) else base
+        m = _BASE_RE.fullmatch(text)
+        if m is None:
+            raise ValueError(f"{text!r} is not an index namespace")
+        algo = m["algo"]
+        if algo not in HASH_ALGORITHMS or m["fingerprint"] != hash_fingerprint(algo, hash_seed):
+            raise UnknownHasher(f"{text!r} was hashed with another algorithm or seed")
+        return cls(m["model"], int(m["block_size"]), algo, hash_seed, m["prefix"])
+
+    @staticmethod
+    def epochs_key_pattern(prefix: str = "ssi") -> bytes:
+        """SCAN pattern matching every namespace's epochs key, which outlives the workers: how
+        operator tools find namespaces (never used on a request path)."""
+        return prefix.encode() + b":{*}" + _EPOCHS_SUFFIX
+
+    @classmethod
+    def from_epochs_key(cls, key: bytes, hash_seed: str = DEFAULT_HASH_SEED) -> Namespace:
+        """The namespace of an epochs key (see `parse` for the errors)."""
+        if not key.endswith(_EPOCHS_SUFFIX):
+            raise ValueError(f"{key!r} is not an epochs key")
+        return cls.parse(key.removesuffix(_EPOCHS_SUFFIX), hash_seed)
+
     # --- key names ------------------------------------------------------------------------
 
     @property
@@ -120,7 +166,7 @@ class Namespace:
     @property
     def epochs_key(self) -> bytes:
         """HASH worker id -> last issued epoch (HINCRBY, never decreases)."""
-        return self.base + b":epochs"
+        return self.base + _EPOCHS_SUFFIX
 
     @property
     def fenced_key(self) -> bytes:

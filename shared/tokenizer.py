@@ -161,6 +161,15 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
+        """A user's prompt as the model sees it: plain, or as one user turn of the chat template
+        (whose text already holds its special tokens, so none are added again)."""
+        if not chat:
+            return self.encode(prompt)
+        turn = [{"role": "user", "content": prompt}]
+        text = self.apply_chat_template(turn, add_generation_prompt=True)
+        return self.encode(text, add_special_tokens=False)
+
     # ---- streaming ----------------------------------------------------------------------
 
     @staticmethod

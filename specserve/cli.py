@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from specserve.shared.hashing import HASH_ALGORITHMS
 from specserve.shared.logging import configure_logging
 from specserve.training.command import add_parser as train_command
 
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
     from specserve.worker.engine import EngineArgs
 
 ArgTarget = argparse.ArgumentParser | argparse._ArgumentGroup
-HASH_ALGOS = ("sha256", "xxh3_128")
 DEFAULT_SERVICE_URL = "tcp://127.0.0.1:5555"
 _SERVICE_URL = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):\d{1,5}|ipc://\S+")
 
@@ -60,7 +60,7 @@ def _service_url(text: str) -> str:
 
 
 def _worker_id(text: str) -> str:
-    from specserve.cache_index.schema import check_worker_id
+    from specserve.shared.protocol import check_worker_id
 
     try:
         return check_worker_id(text)
@@ -191,7 +191,7 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
 def _add_routing_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing", default="prefix", choices=["prefix", "round-robin"])
     p.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"])
-    p.add_argument("--hash-algo", default="sha256", choices=HASH_ALGOS)
+    p.add_argument("--hash-algo", default="sha256", choices=HASH_ALGORITHMS)
     p.add_argument(
         "--metrics-port", type=_port, default=None, help="serve Prometheus metrics on this port"
     )
@@ -292,7 +292,9 @@ def _add_cache(sub: argparse._SubParsersAction) -> None:
             help="one namespace's model; default: every namespace found in Redis (a SCAN)",
         )
         view.add_argument("--block-size", type=_positive_int, default=16, help="with --model")
-        view.add_argument("--hash-algo", default="sha256", choices=HASH_ALGOS, help="with --model")
+        view.add_argument(
+            "--hash-algo", default="sha256", choices=HASH_ALGORITHMS, help="with --model"
+        )
         view.add_argument(
             "--json",
             action="store_true",
@@ -556,41 +558,33 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 # --- cache -----------------------------------------------------------------------------------
 
-_NAMESPACE_KEY = re.compile(
-    rb"ssi:\{([A-Za-z0-9._/+-]{1,128})\|bs(\d+)\|([A-Za-z0-9_]+)\.([0-9a-f]{8})\}:epochs"
-)
-
-
-def discover_namespaces(client: Redis) -> list[Namespace]:
-    """Every namespace that ever registered a worker (`<ns>:epochs` is kept after death).
-
-    A SCAN: an operator command, never on a request path. Namespaces hashed with a non-default
-    seed cannot be rebuilt from their key and are reported on stderr and skipped.
-    """
-    from specserve.cache_index import Namespace
-    from specserve.cache_index.schema import hash_fingerprint
-    from specserve.shared.hashing import DEFAULT_HASH_SEED
-
-    found: set[Namespace] = set()
-    for key in client.scan_iter(match=b"ssi:{*}:epochs", count=1000):
-        m = _NAMESPACE_KEY.fullmatch(key)
-        if m is None:
-            continue
-        model, block_size, algo, fp = (part.decode() for part in m.groups())
-        if algo not in HASH_ALGOS or fp != hash_fingerprint(algo, DEFAULT_HASH_SEED):
-            print(f"note: skipping {key.decode()}: unknown hash seed", file=sys.stderr)
-            continue
-        found.add(Namespace(model, int(block_size), algo))
-    return sorted(found, key=lambda ns: ns.base)
-
 
 def _cache_namespaces(client: Redis, args: argparse.Namespace) -> list[Namespace]:
-    from specserve.cache_index import Namespace
-    from specserve.cache_index.schema import key_model_name
+    """The namespace of --model, else every namespace in Redis (notes on those we cannot read)."""
+    from specserve.cache_index import Namespace, discover_namespaces
 
     if args.model is not None:
-        return [Namespace(key_model_name(args.model), args.block_size, args.hash_algo)]
-    return discover_namespaces(client)
+        return [Namespace.for_model(args.model, args.block_size, args.hash_algo)]
+    found = discover_namespaces(client)
+    for key in found.unknown_hasher:
+        print(f"note: skipping {key}: unknown hash seed", file=sys.stderr)
+    return found.namespaces
+
+
+def _cache_report(client: Redis, ns: Namespace, args: argparse.Namespace) -> dict:
+    """One view of one namespace, as plain JSON values."""
+    import msgspec
+
+    from specserve.cache_index import lookup_prompt_blocks, stats, worker_list
+
+    if args.view == "stats":
+        report = stats(client, ns)
+    elif args.view == "workers":
+        report = worker_list(client, ns)
+    else:
+        model = args.model if args.model is not None else ns.model  # the path, not its key name
+        report = lookup_prompt_blocks(client, ns, _lookup_tokens(args, model))
+    return msgspec.to_builtins(report)
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
@@ -598,11 +592,9 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
     from specserve.cache_index import CacheIndexError, connect
 
-    view = {"stats": _stats_view, "workers": _workers_view, "lookup": _lookup_view}[args.view]
     client = connect(args.redis_url, socket_timeout=5.0, connect_timeout=2.0)
     try:
-        namespaces = _cache_namespaces(client, args)
-        reports = [view(client, ns, args) for ns in namespaces]
+        reports = [_cache_report(client, ns, args) for ns in _cache_namespaces(client, args)]
     except (CacheIndexError, redis.RedisError) as exc:
         raise CliError(f"redis at {args.redis_url}: {exc}") from None
     finally:
@@ -616,32 +608,6 @@ def cmd_cache(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stats_view(client: Redis, ns: Namespace, args: argparse.Namespace) -> dict:
-    import msgspec
-
-    from specserve.cache_index import stats
-
-    return msgspec.to_builtins(stats(client, ns))
-
-
-def _workers_view(client: Redis, ns: Namespace, args: argparse.Namespace) -> dict:
-    import msgspec
-
-    from specserve.cache_index.inspection import workers
-
-    return {"namespace": ns.base.decode(), "workers": msgspec.to_builtins(workers(client, ns))}
-
-
-def _lookup_view(client: Redis, ns: Namespace, args: argparse.Namespace) -> dict:
-    import msgspec
-
-    from specserve.cache_index import lookup_prompt_blocks
-
-    model = args.model if args.model is not None else ns.model  # the path, not its index name
-    found = lookup_prompt_blocks(client, ns, _lookup_tokens(args, model))
-    return {"namespace": ns.base.decode(), **msgspec.to_builtins(found)}
-
-
 def _lookup_tokens(args: argparse.Namespace, model: str) -> list[int]:
     """The prompt's token ids, tokenized as the control plane would for `model`."""
     if args.prompt_ids is not None:
@@ -651,12 +617,7 @@ def _lookup_tokens(args: argparse.Namespace, model: str) -> list[int]:
     tokenizer = load_tokenizer(model)
     if tokenizer is None:
         raise CliError(f"model {model!r} has no tokenizer: pass --prompt-ids")
-    if not args.chat:
-        return tokenizer.encode(args.prompt)
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": args.prompt}], add_generation_prompt=True
-    )
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode_prompt(args.prompt, args.chat)
 
 
 # --- cache: readable output ------------------------------------------------------------------

@@ -25,7 +25,6 @@ from redis import Redis
 
 from specserve.cache_index import CacheIndexError, Namespace, connect, list_workers
 from specserve.cache_index.local_server import LocalRedis, RedisNotFound
-from specserve.cache_index.schema import key_model_name
 
 STOP_GRACE_S = 10.0
 POLL_INTERVAL_S = 0.2
@@ -60,7 +59,7 @@ class UpPlan:
     @property
     def namespace(self) -> Namespace:
         """Where the control plane registers the workers (named after `--model`)."""
-        return Namespace(key_model_name(self.model), self.block_size, self.hash_algo)
+        return Namespace.for_model(self.model, self.block_size, self.hash_algo)
 
     def worker_ids(self) -> list[str]:
         return [f"worker-{i}" for i in range(self.workers)]

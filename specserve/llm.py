@@ -42,12 +42,7 @@ class LLM:
             return list(prompt)
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass token ids instead of text")
-        if chat:
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True
-            )
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return self.tokenizer.encode(prompt)
+        return self.tokenizer.encode_prompt(prompt, chat)
 
     def generate(
         self,

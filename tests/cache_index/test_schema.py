@@ -8,8 +8,14 @@ import msgspec
 import pytest
 from index_testing import drop_namespace
 
-from specserve.cache_index import IndexWriter, Namespace, mark_dead, register_worker
-from specserve.cache_index.schema import hash_fingerprint
+from specserve.cache_index import (
+    IndexWriter,
+    Namespace,
+    UnknownHasher,
+    mark_dead,
+    register_worker,
+)
+from specserve.cache_index.schema import hash_fingerprint, key_model_name
 from specserve.shared.config import CacheConfig, KVGroupSpec
 from specserve.shared.hashing import BlockHasher
 from specserve.shared.kv_events import BlockStored
@@ -31,6 +37,55 @@ def test_namespace_prefix_is_model_block_size_and_hasher_fingerprint():
     )
     cache = CacheConfig(64, (KVGroupSpec("full", 32), KVGroupSpec("sliding", 16, 64)))
     assert Namespace.for_cache("m", cache).block_size == 16  # hashes at the finest block size
+
+
+@pytest.mark.parametrize(
+    "ns",
+    [
+        Namespace("SmolLM2-135M", 16),
+        Namespace("org/model+v1.2_x", 64, "xxh3_128"),
+        Namespace("m", 1, prefix="staging.ssi"),
+    ],
+)
+def test_a_namespace_parses_back_from_its_keys(ns):
+    assert Namespace.parse(ns.base) == ns
+    assert Namespace.from_epochs_key(ns.epochs_key) == ns
+    seeded = Namespace(ns.model, ns.block_size, ns.hash_algo, "custom seed", ns.prefix)
+    assert Namespace.parse(seeded.base, hash_seed="custom seed") == seeded
+
+
+@pytest.mark.parametrize(
+    "base",
+    [
+        b"ssi:{m|bs16|sha256.2e39edff}:live",
+        b"ssi:{m|bs016|sha256.2e39edff}",
+        b"ssi:{m|bs0|sha256.2e39edff}",
+        b"ssi:{a b|bs16|sha256.2e39edff}",
+        b"ssi:m|bs16|sha256.2e39edff",
+        b"\xff:{m|bs16|sha256.2e39edff}",
+    ],
+)
+def test_parse_rejects_what_is_not_a_namespace(base):
+    with pytest.raises(ValueError, match="not an index namespace") as caught:
+        Namespace.parse(base)
+    assert not isinstance(caught.value, UnknownHasher)
+
+
+def test_parse_refuses_a_namespace_it_cannot_rehash():
+    other_seed = Namespace("m", 16, hash_seed="other")
+    for base in (other_seed.base, b"ssi:{m|bs16|md5.2e39edff}"):
+        with pytest.raises(UnknownHasher):
+            Namespace.parse(base)
+    with pytest.raises(ValueError, match="not an epochs key"):
+        Namespace.from_epochs_key(Namespace("m", 16).live_key)
+    assert Namespace.epochs_key_pattern() == b"ssi:{*}:epochs"
+
+
+def test_a_served_model_is_named_as_the_keys_allow():
+    assert Namespace.for_model("/ckpt/My Model", 16).model == key_model_name("/ckpt/My Model")
+    assert Namespace.for_model("smollm2-135m", 32, "xxh3_128") == Namespace(
+        "smollm2-135m", 32, "xxh3_128"
+    )
 
 
 @pytest.mark.parametrize("model", ["", "a b", "x{y}", "a:b", "x" * 129])

@@ -19,7 +19,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from specserve.cache_index import IndexWriter, Namespace, connect, register_worker
+from specserve.cache_index import (
+    IndexWriter,
+    Namespace,
+    connect,
+    discover_namespaces,
+    register_worker,
+)
 from specserve.cache_index.local_server import (
     LocalRedis,
     RedisNotFound,
@@ -30,7 +36,6 @@ from specserve.cache_index.schema import key_model_name
 from specserve.cli import (
     build_parser,
     control_args,
-    discover_namespaces,
     engine_argv,
     sampling_params,
     table,
@@ -284,7 +289,7 @@ def test_cache_without_model_reports_every_namespace(redis_url, indexed):
 def test_discovery_ignores_lookalike_keys(redis_url, indexed):
     client = redis.Redis.from_url(redis_url)
     register_worker(client, indexed, "epochs", {})  # its record key ends in ":epochs" too
-    found = [ns for ns in discover_namespaces(client) if ns.model == indexed.model]
+    found = [ns for ns in discover_namespaces(client).namespaces if ns.model == indexed.model]
     assert found == [indexed]
     client.close()
 
