@@ -47,9 +47,9 @@ from pathlib import Path
 from redis import Redis
 
 from specserve.cache_index import IndexReader, IndexWriter, Namespace, connect, register_worker
-from specserve.cache_index.local_server import LocalRedis, free_port
 from specserve.client import AsyncClient, ServiceError
 from specserve.control.control_plane import ControlArgs, ControlPlane
+from specserve.launch.local_redis import LocalRedis, free_port
 from specserve.shared.config import AttentionType, KVGroupSpec
 from specserve.shared.kv_events import BlockStored
 from specserve.shared.logging import configure_logging
@@ -141,11 +141,9 @@ def default_num_blocks(args: argparse.Namespace) -> int:
 # --- one service: a control plane thread and worker processes -------------------------------
 
 WORKER_CODE = """\
-import ctypes, os, signal, sys
-if sys.platform.startswith("linux"):
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: die with the benchmark
-    if os.getppid() != {parent}:
-        sys.exit(1)
+import sys
+from specserve.launch.lifetime import die_with_parent
+die_with_parent({parent})  # never outlive the benchmark
 import torch
 torch.set_num_threads(1)
 from specserve.worker.engine import EngineArgs

@@ -8,15 +8,14 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from specserve.launch.lifetime import die_with_launcher
 from specserve.shared.hashing import HASH_ALGORITHMS
 from specserve.shared.logging import configure_logging
 from specserve.training.command import add_parser as train_command
@@ -27,7 +26,7 @@ if TYPE_CHECKING:
     from specserve.cache_index import Namespace
     from specserve.control.control_plane import ControlArgs
     from specserve.control.request import SpecDecodingStats
-    from specserve.launcher import UpPlan
+    from specserve.launch.up import UpPlan
     from specserve.shared.protocol import SamplingParams
     from specserve.worker.engine import EngineArgs
 
@@ -519,7 +518,7 @@ def _log_argv(args: argparse.Namespace) -> list[str]:
 
 def up_plan(args: argparse.Namespace) -> UpPlan:
     """What `up` starts, as plain values (the launcher knows nothing of argparse)."""
-    from specserve.launcher import UpPlan
+    from specserve.launch.up import UpPlan
 
     control = ["--routing", args.routing, "--policy", args.policy, "--hash-algo", args.hash_algo]
     if args.metrics_port is not None:
@@ -539,7 +538,7 @@ def up_plan(args: argparse.Namespace) -> UpPlan:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from specserve.launcher import LaunchError, run_up
+    from specserve.launch.up import LaunchError, run_up
 
     _check_model(args.model)
     plan = up_plan(args)
@@ -683,24 +682,9 @@ def _render_lookup(r: dict) -> str:
 # --- entry point -----------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    """In a child of `specserve up`: exit when the launcher dies, even by SIGKILL (Linux)."""
-    parent = os.environ.get("SPECSERVE_PARENT_PID")
-    if not parent or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
-
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-    if str(os.getppid()) != parent:  # the launcher died before prctl took effect
-        sys.exit(1)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _die_with_parent()
+    die_with_launcher()  # a child of `specserve up` never outlives it
     try:
         configure_logging(args.log_level, args.log_json or None)
         return args.func(args)

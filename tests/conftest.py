@@ -10,7 +10,7 @@ import pytest
 import torch
 from model_checkpoints import Checkpoint
 
-from specserve.cache_index.local_server import LocalRedis, RedisNotFound
+from specserve.launch.local_redis import LocalRedis, RedisNotFound
 
 transformers = pytest.importorskip("transformers")
 

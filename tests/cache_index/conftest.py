@@ -15,7 +15,7 @@ import redis
 from index_testing import RoundTrips, drop_namespace, local_redis, new_namespace
 
 from specserve.cache_index import Namespace, connect
-from specserve.cache_index.local_server import LocalRedis
+from specserve.launch.local_redis import LocalRedis
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from specserve.cache_index import Namespace
-from specserve.cache_index.local_server import LocalRedis, RedisNotFound
+from specserve.launch.local_redis import LocalRedis, RedisNotFound
 
 
 def local_redis(workdir: Path, port: int | None = None) -> LocalRedis:

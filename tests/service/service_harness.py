@@ -10,8 +10,8 @@ import threading
 import time
 from pathlib import Path
 
-from specserve.cache_index.local_server import free_port
 from specserve.control.control_plane import ControlArgs, ControlPlane
+from specserve.launch.local_redis import free_port
 
 WORKER_ENGINE = dict(num_blocks=160, block_size=4, max_model_len=256, max_num_seqs=16)
 

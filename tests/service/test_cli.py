@@ -26,12 +26,6 @@ from specserve.cache_index import (
     discover_namespaces,
     register_worker,
 )
-from specserve.cache_index.local_server import (
-    LocalRedis,
-    RedisNotFound,
-    find_server_binary,
-    free_port,
-)
 from specserve.cache_index.schema import key_model_name
 from specserve.cli import (
     build_parser,
@@ -43,7 +37,13 @@ from specserve.cli import (
     worker_engine_args,
 )
 from specserve.control.control_plane import ControlArgs
-from specserve.launcher import LaunchError, check_port_free
+from specserve.launch.local_redis import (
+    LocalRedis,
+    RedisNotFound,
+    find_server_binary,
+    free_port,
+)
+from specserve.launch.up import LaunchError, check_port_free
 from specserve.shared.hashing import BlockHasher, extend_block_hashes
 from specserve.shared.kv_events import BlockStored
 from specserve.shared.protocol import SamplingParams

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from specserve.cache_index.local_server import LocalRedis, RedisNotFound
 from specserve.control.control_plane import ControlArgs, ControlPlane
+from specserve.launch.local_redis import LocalRedis, RedisNotFound
 from specserve.shared.config import AttentionType, KVGroupSpec
 from specserve.shared.protocol import (
     PROTOCOL_VERSION,

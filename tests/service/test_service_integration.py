@@ -19,8 +19,8 @@ from hf_reference import hf_greedy
 from service_harness import WORKER_ENGINE, Service
 
 from specserve.cache_index import IndexReader, connect, list_workers
-from specserve.cache_index.local_server import LocalRedis, free_port
 from specserve.client import AsyncClient, Client, RequestFailed
+from specserve.launch.local_redis import LocalRedis, free_port
 from specserve.llm import LLM
 from specserve.shared import protocol
 from specserve.shared.hashing import BlockHasher, extend_block_hashes

