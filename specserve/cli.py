@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 import sys
@@ -37,6 +38,12 @@ _SERVICE_URL = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):\d{1,5}|ipc:
 
 class CliError(Exception):
     """A problem the user can fix: printed as `error: ...` with exit status 2, no traceback."""
+
+
+def _check_worker_installed() -> None:
+    """Commands that run a model need the worker extra: say so, not `No module named 'torch'`."""
+    if importlib.util.find_spec("torch") is None:
+        raise CliError("running a model needs torch: pip install 'specserve[worker]'")
 
 
 # --- argument types --------------------------------------------------------------------------
@@ -364,6 +371,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     if args.url is not None:
         return generate_remote(args.url, args, params)
+    _check_worker_installed()
     from specserve.llm import LLM
 
     llm = LLM(args.model, **_engine_kwargs(args))
@@ -485,6 +493,7 @@ def worker_engine_args(args: argparse.Namespace) -> EngineArgs:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    _check_worker_installed()
     from specserve.worker.worker_process import run_worker
 
     return run_worker(
@@ -540,6 +549,7 @@ def up_plan(args: argparse.Namespace) -> UpPlan:
 def cmd_up(args: argparse.Namespace) -> int:
     from specserve.launch.up import LaunchError, run_up
 
+    _check_worker_installed()
     _check_model(args.model)
     plan = up_plan(args)
     on_ready: Callable[[str], int] | None = None

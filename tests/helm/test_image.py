@@ -24,5 +24,6 @@ def test_dockerfile_copies_every_package_folder_and_the_bundled_model():
     ]
     assert {"*.c", "*.h"} <= set(package_data["specserve.worker.cpu.csrc"])
     assert re.search(r'pip install "torch==\$\{TORCH_VERSION\}" --index-url', dockerfile)
+    assert re.search(r'pip install "\.\[worker\b', dockerfile)  # workers run from this image
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert not set(package_dirs.values()) & set(ignored)
