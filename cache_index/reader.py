@@ -14,7 +14,6 @@ router's estimate.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from redis import Redis
 
@@ -25,18 +24,10 @@ from specserve.cache_index.scripts import Scripts
 from specserve.shared.hashing import BlockHash
 
 
-@dataclass
-class ReaderStats:
-    lookups: int = 0
-    blocks_queried: int = 0
-    round_trips: int = 0
-
-
 class IndexReader:
     def __init__(self, client: Redis, namespace: Namespace) -> None:
         self.client = check_client(client)
         self.ns = namespace
-        self.stats = ReaderStats()
         self._script = Scripts(client).longest_prefix
 
     def longest_prefix(self, block_hashes: Sequence[BlockHash], group: int = 0) -> dict[str, int]:
@@ -82,11 +73,8 @@ class IndexReader:
             hashes = hashes_by_group[group]
             keys.extend(self.ns.block_key(group, h) for h in hashes)
             args.append(len(hashes))
-            self.stats.blocks_queried += len(hashes)
         with unavailable_as_index_error("prefix lookup"):
             reply = self._script(keys, args)
-        self.stats.lookups += 1
-        self.stats.round_trips += 1
         out: dict[int, dict[str, int]] = {}
         pos = 0
         for group in groups:

@@ -21,7 +21,13 @@ from specserve.cache_index.errors import (
     unavailable_as_index_error,
 )
 from specserve.cache_index.registry import bump_epoch
-from specserve.cache_index.schema import Namespace, check_worker_id, digest_key, fenced_member
+from specserve.cache_index.schema import (
+    Namespace,
+    check_worker_id,
+    digest_key,
+    fenced_member,
+    reverse_member,
+)
 from specserve.shared.hashing import BlockHash
 from specserve.shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -121,20 +127,20 @@ class IndexWriter:
         for event in events:
             if isinstance(event, BlockStored):
                 group, added = event.group, []
-                prefix, tag = ns.block_prefix(group), bytes((group,))
+                prefix = ns.block_prefix(group)
                 for block_hash in event.block_hashes:
                     key = (group, digest_key(block_hash))
                     count = held.get(key, 0)
                     held[key] = count + 1
                     if count == 0:
                         commands.append(("HSET", prefix + key[1], field, epoch))
-                        added.append(tag + key[1])
+                        added.append(reverse_member(group, key[1]))
                 if added:
                     commands.append(("SADD", reverse, *added))
                     self.stats.blocks_written += len(added)
             elif isinstance(event, BlockRemoved):
                 group, gone = event.group, []
-                prefix, tag = ns.block_prefix(group), bytes((group,))
+                prefix = ns.block_prefix(group)
                 for block_hash in event.block_hashes:
                     key = (group, digest_key(block_hash))
                     count = held.get(key)
@@ -145,7 +151,7 @@ class IndexWriter:
                     else:
                         del held[key]
                         commands.append(("HDEL", prefix + key[1], field))
-                        gone.append(tag + key[1])
+                        gone.append(reverse_member(group, key[1]))
                 if gone:
                     commands.append(("SREM", reverse, *gone))
                     self.stats.blocks_removed += len(gone)
@@ -227,7 +233,7 @@ class IndexWriter:
         chunk = max(1, min(1024, self.max_commands // 2))
         for group, digest in counts:
             commands.append(("HSET", ns.block_key(group, digest), field, epoch))
-            members.append(bytes((group,)) + digest)
+            members.append(reverse_member(group, digest))
             if len(members) == chunk:
                 commands.append(("SADD", reverse, *members))
                 members = []

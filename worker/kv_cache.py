@@ -92,24 +92,6 @@ class PagedKVCache:
             for layer in sorted(self.group_of_layer)
         }
 
-    @classmethod
-    def from_budget(
-        cls,
-        groups: Sequence[KVLayerGroup],
-        budget_bytes: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> PagedKVCache:
-        num_layers = sum(len(g.layer_ids) for g in groups)
-        num_blocks = num_blocks_for_budget(
-            budget_bytes,
-            bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype),
-        )
-        return cls(groups, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
-
     def layer(self, layer: int) -> torch.Tensor:
         return self.layers[layer]
 

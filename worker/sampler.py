@@ -37,17 +37,6 @@ class SamplingLike(Protocol):
 
 
 @dataclass(frozen=True)
-class RowSampling:
-    """Per-row sampling parameters (`logprobs`: None = none, N = chosen plus top N)."""
-
-    temperature: float = 1.0
-    top_k: int = 0  # 0 disables top-k
-    top_p: float = 1.0
-    min_p: float = 0.0
-    logprobs: int | None = None
-
-
-@dataclass(frozen=True)
 class SamplerOutput:
     token_ids: torch.Tensor  # [N] int64
     logprobs: torch.Tensor | None  # [N] logprob of each chosen token; None if no row asked

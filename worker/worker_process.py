@@ -72,15 +72,11 @@ class WorkerStats:
     dropped_sends: int = 0  # frames zmq would not queue (no connection, or a full queue)
     execute_s: float = 0.0  # total time inside engine.execute
     idle_s: float = 0.0  # total gap between a sent StepResult and the next StepBatch
-    last_execute_s: float = 0.0
-    last_idle_s: float | None = None  # None for the first step of a session
 
     def record_step(self, execute_s: float, idle_s: float | None, failed: bool) -> None:
         self.steps += 1
         self.failed_steps += failed
         self.execute_s += execute_s
-        self.last_execute_s = execute_s
-        self.last_idle_s = idle_s
         if idle_s is not None:
             self.idle_s += idle_s
 

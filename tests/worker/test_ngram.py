@@ -4,10 +4,42 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Sequence
 
+import numpy as np
 import pytest
 
-from specserve.worker.spec_decode.ngram import NgramIndex, NgramProposer, propose_ngram
+from specserve.worker.spec_decode.ngram import NgramIndex, NgramProposer
+
+
+def propose_ngram(token_ids: Sequence[int], k: int, min_n: int = 1, max_n: int = 4) -> list[int]:
+    """The stateless reference the incremental index must agree with: up to `k` tokens that
+    followed the most recent earlier copy of the longest suffix n-gram (numpy, O(max_n * len)).
+
+    n runs from `max_n` down to `min_n`; an "earlier" copy ends before the last token, so it
+    may overlap the suffix but is never the suffix itself. Empty when nothing matches.
+    """
+    NgramProposer(k, min_n, max_n)  # the proposer's own argument checks
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    length = tokens.shape[0]
+    if k == 0 or length < 2:
+        return []
+    # ends[e]: candidate copies ending at e (0..length-2); run[e]: how many trailing tokens match.
+    ends = np.arange(length - 1)
+    run = np.zeros(length - 1, dtype=np.int64)
+    alive = np.ones(length - 1, dtype=bool)
+    for j in range(min(max_n, length - 1)):
+        at = ends - j
+        alive &= at >= 0
+        alive[alive] = tokens[at[alive]] == tokens[length - 1 - j]
+        run += alive
+        if not alive.any():
+            break
+    best = int(run.max())
+    if best < min_n:
+        return []
+    end = int(np.flatnonzero(run >= best)[-1])
+    return tokens[end + 1 : end + 1 + k].tolist()
 
 
 @pytest.mark.parametrize(
@@ -84,7 +116,7 @@ def test_incremental_index_matches_the_function() -> None:
 
 
 def test_fast_on_long_sequences() -> None:
-    """Stateless lookups over a few thousand tokens stay well under a millisecond each."""
+    """Reference lookups over a few thousand tokens stay well under a millisecond each."""
     rng = random.Random(1)
     tokens = [rng.randrange(1000) for _ in range(4000)]
     tokens += tokens[1000:1010]  # a repeat to find

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from specserve.shared.protocol import SamplingParams
 from specserve.worker.sampler import (
-    RowSampling,
     argmax_rows,
     filtered_probs,
     make_generator,
@@ -18,6 +18,18 @@ from specserve.worker.sampler import (
 )
 
 V = 50
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """Per-row sampling parameters, the fields the sampler reads (`logprobs`: None = none, N =
+    chosen plus top N)."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    top_p: float = 1.0
+    min_p: float = 0.0
+    logprobs: int | None = None
 
 
 def _draw(

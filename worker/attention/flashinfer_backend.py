@@ -135,7 +135,6 @@ class _Slot:
         self._make_wrapper = make_wrapper
         self.wrappers: dict[tuple[PartKind, AttentionShape], _Wrapper] = {}
         self.key: object = None
-        self.leased = False
 
     def wrapper(self, kind: PartKind, shape: AttentionShape) -> _Wrapper:
         entry = self.wrappers.get((kind, shape))
@@ -183,11 +182,9 @@ class SlotPool:
             )
         self._free.remove(slot)
         slot.key = key
-        slot.leased = True
         return slot
 
     def release(self, slot: _Slot) -> None:
-        slot.leased = False
         self._free.append(slot)
 
 

@@ -166,11 +166,6 @@ class DFlashConfig:
             target_hidden_size=None if target_hidden is None else int(target_hidden),
         )
 
-    @property
-    def any_non_causal(self) -> bool:
-        """Whether the attention backend must support non-causal draft blocks."""
-        return not all(a.causal for a in self.layer_attention)
-
 
 class DFlashDrafter(HiddenStateDrafter[DFlashConfig]):
     """Built by `load_dflash`; holds only the drafter's own weights (see `TargetParts`)."""

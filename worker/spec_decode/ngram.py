@@ -8,15 +8,13 @@ earlier occurrences the most recent one is used: recent context best predicts wh
 by overwriting. Proposals stop at the end of the sequence, so a match just before the suffix
 may propose fewer than `k` tokens.
 
-`propose_ngram` is the stateless reference (numpy, O(max_n * len) per call); `NgramProposer`
-keeps a per-request index updated as tokens arrive, so each proposal costs O(max_n).
+`NgramProposer` keeps a per-request index updated as tokens arrive, so each proposal costs
+O(max_n) instead of a scan of the whole sequence.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-
-import numpy as np
 
 
 def _check(k: int, min_n: int, max_n: int) -> None:
@@ -24,35 +22,6 @@ def _check(k: int, min_n: int, max_n: int) -> None:
         raise ValueError(f"k must be >= 0, got {k}")
     if not 1 <= min_n <= max_n:
         raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
-
-
-def propose_ngram(token_ids: Sequence[int], k: int, min_n: int = 1, max_n: int = 4) -> list[int]:
-    """Up to `k` tokens that followed the most recent earlier copy of the longest suffix n-gram.
-
-    n runs from `max_n` down to `min_n`; an "earlier" copy ends before the last token, so it
-    may overlap the suffix but is never the suffix itself. Empty when nothing matches.
-    """
-    _check(k, min_n, max_n)
-    tokens = np.asarray(token_ids, dtype=np.int64)
-    length = tokens.shape[0]
-    if k == 0 or length < 2:
-        return []
-    # ends[e]: candidate copies ending at e (0..length-2); run[e]: how many trailing tokens match.
-    ends = np.arange(length - 1)
-    run = np.zeros(length - 1, dtype=np.int64)
-    alive = np.ones(length - 1, dtype=bool)
-    for j in range(min(max_n, length - 1)):
-        at = ends - j
-        alive &= at >= 0
-        alive[alive] = tokens[at[alive]] == tokens[length - 1 - j]
-        run += alive
-        if not alive.any():
-            break
-    best = int(run.max())
-    if best < min_n:
-        return []
-    end = int(np.flatnonzero(run >= best)[-1])
-    return tokens[end + 1 : end + 1 + k].tolist()
 
 
 class NgramIndex:
@@ -77,7 +46,8 @@ class NgramIndex:
                 self._last_end[tuple(self.tokens[end - n + 1 : end + 1])] = end
 
     def propose(self, k: int) -> list[int]:
-        """Same answer as `propose_ngram(self.tokens, k, min_n, max_n)`."""
+        """Up to `k` tokens that followed the most recent earlier copy of the longest suffix
+        n-gram (n from `max_n` down to `min_n`); empty when nothing matches."""
         _check(k, self.min_n, self.max_n)
         length = len(self.tokens)
         if k == 0 or length < 2:
