@@ -21,6 +21,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 import torch
 from machine import cpu_model
@@ -29,7 +30,7 @@ from specserve.llm import LLM
 from specserve.shared.logging import configure_logging
 from specserve.shared.tokenizer import load_tokenizer
 from specserve.training.corpus import read_sharegpt
-from specserve.training.evaluate import Generation, measure
+from specserve.training.evaluate import Generation, first_turn_prompts, measure
 
 MODEL = "smollm2-135m"
 HELD_OUT = 200  # `specserve train-drafter --held-out` default: chats no drafter trained on
@@ -45,18 +46,8 @@ def held_out_prompts(count: int, max_prompt_tokens: int) -> list[list[int]]:
     """First user turns of held-out ShareGPT chats (chat template applied), short enough."""
     tokenizer = load_tokenizer(MODEL)
     assert tokenizer is not None
-    prompts = []
-    for number, chat in enumerate(read_sharegpt()):
-        if number >= HELD_OUT or len(prompts) == count:
-            break
-        text = next(t for role, t in chat.turns if role == "user")
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True
-        )
-        ids = tokenizer.encode(rendered, add_special_tokens=False)
-        if len(ids) <= max_prompt_tokens:
-            prompts.append(ids)
-    return prompts
+    chats = islice(read_sharegpt(), HELD_OUT)
+    return first_turn_prompts(tokenizer, chats, count, max_prompt_tokens)
 
 
 def timed_proposer(llm: LLM) -> Callable[[], tuple[float, float]]:

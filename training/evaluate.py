@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from specserve.control.request import SpecDecodingStats
 from specserve.shared.protocol import SamplingParams
+from specserve.shared.tokenizer import Tokenizer
+from specserve.training.corpus import Chat
 
 
 @dataclass(frozen=True)
@@ -37,3 +39,19 @@ def measure(llm, prompts: Sequence[Sequence[int]], max_tokens: int, batch: int) 
             if out.spec_stats is not None:
                 stats.merge(out.spec_stats)
     return Generation(outputs, stats, time.perf_counter() - started)
+
+
+def first_turn_prompts(
+    tokenizer: Tokenizer, chats: Iterable[Chat], count: int, max_prompt_tokens: int
+) -> list[list[int]]:
+    """The first user turn of each chat as a chat prompt, skipping those longer than
+    `max_prompt_tokens`, until `count` are found."""
+    prompts: list[list[int]] = []
+    for chat in chats:
+        if len(prompts) == count:
+            break
+        text = next(t for role, t in chat.turns if role == "user")
+        ids = tokenizer.encode_prompt(text, chat=True)
+        if len(ids) <= max_prompt_tokens:
+            prompts.append(ids)
+    return prompts

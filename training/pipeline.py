@@ -25,6 +25,7 @@ import torch
 from specserve.shared.tokenizer import load_tokenizer
 from specserve.training.corpus import SHAREGPT, read_chats
 from specserve.training.dflash import default_decay_gamma
+from specserve.training.evaluate import first_turn_prompts, measure
 from specserve.training.features import ShardReader
 from specserve.training.regenerate import RegenerateOptions, regenerate
 from specserve.training.trainer import (
@@ -95,7 +96,9 @@ def train_drafter(args: TrainDrafterArgs) -> dict[str, Any]:
     work_dir = args.work_dir or args.out / "data"
     started = time.perf_counter()
     if args.eval_only:
-        report = evaluate_drafter(args, held_out_prompts(args, load_tokenizer(args.model), 64))
+        chats = islice(read_chats(args.data), args.held_out)
+        prompts = first_turn_prompts(load_tokenizer(args.model), chats, 64, args.max_len // 2)
+        report = evaluate_drafter(args, prompts)
         print(json.dumps(report, indent=2))
         return report
     llm = specserve.LLM(
@@ -280,7 +283,6 @@ def evaluate_drafter(args: TrainDrafterArgs, prompts: list[list[int]]) -> dict[s
     """Mean acceptance length and per-position acceptance of the drafter in OUT on `prompts`,
     through the serving path (batched, greedy)."""
     import specserve
-    from specserve.training.evaluate import measure
 
     _check_drafter_target(args.out, args)
     k = args.num_spec_tokens or (5 if args.method == "eagle3" else 15)
@@ -295,18 +297,3 @@ def evaluate_drafter(args: TrainDrafterArgs, prompts: list[list[int]]) -> dict[s
         "per_position_acceptance": [round(r, 4) for r in stats.acceptance_rate_per_position],
         "draft_rounds": stats.num_drafts,
     }
-
-
-def held_out_prompts(args: TrainDrafterArgs, tokenizer, count: int) -> list[list[int]]:
-    """The first user turn of the first `count` held-out chats, chat template applied."""
-    chats = list(islice(read_chats(args.data), min(count, args.held_out)))
-    prompts = []
-    for chat in chats:
-        turns = []
-        for role, text in chat.turns:
-            turns.append({"role": role, "content": text})
-            if role == "user":
-                break
-        text = tokenizer.apply_chat_template(turns, add_generation_prompt=True)
-        prompts.append(tokenizer.encode(text, add_special_tokens=False)[-args.max_len // 2 :])
-    return prompts
