@@ -9,7 +9,7 @@ state of a request (what was asked, its deadline, what it delivered) lives in on
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, Unpack
 
 import structlog
 
@@ -18,12 +18,14 @@ from specserve.client.state import Completion, Deadline, RequestState, resolve_t
 from specserve.client.steps import Send, Steps, Wait
 from specserve.client.tombstones import Tombstones
 from specserve.client.wire import (
+    Options,
     Prompt,
     RequestArgs,
     abort_frame,
     check_reply,
     ends_request,
     parse_reply,
+    request_args,
 )
 from specserve.shared import protocol
 from specserve.shared.protocol import GenerateRequest, RequestOutput, SamplingParams
@@ -59,34 +61,18 @@ class ClientCore(ABC, Generic[CompletionT, IdT, OutputsT]):
         self._closed = False
 
     def generate(
-        self,
-        prompt: Prompt,
-        sampling: SamplingParams | None = None,
-        *,
-        chat: bool = False,
-        request_id: str | None = None,
-        cache_salt: str | None = None,
-        priority: int = 0,
-        timeout: float | None = None,
+        self, prompt: Prompt, sampling: SamplingParams | None = None, **options: Unpack[Options]
     ) -> CompletionT:
         """Run one request to the end. Not streamed: the control plane sends a single output.
 
         `timeout` bounds the whole call, including any wait for an earlier request with the same
         id to finish aborting (see the class docstring).
         """
-        args = RequestArgs(prompt, sampling, chat, request_id, cache_salt, priority, stream=False)
+        args, timeout = request_args(prompt, sampling, options, stream=False)
         return self._run(self._generate(args, timeout))
 
     def stream(
-        self,
-        prompt: Prompt,
-        sampling: SamplingParams | None = None,
-        *,
-        chat: bool = False,
-        request_id: str | None = None,
-        cache_salt: str | None = None,
-        priority: int = 0,
-        timeout: float | None = None,
+        self, prompt: Prompt, sampling: SamplingParams | None = None, **options: Unpack[Options]
     ) -> OutputsT:
         """Yield each output (its new tokens) as it arrives; closing the iterator early aborts.
 
@@ -94,7 +80,7 @@ class ClientCore(ABC, Generic[CompletionT, IdT, OutputsT]):
         bounds the whole request, including any wait for an earlier request with the same id to
         finish aborting (see the class docstring).
         """
-        args = RequestArgs(prompt, sampling, chat, request_id, cache_salt, priority, stream=True)
+        args, timeout = request_args(prompt, sampling, options, stream=True)
         request = args.build()
         return self._stream(request, resolve_timeout(timeout, self.timeout))
 
@@ -103,19 +89,15 @@ class ClientCore(ABC, Generic[CompletionT, IdT, OutputsT]):
         prompt: Prompt,
         sampling: SamplingParams | None = None,
         *,
-        chat: bool = False,
-        request_id: str | None = None,
-        cache_salt: str | None = None,
-        priority: int = 0,
         stream: bool = True,
-        timeout: float | None = None,
+        **options: Unpack[Options],
     ) -> IdT:
         """Send a request and return its id; collect it with `result`.
 
         It returns at once, unless an earlier request with the same id is still being aborted:
         then it waits for that first, for up to `timeout` (see the class docstring).
         """
-        args = RequestArgs(prompt, sampling, chat, request_id, cache_salt, priority, stream)
+        args, timeout = request_args(prompt, sampling, options, stream)
         return self._run(self._submit(args, timeout))
 
     def result(self, request_id: str, timeout: float | None = None) -> CompletionT:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 import structlog
 
@@ -55,6 +56,40 @@ def build_request(
         cache_salt=cache_salt,
         priority=priority,
     )
+
+
+class Options(TypedDict, total=False):
+    """The keyword options of `generate`, `stream` and `submit`.
+
+    chat: apply the model's chat template to a text prompt. request_id: your id (default: a
+    fresh one). cache_salt: a tenant's prefix-cache namespace. priority: lower runs first.
+    timeout: seconds for the whole call (default: the client's).
+    """
+
+    chat: bool
+    request_id: str | None
+    cache_salt: str | None
+    priority: int
+    timeout: float | None
+
+
+def request_args(
+    prompt: Prompt, sampling: SamplingParams | None, options: Options, stream: bool
+) -> tuple[RequestArgs, float | None]:
+    """A call's `RequestArgs` and timeout; an unknown option is a TypeError, as for any call."""
+    unknown = sorted(set(options) - set(Options.__annotations__))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {unknown[0]!r}")
+    args = RequestArgs(
+        prompt,
+        sampling,
+        options.get("chat", False),
+        options.get("request_id"),
+        options.get("cache_salt"),
+        options.get("priority", 0),
+        stream,
+    )
+    return args, options.get("timeout")
 
 
 @dataclass(frozen=True, slots=True)
