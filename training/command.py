@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 from pathlib import Path
@@ -42,7 +43,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--steps", type=int, default=None, help="stop after this many steps")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    p.add_argument("--batch-tokens", type=int, default=16384, help="tokens per optimizer step")
+    p.add_argument("--batch-tokens", type=int, default=8192, help="tokens per optimizer step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=25, help="steps between checkpoints")
     p.add_argument(
@@ -54,6 +55,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--draft-vocab-size", type=int, default=8192, help="EAGLE-3")
     p.add_argument("--num-layers", type=int, default=2, help="DFlash drafter layers")
     p.add_argument("--mask-token-id", type=int, default=None, help="DFlash")
+    p.add_argument("--max-anchors", type=int, default=32, help="DFlash blocks per sample")
+    p.add_argument("--concurrency", type=int, default=64, help="answers generated at once")
     p.add_argument("--no-bf16", action="store_true", help="train matmuls in float32")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--resume", action="store_true", help="continue OUT's last checkpoint")
@@ -68,33 +71,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from specserve.training.pipeline import TrainDrafterArgs, train_drafter
 
-    train_drafter(
-        TrainDrafterArgs(
-            method=args.method,
-            model=args.model,
-            out=args.out,
-            work_dir=args.work_dir,
-            data=args.data,
-            max_samples=args.max_samples,
-            held_out=args.held_out,
-            max_len=args.max_len,
-            max_new_tokens=args.max_new_tokens,
-            max_turns=args.max_turns,
-            epochs=args.epochs,
-            steps=args.steps,
-            lr=args.lr,
-            batch_tokens=args.batch_tokens,
-            seed=args.seed,
-            checkpoint_every=args.checkpoint_every,
-            num_spec_tokens=args.num_spec_tokens,
-            draft_vocab_size=args.draft_vocab_size,
-            num_layers=args.num_layers,
-            mask_token_id=args.mask_token_id,
-            bf16=not args.no_bf16,
-            resume=args.resume,
-            eval_only=args.eval_only,
-            threads=args.threads,
-            command=shlex.join(["specserve", *sys.argv[1:]]),
-        )
-    )
+    derived = {"bf16": not args.no_bf16, "command": shlex.join(["specserve", *sys.argv[1:]])}
+    given = {
+        field.name: getattr(args, field.name)
+        for field in dataclasses.fields(TrainDrafterArgs)
+        if field.name not in derived and hasattr(args, field.name)
+    }  # the flags are named as the fields they set
+    train_drafter(TrainDrafterArgs(**given, **derived))
     return 0

@@ -353,3 +353,35 @@ def test_bad_input_is_refused_with_a_message_naming_it(
     )
     with pytest.raises(ValueError, match="trained for 'smollm2-135m'"):
         train_drafter(replace(args, out=tmp_path / "foreign", eval_only=True))
+
+
+def test_the_command_trains_and_refuses_bad_input_with_a_message(
+    chat_target: Path, prompts_file: Path, tmp_path: Path
+) -> None:
+    """`specserve train-drafter` as a user runs it: a progress bar, the drafter and a report;
+    an unreadable data file is an error naming it (exit status 2, no traceback)."""
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "specserve.cli", "train-drafter", "--method", "dflash",
+            "--model", str(chat_target), "--max-len", "96", "--max-new-tokens", "16",
+            "--max-turns", "1", "--held-out", "0", "--steps", "2", "--num-spec-tokens", "3",
+            "--threads", "1"]  # fmt: skip
+    out = tmp_path / "drafter"
+    done = subprocess.run(
+        [*base, "--data", str(prompts_file), "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "training dflash" in done.stderr and "2/2" in done.stderr  # the progress bar
+    report = json.loads((out / "training.json").read_text())
+    assert report["steps"] == 2 and report["command"].startswith("specserve train-drafter")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 4
+    missing = subprocess.run(
+        [*base, "--data", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "x")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert missing.returncode == 2
+    assert "error: cannot read data file" in missing.stderr and "nope.jsonl" in missing.stderr
+    assert "Traceback" not in missing.stderr
