@@ -2,7 +2,8 @@
 
 `generate` serves one prompt in-process (or asks a running service with `--url`), `control` and
 `worker` run the two halves of the distributed service, `up` starts a whole local service,
-`cache` inspects the Redis prefix index and `train-drafter` trains a drafter for a model.
+`cache` inspects the Redis prefix index, `kernels` builds the CPU kernels ahead of time and
+`train-drafter` trains a drafter for a model.
 """
 
 from __future__ import annotations
@@ -311,13 +312,39 @@ def _add_cache(sub: argparse._SubParsersAction) -> None:
         view.set_defaults(func=cmd_cache)
 
 
+def _add_kernels(sub: argparse._SubParsersAction) -> None:
+    kernels = sub.add_parser("kernels", help="build or inspect the CPU kernels")
+    actions = kernels.add_subparsers(dest="action", required=True)
+    helps = {
+        "build": "compile the CPU kernels for this CPU ahead of time (e.g. in an image build) "
+        "and print the library's path",
+        "status": "where the CPU kernels are looked for, and whether this CPU's library is there",
+    }
+    for name, text in helps.items():
+        action = actions.add_parser(name, help=text, description=text)
+        action.add_argument(
+            "--dir",
+            default=None,
+            help="the kernels directory (default: $SPECSERVE_KERNELS_DIR, else "
+            "$SPECSERVE_CACHE_DIR/kernels, else ~/.cache/specserve/kernels)",
+        )
+        if name == "build":
+            action.add_argument(
+                "--force", action="store_true", help="compile even if the library is there"
+            )
+        action.set_defaults(func=cmd_kernels_build if name == "build" else cmd_kernels_status)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specserve", description="LLM serving with speculative decoding."
     )
     _add_logging_args(parser, None, False)
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_generate, _add_control, _add_worker, _add_up, _add_cache, train_command):
+    commands = (
+        _add_generate, _add_control, _add_worker, _add_up, _add_cache, _add_kernels, train_command
+    )  # fmt: skip
+    for add in commands:
         add(sub)
     # The logging flags also work after the subcommand (`specserve control --log-json`); there
     # they default to "not given", so they never undo the same flag given before it.
@@ -687,6 +714,36 @@ def _render_lookup(r: dict) -> str:
     hashes = "\n".join(f"  {i:>4}  {h}" for i, h in enumerate(r["block_hashes"]))
     parts = [head, table(["worker", "matched blocks", "usable blocks"], rows)]
     return "\n\n".join([*parts, f"block hashes:\n{hashes}"] if hashes else parts)
+
+
+# --- kernels ---------------------------------------------------------------------------------
+
+
+def cmd_kernels_build(args: argparse.Namespace) -> int:
+    """Compile and load the library (a build that does not load fails here, not in a worker)."""
+    _check_worker_installed()
+    from pathlib import Path
+
+    from specserve.worker.cpu import kernels
+
+    try:
+        path = kernels.build(Path(args.dir) if args.dir else None, force=args.force)
+        kernels.open_library(path)
+    except kernels.KernelsUnavailable as exc:
+        raise CliError(f"cannot build the CPU kernels: {exc}") from None
+    print(path)
+    return 0
+
+
+def cmd_kernels_status(args: argparse.Namespace) -> int:
+    _check_worker_installed()
+    from pathlib import Path
+
+    from specserve.worker.cpu import kernels
+
+    for key, value in kernels.status(Path(args.dir) if args.dir else None).items():
+        print(f"{key}: {value}")
+    return 0
 
 
 # --- entry point -----------------------------------------------------------------------------

@@ -8,15 +8,19 @@ is rounded to bfloat16, |out| < 2 here); kernel vs SDPA path in float32: atol 1e
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import structlog
 import torch
+from structlog.testing import CapturedCall
 from test_worker_attention import MIXED, _run_case
 
-from specserve.worker.cpu import kernels
+from specserve.worker.cpu import kernels, ops
 from specserve.worker.models import RMSNorm
 
 pytestmark = pytest.mark.skipif(
@@ -98,6 +102,7 @@ def test_mismatched_shapes_raise() -> None:
 def fresh_load(monkeypatch: pytest.MonkeyPatch, tmp_path):
     """`load()` with an empty kernel cache, and the process's cached library restored after."""
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("SPECSERVE_KERNELS_DIR", raising=False)
     kernels.load.cache_clear()
     yield kernels.load
     kernels.load.cache_clear()
@@ -110,14 +115,146 @@ def test_builds_into_cache_dir(fresh_load, tmp_path) -> None:
     assert not [p for p in (tmp_path / "kernels").iterdir() if p.is_dir()]  # no leftover tmp
 
 
+@pytest.fixture
+def kernel_log(monkeypatch: pytest.MonkeyPatch) -> list[CapturedCall]:
+    """The events `kernels` logs (method, event, fields), recorded instead of printed."""
+    logger = structlog.testing.CapturingLogger()
+    monkeypatch.setattr(kernels, "log", logger)
+    return logger.calls
+
+
 def test_without_compiler_falls_back_to_sdpa(
-    fresh_load, monkeypatch: pytest.MonkeyPatch, kernel_calls
+    fresh_load, monkeypatch: pytest.MonkeyPatch, kernel_calls, kernel_log, tmp_path
 ) -> None:
     monkeypatch.setenv("CC", "/nonexistent/cc")
     assert fresh_load() is None
     out, expected = _run_case(DECODES, None, torch.float32)
     assert kernel_calls == []
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[torch.float32], rtol=0)
+    assert kernel_log == [
+        CapturedCall(
+            "warning",
+            ("kernels.unavailable",),
+            {
+                "reason": f"no library for this CPU ({kernels.library_path().name}) in "
+                f"{tmp_path / 'kernels'}, and it cannot be built: no C compiler "
+                "(CC=/nonexistent/cc not found)"
+            },
+        )
+    ]
+
+
+def _specserve(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The `specserve` command as a user runs it: the console script beside this Python."""
+    script = Path(sys.executable).with_name("specserve")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "specserve.cli"]
+    return subprocess.run(
+        [*command, *argv], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+# A worker's view of a prebuilt kernels directory, in a process of its own (this one has its
+# library loaded already): the library it loads, and two ops against torch's, bit for bit.
+PREBUILT_CHECK = """
+import json, torch
+from specserve.worker.cpu import kernels
+lib = kernels.load()
+assert lib is not None, "the kernels did not load"
+g = torch.Generator().manual_seed(0)
+x, delta = torch.randn(7, 1000, generator=g), torch.randn(7, 1000, generator=g)
+total, _ = kernels.add_rms_norm(x, delta, torch.ones(1000), 1e-6)
+print(json.dumps({
+    "library": lib._name,
+    "argmax_equal": torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1)),
+    "sum_equal": torch.equal(total, x + delta),
+}))
+"""
+
+
+def test_library_built_ahead_loads_from_a_read_only_dir_without_compiler(tmp_path) -> None:
+    """`specserve kernels build --dir D`, as an image build runs it; then a process with D
+    read-only and no compiler loads that library as it is, and its ops match torch's."""
+    directory = tmp_path / "kernels"
+    built = _specserve("kernels", "build", "--dir", str(directory))
+    assert built.returncode == 0, built.stderr
+    library = kernels.library_path(directory)
+    assert built.stdout == f"{library}\n"
+    assert list(directory.iterdir()) == [library]
+    library.chmod(0o444)
+    directory.chmod(0o555)
+    env = {
+        **os.environ,
+        "SPECSERVE_KERNELS_DIR": str(directory),
+        "SPECSERVE_CACHE_DIR": str(tmp_path / "cache"),
+        "CC": "/nonexistent/cc",
+    }
+    try:
+        check = subprocess.run(
+            [sys.executable, "-c", PREBUILT_CHECK],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert list(directory.iterdir()) == [library]  # nothing compiled, nothing written
+    finally:
+        directory.chmod(0o755)
+    assert check.returncode == 0, check.stderr
+    assert json.loads(check.stdout) == {
+        "library": str(library),
+        "argmax_equal": True,
+        "sum_equal": True,
+    }
+
+
+def test_build_without_compiler_is_a_clear_error(tmp_path) -> None:
+    directory = tmp_path / "kernels"
+    result = _specserve(
+        "kernels", "build", "--dir", str(directory), env={**os.environ, "CC": "/nonexistent/cc"}
+    )
+    assert result.returncode == 2
+    assert result.stderr.endswith(
+        "error: cannot build the CPU kernels: no C compiler (CC=/nonexistent/cc not found)\n"
+    )
+    assert result.stdout == ""
+    assert not directory.exists()
+
+
+def _unwritable_dir(tmp_path: Path, kind: str) -> Path:
+    if kind == "read-only":
+        if os.geteuid() == 0:
+            pytest.skip("root writes to a read-only directory anyway")
+        directory = tmp_path / "kernels"
+        directory.mkdir(mode=0o555)
+        return directory
+    (tmp_path / "file").write_text("")
+    return tmp_path / "file" / "kernels"  # no directory can be made there
+
+
+@pytest.mark.parametrize("kind", ["read-only", "under-a-file"])
+def test_unwritable_empty_dir_falls_back_to_torch_with_one_event(
+    fresh_load, kernel_log, monkeypatch: pytest.MonkeyPatch, tmp_path, kind: str
+) -> None:
+    directory = _unwritable_dir(tmp_path, kind)
+    monkeypatch.setenv("SPECSERVE_KERNELS_DIR", str(directory))
+    try:
+        assert fresh_load() is None
+        assert ops.argmax_rows(torch.randn(3, 40)) is None  # the caller keeps its torch op
+        assert fresh_load() is None
+    finally:
+        if directory.exists():
+            directory.chmod(0o755)
+    assert [(call.method_name, call.args) for call in kernel_log] == [
+        ("warning", ("kernels.unavailable",))
+    ]
+    reason = kernel_log[0].kwargs["reason"]
+    strerror = "Permission denied" if kind == "read-only" else "Not a directory"
+    assert reason == (
+        f"no library for this CPU ({kernels.library_path().name}) in {directory}, and it "
+        f"cannot be built: {directory} is not writable ({strerror}); `specserve kernels "
+        "build` fills it ahead of time"
+    )
 
 
 def test_switched_off_by_environment(fresh_load, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,12 +17,17 @@
 Each kernel's body is a "team" function (`csrc/team.h`) that the threads of one OpenMP team
 share, so the standalone calls above and the fused decode step run the same code.
 
-The C files are compiled on first use (`$CC`, else `cc`/`gcc`) into
-`$SPECSERVE_CACHE_DIR/kernels` (default `~/.cache/specserve/kernels`), keyed by the sources, the
-flags and the CPU, and reused afterwards. Without a compiler, or with `SPECSERVE_CPU_KERNELS=0`,
-the callers keep their PyTorch paths (same results up to float32 summation order), and the log
-says so once. The kernels run on torch's own OpenMP threads: the library's `libgomp.so.1`
-resolves to the copy torch has already loaded.
+The C files are compiled (`$CC`, else `cc`/`gcc`) into one library in the kernels directory
+(`$SPECSERVE_KERNELS_DIR`, default `$SPECSERVE_CACHE_DIR/kernels`, i.e.
+`~/.cache/specserve/kernels`), named by a key of the sources, the flags and the CPU's features,
+and reused afterwards. `specserve kernels build` (`build`) fills the directory ahead of time, e.g.
+in an image build: a library found there is loaded as it is, with no compiler and no write
+access, so a read-only root filesystem keeps the fast path. Otherwise it is built on first use.
+Where it can be neither found nor built (no compiler, a read-only directory), or with
+`SPECSERVE_CPU_KERNELS=0`, the callers keep their PyTorch paths (same results up to float32
+summation order), and the log says why once (`kernels.unavailable`, `kernels.disabled`). The
+kernels run on torch's own OpenMP threads: the library's `libgomp.so.1` resolves to the copy
+torch has already loaded.
 """
 
 from __future__ import annotations
@@ -59,17 +64,32 @@ _C_INT64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
 
+class KernelsUnavailable(Exception):
+    """Why the library can be neither found nor built: the `kernels.unavailable` reason."""
+
+
 def enabled() -> bool:
     return os.environ.get("SPECSERVE_CPU_KERNELS", "1") != "0"
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("SPECSERVE_CACHE_DIR") or Path.home() / ".cache" / "specserve"
-    return Path(root) / "kernels"
+def cache_root() -> Path:
+    """specserve's cache (`$SPECSERVE_CACHE_DIR`, default `~/.cache/specserve`)."""
+    return Path(os.environ.get("SPECSERVE_CACHE_DIR") or Path.home() / ".cache" / "specserve")
+
+
+def kernels_dir() -> Path:
+    """Where the library is looked for and built: `$SPECSERVE_KERNELS_DIR`, which may be
+    filled ahead of time and read-only, else the cache's `kernels`."""
+    configured = os.environ.get("SPECSERVE_KERNELS_DIR")
+    return Path(configured) if configured else cache_root() / "kernels"
 
 
 def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    """`$CC` (a name on PATH or a path), else `cc` or `gcc`; None where there is none."""
+    named = os.environ.get("CC")
+    if named:
+        return shutil.which(named)
+    return shutil.which("cc") or shutil.which("gcc")
 
 
 def _cpu_signature() -> str:
@@ -83,52 +103,142 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
-def _build(compiler: str, rebuild: bool = False) -> Path:
-    """Compile `SOURCES` into the cache (atomically: concurrent workers may build at once);
-    `rebuild` replaces a cached library that would not load."""
-    flags = " ".join(COMPILE_FLAGS + LINK_FLAGS)
+def cpu_model() -> str:
+    """The CPU's model name (what a timing measured on it holds for)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "Hardware", "CPU part")):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@functools.cache
+def library_key() -> str:
+    """The library's identity: its sources and headers, the flags and the CPU's features (not
+    the compiler, so that a library built ahead of time is found where there is none)."""
     inputs = sorted(CSRC.glob("*.[ch]"))  # the sources and the headers they include
-    parts = [*(path.read_bytes() for path in inputs), compiler.encode(), flags.encode()]
-    key = hashlib.sha256(b"\0".join([*parts, _cpu_signature().encode()])).hexdigest()[:16]
-    target = cache_dir() / f"specserve_kernels-{key}.so"
-    if target.exists() and not rebuild:
+    flags = " ".join(COMPILE_FLAGS + LINK_FLAGS)
+    parts = [*(path.read_bytes() for path in inputs), flags.encode(), _cpu_signature().encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def library_path(directory: Path | None = None) -> Path:
+    """The library for this CPU in `directory` (default `kernels_dir()`), there or not."""
+    return (directory or kernels_dir()) / f"specserve_kernels-{library_key()}.so"
+
+
+def build(directory: Path | None = None, force: bool = False) -> Path:
+    """Compile the library into `directory` (default `kernels_dir()`) unless it is there (or
+    `force`), atomically: concurrent workers may build at once. Raises `KernelsUnavailable`."""
+    target = library_path(directory)
+    if target.exists() and not force:
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    compiler = _compiler()
+    if compiler is None:
+        named = os.environ.get("CC")
+        raise KernelsUnavailable(
+            f"no C compiler (CC={named} not found)" if named else "no C compiler (set CC)"
+        )
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        objects = [str(Path(tmp) / f"{src.stem}.o") for src in SOURCES]
-        commands = [
-            [compiler, *COMPILE_FLAGS, "-c", str(src), "-o", obj]
-            for src, obj in zip(SOURCES, objects, strict=True)
-        ]
-        lib = Path(tmp) / target.name
-        commands.append([compiler, *objects, *LINK_FLAGS, "-o", str(lib)])
-        for cmd in commands:
-            subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
-        os.replace(lib, target)
+    tmp = _scratch_dir(target.parent)
+    try:
+        _compile(compiler, Path(tmp), target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     log.info("kernels.built", path=str(target), seconds=round(time.perf_counter() - start, 2))
     return target
 
 
+def status(directory: Path | None = None) -> dict[str, str]:
+    """Where the library is looked for, whether this CPU's is there (others are for other CPUs
+    or sources) and whether one could be built: `specserve kernels status`."""
+    directory = directory or kernels_dir()
+    target = library_path(directory)
+    found = sorted(directory.glob("specserve_kernels-*.so")) if directory.is_dir() else []
+    if not directory.exists():
+        access = "missing"
+    else:
+        access = "writable" if os.access(directory, os.W_OK) else "read-only"
+    return {
+        "directory": f"{directory} ({access})",
+        "library": f"{target.name} ({'present' if target in found else 'missing'})",
+        "other libraries": ", ".join(p.name for p in found if p != target) or "none",
+        "compiler": _compiler() or "none",
+        "enabled": "yes" if enabled() else "no (SPECSERVE_CPU_KERNELS=0)",
+    }
+
+
+def _scratch_dir(directory: Path) -> str:
+    """A temporary folder in `directory`, so the library lands there by a rename."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        return tempfile.mkdtemp(dir=directory)
+    except OSError as exc:
+        raise KernelsUnavailable(
+            f"{directory} is not writable ({exc.strerror or exc}); "
+            "`specserve kernels build` fills it ahead of time"
+        ) from None
+
+
+def _compile(compiler: str, tmp: Path, target: Path) -> None:
+    objects = [str(tmp / f"{src.stem}.o") for src in SOURCES]
+    commands = [
+        [compiler, *COMPILE_FLAGS, "-c", str(src), "-o", obj]
+        for src, obj in zip(SOURCES, objects, strict=True)
+    ]
+    lib = tmp / target.name
+    commands.append([compiler, *objects, *LINK_FLAGS, "-o", str(lib)])
+    try:
+        for cmd in commands:
+            subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+        os.replace(lib, target)
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", None) or str(exc)
+        raise KernelsUnavailable(
+            f"compiling with {compiler} failed: {detail.strip()[-500:]}"
+        ) from None
+
+
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    """The kernel library, built if needed; None (logged once) where it cannot be had."""
+    """The kernel library, found or built; None (logged once) where it cannot be had."""
     if not enabled():
         log.info("kernels.disabled", reason="SPECSERVE_CPU_KERNELS=0")
         return None
-    compiler = _compiler()
-    if compiler is None:
-        log.warning("kernels.unavailable", reason="no C compiler (set CC)")
-        return None
     try:
-        try:
-            lib = ctypes.CDLL(str(_build(compiler)))
-        except OSError:  # e.g. a truncated file left in the cache: build it again, once
-            lib = ctypes.CDLL(str(_build(compiler, rebuild=True)))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", None) or str(exc)
-        log.warning("kernels.unavailable", reason=detail.strip()[-500:])
+        return _open_or_build()
+    except KernelsUnavailable as exc:
+        log.warning("kernels.unavailable", reason=str(exc))
         return None
+
+
+def _open_or_build() -> ctypes.CDLL:
+    """The library in `kernels_dir()` if it loads, else one built there now."""
+    target = library_path()
+    if not target.exists():
+        why = f"no library for this CPU ({target.name}) in {target.parent}"
+        return open_library(_build_for_load(target, why, force=False))
+    try:
+        return open_library(target)
+    except KernelsUnavailable as exc:  # e.g. a truncated file left there: build it again, once
+        return open_library(_build_for_load(target, str(exc), force=True))
+
+
+def _build_for_load(target: Path, why: str, force: bool) -> Path:
+    try:
+        return build(target.parent, force=force)
+    except KernelsUnavailable as exc:
+        raise KernelsUnavailable(f"{why}, and it cannot be built: {exc}") from None
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """The library at `path`, its functions declared."""
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise KernelsUnavailable(f"{path} does not load: {exc}") from None
     i64, f32, flag = _C_INT64, ctypes.c_float, ctypes.c_int
     signatures = {
         "paged_decode_attention": (
