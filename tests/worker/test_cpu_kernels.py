@@ -484,3 +484,32 @@ def test_argmax_rows_match_torch(dtype: torch.dtype, cols: int) -> None:
     got = kernels.argmax_rows(x)
     assert got.dtype == torch.int64
     assert torch.equal(got, expected)
+
+
+def test_decode_tables_are_checked_by_name() -> None:
+    """The library names the columns of `decode_layers`' tables as Python builds them; a
+    column out of place or missing is refused, naming both lists."""
+    lib = kernels.load()
+    kernels.check_decode_tables(lib)
+    layer = list(kernels.DecodeLayer._fields)
+    swapped = [layer[0], layer[2], layer[1], *layer[3:]]  # qkv_bias before qkv
+    with pytest.raises(RuntimeError) as error:
+        kernels.check_decode_tables(lib, {**kernels.DECODE_TABLES, "layer": tuple(swapped)})
+    assert str(error.value) == (
+        f"decode_layers' layer table: the C library's columns {layer} are not Python's "
+        f"{swapped} (csrc/decode_step.c and worker/cpu/kernels.py must name the same fields "
+        "in the same order)"
+    )
+
+
+def test_a_library_missing_a_column_is_refused() -> None:
+    class Library:  # a build whose group table lost its window column
+        def decode_table_fields(self, number: int) -> bytes:
+            fields = list(kernels.DECODE_TABLES.values())[number]
+            kept = fields[:-1] if number == 1 else fields
+            return ",".join(kept).encode() + b","
+
+    group = list(kernels.DecodeGroup._fields)
+    with pytest.raises(RuntimeError, match="group table") as error:
+        kernels.check_decode_tables(Library())  # type: ignore[arg-type]
+    assert f"columns {group[:-1]} are not Python's {group}" in str(error.value)

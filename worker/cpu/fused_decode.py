@@ -14,7 +14,9 @@ FlashInfer, float64, a layer of another dtype) keeps the layer-by-layer path.
 
 The table of weight addresses is read from the modules afresh every step (~0.2 ms), with each
 tensor's dtype and size checked, so a weight that was moved, cast, reloaded or replaced is
-always the one used, and the C code never reads past a tensor.
+always the one used, and the C code never reads past a tensor. Its rows are built by column
+name (`kernels.DecodeLayer`, `DecodeGroup`, `DecodeDims`), whose order the library is checked
+against when it loads.
 """
 
 from __future__ import annotations
@@ -26,18 +28,11 @@ import torch
 from specserve.worker.attention.base import AttentionMetadata
 from specserve.worker.attention.torch_backend import PaddedBatch, TorchGroupMetadata
 from specserve.worker.cpu import kernels
-from specserve.worker.cpu.kernels import PANEL
+from specserve.worker.cpu.kernels import PANEL, DecodeDims, DecodeGroup, DecodeLayer
 from specserve.worker.cpu.linear import Linear
 from specserve.worker.kv_cache import PagedKVCache
 from specserve.worker.model_config import ModelConfig
 from specserve.worker.models import DecoderLayer, DecoderModel, RMSNorm
-
-# Columns of the tables `decode_layers` reads (the enums of csrc/decode_step.c): per layer the
-# input norm, qkv (+ bias), q/k norms, o (+ bias), post norm, gate/up (+ bias), down (+ bias)
-# and the KV group; per KV group the KV rows, pages, pages per request, first key positions,
-# sequence lengths and window.
-LAYER_FIELDS = 13
-GROUP_FIELDS = 6
 
 
 def decode_step(
@@ -74,17 +69,17 @@ def decode_step(
         dtype=torch.int64,
     )
     dims = torch.tensor(
-        [
-            rows,
-            config.hidden_size,
-            config.num_heads,
-            config.num_kv_heads,
-            config.head_dim,
-            config.intermediate_size,
-            kv_cache.block_size,
-            kv_cache.num_blocks,
-            int(x.dtype == torch.bfloat16),
-        ],
+        DecodeDims(
+            rows=rows,
+            hidden=config.hidden_size,
+            heads=config.num_heads,
+            kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            inter=config.intermediate_size,
+            block_size=kv_cache.block_size,
+            num_blocks=kv_cache.num_blocks,
+            is_bf16=int(x.dtype == torch.bfloat16),
+        ),
         dtype=torch.int64,
     )
     layers = torch.tensor(table, dtype=torch.int64)
@@ -137,21 +132,19 @@ def _decode_batches(metadata: AttentionMetadata) -> list[PaddedBatch] | None:
 
 def _group_row(
     group: TorchGroupMetadata, batch: PaddedBatch, kv_cache: PagedKVCache, rows: int
-) -> list[int]:
+) -> DecodeGroup:
     k_rows, _ = group.kv_write_rows(kv_cache.block_size)
     for t in (k_rows, batch.k_pages, batch.first_key_pos, batch.seq_lens):
         assert t.dtype == torch.int64 and t.is_contiguous()  # built so by torch_backend
     assert k_rows.numel() == batch.seq_lens.numel() == rows
-    row = [
-        k_rows.data_ptr(),
-        batch.k_pages.data_ptr(),
-        batch.k_pages.numel() // rows,
-        batch.first_key_pos.data_ptr(),
-        batch.seq_lens.data_ptr(),
-        group.sliding_window or 0,
-    ]
-    assert len(row) == GROUP_FIELDS
-    return row
+    return DecodeGroup(
+        k_rows=k_rows.data_ptr(),
+        pages=batch.k_pages.data_ptr(),
+        max_pages=batch.k_pages.numel() // rows,
+        first_pos=batch.first_key_pos.data_ptr(),
+        seq_lens=batch.seq_lens.data_ptr(),
+        window=group.sliding_window or 0,
+    )
 
 
 def _inputs_fit(
@@ -190,7 +183,7 @@ def _inputs_fit(
 
 def _layer_row(
     layer: DecoderLayer, config: ModelConfig, dtype: torch.dtype, rows: int
-) -> list[int] | None:
+) -> DecodeLayer | None:
     """The layer's addresses, or None when a weight is not in the kernel's layout, dtype or
     size (e.g. a linear without panels, or one that uses `F.linear` for `rows` rows).
 
@@ -201,19 +194,26 @@ def _layer_row(
     hidden, head_dim, inter = config.hidden_size, config.head_dim, config.intermediate_size
     q_width = config.num_heads * head_dim
     qkv_width = q_width + 2 * config.num_kv_heads * head_dim
-    addresses = [
-        _norm_address(modules["input_layernorm"], dtype, hidden),
-        *_linear_addresses(attn["qkv_proj"], dtype, rows, hidden, qkv_width),
-        _norm_address(attn.get("q_norm"), dtype, head_dim),
-        _norm_address(attn.get("k_norm"), dtype, head_dim),
-        *_linear_addresses(attn["o_proj"], dtype, rows, q_width, hidden),
-        _norm_address(modules["post_attention_layernorm"], dtype, hidden),
-        *_linear_addresses(mlp["gate_up_proj"], dtype, rows, hidden, 2 * inter),
-        *_linear_addresses(mlp["down_proj"], dtype, rows, inter, hidden),
-        layer.group,
-    ]  # fmt: skip
-    assert len(addresses) == LAYER_FIELDS
-    return None if None in addresses else addresses  # type: ignore[return-value]
+    qkv, qkv_bias = _linear_addresses(attn["qkv_proj"], dtype, rows, hidden, qkv_width)
+    o, o_bias = _linear_addresses(attn["o_proj"], dtype, rows, q_width, hidden)
+    gate_up, gate_up_bias = _linear_addresses(mlp["gate_up_proj"], dtype, rows, hidden, 2 * inter)
+    down, down_bias = _linear_addresses(mlp["down_proj"], dtype, rows, inter, hidden)
+    row = DecodeLayer(
+        input_norm=_norm_address(modules["input_layernorm"], dtype, hidden),
+        qkv=qkv,
+        qkv_bias=qkv_bias,
+        q_norm=_norm_address(attn.get("q_norm"), dtype, head_dim),
+        k_norm=_norm_address(attn.get("k_norm"), dtype, head_dim),
+        o=o,
+        o_bias=o_bias,
+        post_norm=_norm_address(modules["post_attention_layernorm"], dtype, hidden),
+        gate_up=gate_up,
+        gate_up_bias=gate_up_bias,
+        down=down,
+        down_bias=down_bias,
+        group=layer.group,
+    )
+    return None if None in row else row
 
 
 def _linear_addresses(

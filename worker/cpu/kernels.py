@@ -42,6 +42,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import structlog
 import torch
@@ -66,6 +67,60 @@ _PTR = ctypes.c_void_p
 
 class KernelsUnavailable(Exception):
     """Why the library can be neither found nor built: the `kernels.unavailable` reason."""
+
+
+class DecodeLayer(NamedTuple):
+    """One row of `decode_layers`' layer table: a layer's weight addresses (0: no such bias or
+    norm; None: the weight does not fit the kernel) and its KV group."""
+
+    input_norm: int | None
+    qkv: int | None
+    qkv_bias: int | None
+    q_norm: int | None
+    k_norm: int | None
+    o: int | None
+    o_bias: int | None
+    post_norm: int | None
+    gate_up: int | None
+    gate_up_bias: int | None
+    down: int | None
+    down_bias: int | None
+    group: int
+
+
+class DecodeGroup(NamedTuple):
+    """One row of `decode_layers`' KV group table: the step's metadata for the group."""
+
+    k_rows: int
+    pages: int
+    max_pages: int
+    first_pos: int
+    seq_lens: int
+    window: int
+
+
+class DecodeDims(NamedTuple):
+    """`decode_layers`' sizes of the step and the model."""
+
+    rows: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    block_size: int
+    num_blocks: int
+    is_bf16: int
+
+
+# The column order of each table `decode_layers` reads, by the number `decode_table_fields`
+# takes: the rows are built by name from these, and a library whose columns are named otherwise
+# is refused (a column out of place would read one weight as another, silently).
+DECODE_TABLES: dict[str, tuple[str, ...]] = {
+    "layer": DecodeLayer._fields,
+    "group": DecodeGroup._fields,
+    "dims": DecodeDims._fields,
+}
 
 
 def enabled() -> bool:
@@ -203,7 +258,8 @@ def _compile(compiler: str, tmp: Path, target: Path) -> None:
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
-    """The kernel library, found or built; None (logged once) where it cannot be had."""
+    """The kernel library, found or built; None (logged once) where it cannot be had. A
+    library whose tables differ from `DECODE_TABLES` raises: that is a broken build."""
     if not enabled():
         log.info("kernels.disabled", reason="SPECSERVE_CPU_KERNELS=0")
         return None
@@ -234,7 +290,7 @@ def _build_for_load(target: Path, why: str, force: bool) -> Path:
 
 
 def open_library(path: Path) -> ctypes.CDLL:
-    """The library at `path`, its functions declared."""
+    """The library at `path`, its functions declared and its tables checked."""
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:
@@ -254,12 +310,30 @@ def open_library(path: Path) -> ctypes.CDLL:
             [_PTR, *[i64] * 5, *[_PTR] * 4, f32, _PTR, i64, _PTR, i64, flag],
         ),
         "decode_layers": (ctypes.c_int, [_PTR, i64, *[_PTR] * 9, f32, f32, _PTR]),
+        "decode_table_fields": (ctypes.c_char_p, [ctypes.c_int]),
         "argmax_rows": (None, [_PTR, i64, i64, i64, _PTR, flag]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
+    check_decode_tables(lib)
     return lib
+
+
+def check_decode_tables(
+    lib: ctypes.CDLL, tables: dict[str, tuple[str, ...]] = DECODE_TABLES
+) -> None:
+    """Raise unless each of `decode_layers`' tables has, in the library, the columns `tables`
+    names, by name and in order."""
+    for number, (table, fields) in enumerate(tables.items()):
+        raw = lib.decode_table_fields(number)
+        c_fields = tuple(raw.decode().rstrip(",").split(",")) if raw else ()
+        if c_fields != fields:
+            raise RuntimeError(
+                f"decode_layers' {table} table: the C library's columns {list(c_fields)} are "
+                f"not Python's {list(fields)} (csrc/decode_step.c and worker/cpu/kernels.py "
+                "must name the same fields in the same order)"
+            )
 
 
 def rows_supported(*tensors: torch.Tensor) -> bool:

@@ -17,9 +17,9 @@
  *
  * `layers` is `num_layers` rows of LAYER_FIELDS int64 values (the weights, built once per
  * model) and `groups` one row of GROUP_FIELDS per KV group (the step's metadata);
- * worker/fused_decode.py builds both, and the enums below are their columns. `caches` holds each
- * layer's KV cache and `captures` where to copy each layer's output (0: nowhere). Pointers are
- * addresses; absent biases and norms are 0.
+ * worker/cpu/fused_decode.py builds both, and the column lists below name their columns.
+ * `caches` holds each layer's KV cache and `captures` where to copy each layer's output (0:
+ * nowhere). Pointers are addresses; absent biases and norms are 0.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -27,15 +27,35 @@
 
 #include "team.h"
 
-enum {
-    L_INPUT_NORM, L_QKV, L_QKV_BIAS, L_Q_NORM, L_K_NORM, L_O, L_O_BIAS, L_POST_NORM,
-    L_GATE_UP, L_GATE_UP_BIAS, L_DOWN, L_DOWN_BIAS, L_GROUP, LAYER_FIELDS
-};
-enum { G_K_ROWS, G_PAGES, G_MAX_PAGES, G_FIRST_POS, G_SEQ_LENS, G_WINDOW, GROUP_FIELDS };
-enum {
-    D_ROWS, D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_BLOCK_SIZE, D_NUM_BLOCKS,
-    D_IS_BF16, DIMS
-};
+/* Each table's columns, in order, written once: the enums index the rows, and
+ * `decode_table_fields` hands the same names to the loader (worker/cpu/kernels.py), which
+ * refuses a library whose columns differ by name from the rows Python builds. */
+#define LAYER_COLUMNS(X)                                                                      \
+    X(L_INPUT_NORM, input_norm) X(L_QKV, qkv) X(L_QKV_BIAS, qkv_bias) X(L_Q_NORM, q_norm)     \
+    X(L_K_NORM, k_norm) X(L_O, o) X(L_O_BIAS, o_bias) X(L_POST_NORM, post_norm)               \
+    X(L_GATE_UP, gate_up) X(L_GATE_UP_BIAS, gate_up_bias) X(L_DOWN, down)                     \
+    X(L_DOWN_BIAS, down_bias) X(L_GROUP, group)
+#define GROUP_COLUMNS(X)                                                                      \
+    X(G_K_ROWS, k_rows) X(G_PAGES, pages) X(G_MAX_PAGES, max_pages)                           \
+    X(G_FIRST_POS, first_pos) X(G_SEQ_LENS, seq_lens) X(G_WINDOW, window)
+#define DIMS_COLUMNS(X)                                                                       \
+    X(D_ROWS, rows) X(D_HIDDEN, hidden) X(D_HEADS, heads) X(D_KV_HEADS, kv_heads)             \
+    X(D_HEAD_DIM, head_dim) X(D_INTER, inter) X(D_BLOCK_SIZE, block_size)                     \
+    X(D_NUM_BLOCKS, num_blocks) X(D_IS_BF16, is_bf16)
+#define COLUMN_INDEX(id, name) id,
+#define COLUMN_NAME(id, name) #name ","
+
+enum { LAYER_COLUMNS(COLUMN_INDEX) LAYER_FIELDS };
+enum { GROUP_COLUMNS(COLUMN_INDEX) GROUP_FIELDS };
+enum { DIMS_COLUMNS(COLUMN_INDEX) DIMS };
+
+/* The column names of table 0 (layers), 1 (KV groups) or 2 (dims), comma-separated (with a
+ * trailing comma); NULL for another table. */
+const char *decode_table_fields(int table) {
+    static const char *const names[] = {
+        LAYER_COLUMNS(COLUMN_NAME), GROUP_COLUMNS(COLUMN_NAME), DIMS_COLUMNS(COLUMN_NAME)};
+    return table >= 0 && table < 3 ? names[table] : NULL;
+}
 
 #define PTR(value) ((void *)(intptr_t)(value))
 
