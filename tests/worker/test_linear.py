@@ -6,15 +6,23 @@ rounding of one result (2^-8 relative) plus 1e-4 of the largest |output| (float3
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
 import pytest
+import structlog
 import torch
 import torch.nn.functional as F
+from structlog.testing import CapturedCall
 from torch import nn
 
 from specserve.worker.cpu import kernels
 from specserve.worker.cpu import linear as linear_module
 from specserve.worker.cpu.linear import (
     Linear,
+    PackedWeight,
     calibrate_min_rows,
     can_pack,
     pack_weight,
@@ -37,6 +45,14 @@ PANEL_DTYPES = [
     )
     for dtype in (torch.float32, torch.bfloat16)
 ]
+
+
+@pytest.fixture(autouse=True)
+def private_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """Calibrations are cached in a test's own folder (the kernels stay where they are)."""
+    monkeypatch.setenv("SPECSERVE_KERNELS_DIR", str(kernels.kernels_dir()))
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    return tmp_path
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -248,3 +264,119 @@ def test_calibration_picks_a_candidate_and_large_models_get_it(
     monkeypatch.setattr(linear_module, "calibrate_min_rows", lambda packed: 6)
     assert [p.min_rows for p in pack_weights(layers)] == [6] * 4
     assert all(m.packed is not None and m.packed.min_rows == 6 for m in layers)
+
+
+@dataclass
+class FakeCalibration:
+    """Stands in for `calibrate_min_rows`: counts calls (weights per call) and returns the next
+    of `results`, so a cached value and a measured one are told apart."""
+
+    results: list[int]
+    calls: list[int] = field(default_factory=list)
+
+    def __call__(self, packed: list[PackedWeight]) -> int:
+        self.calls.append(len(packed))
+        return self.results[len(self.calls) - 1]
+
+
+@pytest.fixture
+def calibration(monkeypatch: pytest.MonkeyPatch) -> FakeCalibration:
+    """Every model calibrates (no size threshold), with a `FakeCalibration`."""
+    fake = FakeCalibration([])
+    monkeypatch.setattr(linear_module, "CALIBRATE_MIN_BYTES", 1)
+    monkeypatch.setattr(linear_module, "calibrate_min_rows", fake)
+    return fake
+
+
+@pytest.fixture
+def linear_log(monkeypatch: pytest.MonkeyPatch) -> list[CapturedCall]:
+    """The events `linear` logs, recorded instead of printed."""
+    logger = structlog.testing.CapturingLogger()
+    monkeypatch.setattr(linear_module, "log", logger)
+    return logger.calls
+
+
+def _model(*shapes: tuple[int, int]) -> nn.Module:
+    return nn.Sequential(*(Linear(k, n) for n, k in shapes))
+
+
+def _min_rows(module: nn.Module) -> list[int]:
+    return [p.min_rows for p in pack_weights(module)]
+
+
+def _events(calls: list[CapturedCall]) -> list[str]:
+    return [call.args[0] for call in calls]
+
+
+@needs_onednn
+def test_calibration_is_logged_and_cached(calibration, linear_log, private_cache) -> None:
+    """The first pack measures (logged as it starts and ends) and caches; a second pack of the
+    same shapes on the same machine reads the cache and measures nothing."""
+    calibration.results[:] = [6]
+    assert _min_rows(_model((48, 32), (32, 48))) == [6, 6]
+    assert _events(linear_log) == ["linear.calibrating", "linear.packed"]
+    assert linear_log[0].kwargs["weights"] == 2
+    assert _min_rows(_model((48, 32), (32, 48))) == [6, 6]
+    assert calibration.calls == [2]
+    assert _events(linear_log)[2:] == ["linear.calibration_cached"]
+    assert linear_log[2].kwargs["packed_from_rows"] == 6
+    (entry,) = json.loads((private_cache / "linear_calibration.json").read_text()).values()
+    assert entry["min_rows"] == 6
+    assert entry["threads"] == torch.get_num_threads()
+    assert entry["cpu"] == kernels.cpu_model()
+
+
+@needs_onednn
+def test_calibration_cache_is_per_shape_and_thread_count(calibration) -> None:
+    calibration.results[:] = [6, 3, 5]
+    assert _min_rows(_model((48, 32))) == [6]
+    assert _min_rows(_model((64, 32))) == [3]  # other shapes: measured
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert _min_rows(_model((48, 32))) == [5]  # another thread count: measured
+    finally:
+        torch.set_num_threads(threads)
+    assert _min_rows(_model((48, 32))) == [6]
+    assert _min_rows(_model((64, 32))) == [3]
+    assert calibration.calls == [1, 1, 1]
+
+
+# How the cache file is spoiled, and how many `linear.calibration_cache_ignored` events that
+# gives (an entry that is not a row count is skipped quietly).
+CORRUPTIONS: dict[str, tuple[Callable[[str], str], int]] = {
+    "not json": (lambda text: text[: len(text) // 2], 1),
+    "a list": (lambda text: "[1, 2]", 1),
+    "min_rows a string": (lambda text: text.replace('"min_rows": 6', '"min_rows": "6"'), 0),
+    "min_rows zero": (lambda text: text.replace('"min_rows": 6', '"min_rows": 0'), 0),
+}
+
+
+@needs_onednn
+@pytest.mark.parametrize("corruption", CORRUPTIONS)
+def test_a_corrupt_calibration_cache_is_measured_again_and_rewritten(
+    calibration, linear_log, private_cache, corruption: str
+) -> None:
+    calibration.results[:] = [6, 4, 4]
+    path = private_cache / "linear_calibration.json"
+    assert _min_rows(_model((48, 32))) == [6]
+    spoil, ignored = CORRUPTIONS[corruption]
+    corrupt = spoil(path.read_text())
+    assert corrupt != path.read_text()
+    path.write_text(corrupt)
+    assert _min_rows(_model((48, 32))) == [4]
+    assert _min_rows(_model((48, 32))) == [4]  # the rewritten cache
+    assert calibration.calls == [1, 1]
+    assert _events(linear_log).count("linear.calibration_cache_ignored") == ignored
+
+
+@needs_onednn
+def test_an_unwritable_calibration_cache_does_not_fail_packing(
+    calibration, linear_log, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    calibration.results[:] = [6, 4]
+    assert _min_rows(_model((48, 32))) == [6]
+    assert _min_rows(_model((48, 32))) == [4]  # nothing cached: measured again
+    assert _events(linear_log).count("linear.calibration_cache_unwritable") == 2

@@ -17,8 +17,11 @@ in float32; bfloat16 results are rounded once from a float32 sum, as oneDNN does
 
 Which path wins at a handful of rows depends on the CPU (on the Intel machine, MKL's plain GEMV
 beats oneDNN's packed weights up to 3 rows). So a model large enough for it to matter times
-both over its own weights at load (`calibrate_min_rows`, well under a second) and each packed
-weight remembers from how many rows on it is used.
+both over its own weights at load (`calibrate_min_rows`) and each packed weight remembers from
+how many rows on it is used. That takes seconds (tens on a small CPU with a model of a few
+hundred MB), so it is logged while it runs and its result is cached per CPU model, thread
+count, kernel library and weight shapes in `$SPECSERVE_CACHE_DIR/linear_calibration.json`: the
+next start of the same model on the same kind of machine skips it.
 
 The plain weight stays where it is, because drafters and tests read it; the packed copy is used
 by `forward` only, so a packed model holds its linear weights twice. CUDA, float16 and float64
@@ -27,9 +30,15 @@ weights, and CPUs with neither path, keep `F.linear`.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -45,6 +54,7 @@ _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # matmuls are too short for the choice to matter, and tests of small models stay deterministic.
 CALIBRATE_MIN_BYTES = 32 * 2**20
 CALIBRATION_ROWS = (1, 2, 4, 8, 16)
+CALIBRATION_FILE = "linear_calibration.json"  # in `kernels.cache_root()`
 
 
 @dataclass(eq=False)
@@ -167,18 +177,98 @@ def pack_weights(module: nn.Module, calibrate: bool = True) -> list[PackedWeight
     packed = [p for m in module.modules() if hasattr(m, "pack_weights") for p in m.pack_weights()]
     nbytes = sum(p.weight.numel() * p.weight.element_size() for p in packed)
     if calibrate and nbytes >= CALIBRATE_MIN_BYTES:
-        start = time.perf_counter()
-        min_rows = calibrate_min_rows(packed)
+        min_rows = _cached_min_rows(packed, round(nbytes / 2**20))
         for p in packed:
             p.min_rows = min_rows
-        log.info(
-            "linear.packed",
-            weights=len(packed),
-            megabytes=round(nbytes / 2**20),
-            packed_from_rows=min_rows,
-            calibration_seconds=round(time.perf_counter() - start, 2),
-        )
     return packed
+
+
+def _cached_min_rows(packed: Sequence[PackedWeight], megabytes: int) -> int:
+    """`calibrate_min_rows(packed)`, from the cache when this kind of machine has measured
+    these weights before (it takes seconds), else measured and cached."""
+    path = kernels.cache_root() / CALIBRATION_FILE
+    key, described = _calibration_key(packed)
+    cache = _read_calibrations(path)
+    min_rows = _cached_entry(cache, key)
+    if min_rows is not None:
+        log.info(
+            "linear.calibration_cached",
+            weights=len(packed),
+            megabytes=megabytes,
+            packed_from_rows=min_rows,
+            path=str(path),
+        )
+        return min_rows
+    log.info("linear.calibrating", weights=len(packed), megabytes=megabytes, rows=CALIBRATION_ROWS)
+    start = time.perf_counter()
+    min_rows = calibrate_min_rows(packed)
+    seconds = round(time.perf_counter() - start, 2)
+    log.info(
+        "linear.packed",
+        weights=len(packed),
+        megabytes=megabytes,
+        packed_from_rows=min_rows,
+        calibration_seconds=seconds,
+    )
+    cache[key] = {**described, "min_rows": min_rows, "seconds": seconds}
+    _write_calibrations(path, cache)
+    return min_rows
+
+
+def _calibration_key(packed: Sequence[PackedWeight]) -> tuple[str, dict[str, Any]]:
+    """What a calibration holds for: the CPU model, the thread count, the kernel library (or
+    none), torch's version and the packed weights' shapes; hashed, and the readable part."""
+    described = {
+        "cpu": kernels.cpu_model(),
+        "threads": torch.get_num_threads(),
+        "kernels": kernels.library_key() if kernels.load() is not None else None,
+        "torch": torch.__version__,
+    }
+    weights = [
+        [*p.weight.shape, str(p.weight.dtype).removeprefix("torch."), p.panels] for p in packed
+    ]
+    identity = json.dumps([described, weights, CALIBRATION_ROWS]).encode()
+    return hashlib.sha256(identity).hexdigest()[:16], described
+
+
+def _cached_entry(cache: dict[str, Any], key: str) -> int | None:
+    entry = cache.get(key)
+    min_rows = entry.get("min_rows") if isinstance(entry, dict) else None
+    return min_rows if type(min_rows) is int and min_rows >= 1 else None
+
+
+def _read_calibrations(path: Path) -> dict[str, Any]:
+    """The cached calibrations; {} for a missing, unreadable or corrupt file (it only costs a
+    calibration, never a start)."""
+    try:
+        cache = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        log.warning("linear.calibration_cache_ignored", path=str(path), reason=str(exc))
+        return {}
+    if not isinstance(cache, dict):
+        log.warning("linear.calibration_cache_ignored", path=str(path), reason="not an object")
+        return {}
+    return cache
+
+
+def _write_calibrations(path: Path, cache: dict[str, Any]) -> None:
+    """Replace the file atomically (workers may start together); a cache that cannot be
+    written costs the next start a calibration, nothing more."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(
+            "w", dir=path.parent, prefix=f".{path.name}.", delete=False
+        ) as out:
+            tmp = out.name
+            json.dump(cache, out, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("linear.calibration_cache_unwritable", path=str(path), reason=str(exc))
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
 
 
 def calibrate_min_rows(
@@ -204,6 +294,12 @@ def calibrate_min_rows(
                     x = inputs[(p.weight.shape[1], p.weight.dtype)]
                     p(x, None) if use_packed else F.linear(x, p.weight)
                 best[i] = min(best[i], time.perf_counter() - start)
+        log.debug(
+            "linear.calibration_step",
+            rows=rows,
+            plain_ms=round(best[0] * 1e3, 2),
+            packed_ms=round(best[1] * 1e3, 2),
+        )
         if best[1] <= best[0]:
             return rows
     return 2 * candidates[-1]
