@@ -10,10 +10,26 @@ import threading
 import time
 from pathlib import Path
 
+import redis
+
+from specserve.cache_index.schema import key_model_name
 from specserve.control.control_plane import ControlArgs, ControlPlane
 from specserve.launch.local_redis import free_port
 
 WORKER_ENGINE = dict(num_blocks=160, block_size=4, max_model_len=256, max_num_seqs=16)
+
+
+def drop_model_keys(redis_url: str, model: str) -> None:
+    """Remove every index key of `model` (all block sizes and hashes): the session's Redis is
+    shared, and a test that reads the index must see only what its own service wrote."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        pattern = f"ssi:{{{key_model_name(model)}|*".encode()
+        keys = list(client.scan_iter(match=pattern, count=1000))
+        if keys:
+            client.unlink(*keys)
+    finally:
+        client.close()
 
 
 class Service:
@@ -22,6 +38,8 @@ class Service:
         self.redis_url = redis_url
         self.logdir = logdir
         self.port = free_port()
+        if redis_url is not None:
+            drop_model_keys(redis_url, model)
         self.url = f"tcp://127.0.0.1:{self.port}"
         self.control_kwargs = control
         self.plane: ControlPlane | None = None
@@ -88,3 +106,5 @@ class Service:
             if proc.poll() is None:
                 proc.kill()
             proc.wait(timeout=10)
+        if self.redis_url is not None:
+            drop_model_keys(self.redis_url, self.model)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from service_harness import drop_model_keys
 
 from specserve.cache_index import (
     IndexWriter,
@@ -26,7 +27,6 @@ from specserve.cache_index import (
     discover_namespaces,
     register_worker,
 )
-from specserve.cache_index.schema import key_model_name
 from specserve.cli import (
     build_parser,
     control_args,
@@ -37,6 +37,7 @@ from specserve.cli import (
     worker_engine_args,
 )
 from specserve.control.control_plane import ControlArgs
+from specserve.control.limits import ServiceLimits
 from specserve.launch.local_redis import (
     LocalRedis,
     RedisNotFound,
@@ -99,6 +100,11 @@ def test_control_flags():
         policy="priority",
         hash_algo="xxh3_128",
     )
+    limited = parse("control", "--max-pending-per-client", "8", "--max-registration-blocks", "99",
+                    "--max-prompt-tokens", "1000", "--socket-hwm", "50")  # fmt: skip
+    assert control_args(limited).limits == ServiceLimits(
+        max_pending_per_client=8, max_registration_blocks=99, max_prompt_tokens=1000, socket_hwm=50
+    )
 
 
 def test_worker_flags():
@@ -137,9 +143,12 @@ def test_worker_flags():
         ["worker", "--control", "http://host:5555"],
         ["generate", "--url", "tcp://host", "--prompt", "x"],
         ["up", "--workers", "0"],
+        ["control", "--max-pending-per-client", "0"],
+        ["up", "--max-frame-objects", "-5"],
         ["up", "--prompt", "x", "--prompt-ids", "1"],
         ["cache", "lookup", "--redis-url", "redis://h"],  # no prompt
-        ["cache", "stats"],  # no --redis-url
+        ["cache", "stats", "--redis-url", "redis://:pw@h/0"],  # a password on the command line
+        ["control", "--redis-url", "http://h/0"],
     ],
 )
 def test_bad_flags_exit_2(argv, capsys):
@@ -168,7 +177,7 @@ def test_up_forwards_engine_flags_to_workers():
         "up", "--workers", "3", "--port", "6001", "--model", "/ckpt/llama", "--device", "cuda",
         "--block-size", "4", "--num-blocks", "64", "--spec-method", "ngram",
         "--num-spec-tokens", "4", "--no-prefix-caching", "--routing", "round-robin",
-        "--metrics-port", "9200", "--hash-algo", "xxh3_128",
+        "--metrics-port", "9200", "--hash-algo", "xxh3_128", "--max-pending-per-client", "16",
     )  # fmt: skip
     plan = up_plan(args)
     assert (plan.workers, plan.port, plan.url, plan.redis_url) == (
@@ -178,8 +187,10 @@ def test_up_forwards_engine_flags_to_workers():
     assert plan.namespace == Namespace("/ckpt/llama", 4, "xxh3_128")
     assert plan.control_flags == [
         "--routing", "round-robin", "--policy", "fcfs", "--hash-algo", "xxh3_128",
-        "--metrics-port", "9200",
+        "--metrics-port", "9200", "--max-pending-per-client", "16",
     ]  # fmt: skip
+    control = parse("control", *plan.control_flags)
+    assert control_args(control).limits == ServiceLimits(max_pending_per_client=16)
     # What a worker parses from the forwarded flags is exactly what `up` was given.
     worker = parse("worker", *plan.worker_flags)
     assert worker_engine_args(worker) == worker_engine_args(args)
@@ -353,12 +364,7 @@ def llm_tokens(llama_ckpt) -> list[int]:
 def model_keys_dropped(llama_ckpt, redis_url: str) -> Iterator[None]:
     """Leave the session's Redis as found: remove what a service registered for the model."""
     yield
-    client = redis.Redis.from_url(redis_url)
-    pattern = f"ssi:{{{key_model_name(str(llama_ckpt.path))}|*".encode()
-    keys = list(client.scan_iter(match=pattern, count=1000))
-    if keys:
-        client.unlink(*keys)
-    client.close()
+    drop_model_keys(redis_url, str(llama_ckpt.path))
 
 
 def test_up_answers_one_prompt_like_the_in_process_engine(
