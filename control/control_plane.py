@@ -23,15 +23,16 @@ import signal
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 import zmq
 
 from specserve.cache_index import Namespace, connect
 from specserve.cache_index.schema import key_model_name
-from specserve.control.frontend import ClientRequest, Frontend
+from specserve.control.frontend import ClientRequest, Frontend, PromptLimit
 from specserve.control.index_sync import IndexSync
+from specserve.control.limits import MAX_VOCAB, ServiceLimits, clip
 from specserve.control.metrics import ServiceMetrics
 from specserve.control.placement import Placement
 from specserve.control.router import Router, Routing
@@ -53,15 +54,14 @@ from specserve.shared.protocol import (
     Welcome,
     check_worker_id,
 )
+from specserve.shared.socket_limits import bound_socket
 from specserve.shared.tokenizer import load_tokenizer
 
 log = structlog.get_logger(__name__)
 
 TICK_S = 0.1
+FRAMES_PER_PASS = 256  # frames handled between two dispatch/tick passes of the loop
 HEARTBEAT_SUFFIX = b"#hb"
-MAX_MESSAGE_BYTES = 64 << 20
-MAX_BLOCKS = 1 << 24  # per worker; the control plane keeps a Python object per block
-MAX_VOCAB = 1 << 31
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,8 @@ class ControlArgs:
     policy: str = "fcfs"  # fcfs | priority
     hash_algo: str = "sha256"  # sha256 | xxh3_128
     load_weight: float = 1.0  # how much a fully loaded worker outweighs a fully cached prompt
+    # What one peer may make the control plane spend (`--max-...`, control/limits.py).
+    limits: ServiceLimits = field(default_factory=ServiceLimits)
 
 
 class ControlPlane:
@@ -96,16 +98,21 @@ class ControlPlane:
             client = connect(args.redis_url, socket_timeout=0.5, connect_timeout=0.5)
         self.index = IndexSync(client, self.workers, self.metrics, self.session)
         self.placement = Placement(self.workers, router, self.index, self.metrics)
-        self.frontend = Frontend(tokenizer, self.metrics, self._send, self.placement.withdraw)
+        self.frontend = Frontend(
+            tokenizer,
+            self.metrics,
+            self._send,
+            self.placement.withdraw,
+            max_pending_per_client=args.limits.max_pending_per_client,
+        )
         self._last_tick = 0.0
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished peer raises, not drops
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes its id back
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # a larger frame drops its peer
+        # A larger frame drops its peer; a client that leaves socket_hwm outputs unread is gone.
+        bound_socket(self.sock, args.limits.max_message_bytes, args.limits.socket_hwm)
         self.endpoint = self._bind(args.bind)
         if args.metrics_port is not None:
             self.metrics.serve(args.metrics_port)
@@ -150,32 +157,69 @@ class ControlPlane:
             self._shutdown()
 
     def _drain(self) -> None:
-        while True:
+        """Handle the waiting frames, at most FRAMES_PER_PASS of them: a peer that floods the
+        socket must not keep the loop from dispatching steps and checking heartbeats."""
+        for _ in range(FRAMES_PER_PASS):
             try:
-                identity, payload = self.sock.recv_multipart(zmq.NOBLOCK)
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            except ValueError:  # not two frames: a peer speaking something else
+            if len(frames) != 2:  # a peer speaking something else
                 continue
-            self._on_frame(identity, payload)
+            identity, payload = frames
+            try:
+                self._on_frame(identity, payload)
+            except Exception as exc:  # one frame's failure must never stop the loop
+                self._frame_failed(identity, payload, exc)
+
+    def _frame_failed(self, identity: bytes, payload: bytes, exc: Exception) -> None:
+        """Log a frame that raised, and tell its sender, unless that is a worker (whose
+        failures `_on_frame` handles) or the sender is gone."""
+        peer = _peer(identity)
+        log.exception("frame.failed", peer=peer, error_type=type(exc).__name__, size=len(payload))
+        if peer in self.workers or identity.endswith(HEARTBEAT_SUFFIX):
+            return
+        reason = f"internal error ({type(exc).__name__}) while handling this message"
+        self._send(identity, ErrorReply(PROTOCOL_VERSION, reason))
 
     def _on_frame(self, identity: bytes, payload: bytes) -> None:
+        limits = self.args.limits
         try:
-            msg = protocol.decode(payload)
+            msg = protocol.decode(payload, limits.max_nesting_depth, limits.max_frame_objects)
         except ProtocolError as exc:
             log.warning("control.bad_frame", peer=_peer(identity), reason=str(exc))
-            self._send(identity, ErrorReply(PROTOCOL_VERSION, str(exc)))
+            self._send(identity, ErrorReply(PROTOCOL_VERSION, str(exc), exc.request_id))
             return
         try:
             self._handle(identity, msg)
         except Exception as exc:  # a bug or an unforeseen input must not stop the service
-            log.exception("control.handler_failed", peer=_peer(identity), type=type(msg).__name__)
+            log.exception(
+                "frame.failed",
+                peer=_peer(identity),
+                type=type(msg).__name__,
+                error_type=type(exc).__name__,
+            )
             worker = self.workers.get(_peer(identity))
+            reason = f"internal error ({type(exc).__name__}): {exc}"
             if worker is not None and isinstance(msg, StepResult):
                 worker.failed = f"its step result could not be applied ({exc})"
                 self._remove_worker(worker, worker.failed)
-            elif isinstance(msg, GenerateRequest | AbortRequest):
-                self._send(identity, ErrorReply(PROTOCOL_VERSION, f"internal error: {exc}"))
+            elif isinstance(msg, GenerateRequest):
+                self._fail_generate(identity, msg.request_id, reason)
+            elif isinstance(msg, AbortRequest):
+                self._send(identity, ErrorReply(PROTOCOL_VERSION, reason, msg.request_id))
+
+    def _fail_generate(self, client: bytes, request_id: str, reason: str) -> None:
+        """Fail a request whose handling raised: stop it wherever it got to, forget it, and
+        tell its client."""
+        req = self.frontend.requests.get(request_id)
+        if req is None or req.client != client:
+            self._send(client, ErrorReply(PROTOCOL_VERSION, reason, request_id))
+            return
+        try:
+            self.placement.withdraw(req)
+        finally:
+            self.frontend.refuse(req, reason)
 
     def _handle(self, identity: bytes, msg: protocol.Message) -> None:
         if isinstance(msg, StepResult):
@@ -208,21 +252,14 @@ class ControlPlane:
             check_worker_id(info.worker_id)
             if identity != info.worker_id.encode():
                 raise ValueError("the socket identity must be the worker id")
-            if info.model != self.args.model:
-                raise ValueError(
-                    f"this control plane serves {self.args.model!r}; the worker loaded "
-                    f"{info.model!r}"
-                )
-            if not 2 <= info.num_blocks <= MAX_BLOCKS or not 0 < info.vocab_size <= MAX_VOCAB:
-                raise ValueError(
-                    f"num_blocks must be in [2, {MAX_BLOCKS}] and vocab_size in [1, {MAX_VOCAB}]"
-                )
+            # Its claims are bounded before anything is built or stored from them.
+            self.args.limits.check_worker(info, self.args.model)
             # Step ids never repeat across registrations, so a late result of an earlier
             # registration can never match a step of this one.
             first_step_id = next(self._registrations) << 32
             scheduler = Scheduler.for_worker(info, self.policy, self.args.hash_algo, first_step_id)
         except ValueError as exc:
-            log.warning("worker.rejected", worker=info.worker_id, reason=str(exc))
+            log.warning("worker.rejected", worker=clip(info.worker_id), reason=str(exc))
             self._send(identity, Rejected(PROTOCOL_VERSION, str(exc)))
             return
         old = self.workers.get(info.worker_id)
@@ -335,7 +372,9 @@ class ControlPlane:
 
     def _on_generate(self, client: bytes, msg: GenerateRequest) -> None:
         try:
-            req = self.frontend.accept(client, msg, self._vocab_size(), self._eos_token_ids())
+            req = self.frontend.accept(
+                client, msg, self._vocab_size(), self._eos_token_ids(), self._prompt_limit()
+            )
         except ValueError as exc:
             self.frontend.reject(client, msg.request_id, str(exc))
             return
@@ -344,6 +383,15 @@ class ControlPlane:
     def _vocab_size(self) -> int:
         """The served model's vocabulary size; until a worker tells it, the largest allowed."""
         return min((w.info.vocab_size for w in self.workers.values()), default=MAX_VOCAB)
+
+    def _prompt_limit(self) -> PromptLimit:
+        """The most prompt tokens any current worker can take, and within the service's limit."""
+        limit = PromptLimit(self.args.limits.max_prompt_tokens, "--max-prompt-tokens")
+        for worker in self.workers.values():
+            n = worker.info.max_model_len
+            if n - 1 < limit.tokens:
+                limit = PromptLimit(n - 1, f"max_model_len {n}, one position kept for output")
+        return limit
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         for worker in self.workers.values():

@@ -5,6 +5,7 @@ metadata), for every request a client has in flight."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -61,6 +62,14 @@ class ClientRequest:
 Send = Callable[[bytes, Message], bool]  # False when the peer is gone
 
 
+@dataclass(frozen=True)
+class PromptLimit:
+    """The most prompt tokens a request may have, and what sets that bound (for the error)."""
+
+    tokens: int
+    why: str
+
+
 class Frontend:
     """Tokenization, validation and detokenization for one served model, and the requests that
     clients have in flight.
@@ -75,12 +84,15 @@ class Frontend:
         metrics: ServiceMetrics,
         send: Send,
         withdraw: Callable[[ClientRequest], None],
+        max_pending_per_client: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self._send = send
         self._withdraw = withdraw
+        self.max_pending_per_client = max_pending_per_client
         self.requests: dict[str, ClientRequest] = {}
+        self.pending = Counter[bytes]()  # per client: its requests in `requests`
 
     # --- requests in ----------------------------------------------------------------------
 
@@ -90,19 +102,27 @@ class Frontend:
         msg: GenerateRequest,
         vocab_size: int,
         worker_eos_token_ids: tuple[int, ...],
+        prompt_limit: PromptLimit | None = None,
     ) -> ClientRequest:
         """Validate and tokenize a new request, the one time it is checked, and track it;
         ValueError naming what is wrong with it.
 
-        Token ids (the prompt's and the stop ids) must lie below `vocab_size`; placement and the
-        scheduler take what is accepted here as valid.
+        Token ids (the prompt's and the stop ids) must lie below `vocab_size`, and the prompt
+        within `prompt_limit`; placement and the scheduler take what is accepted here as valid.
+        The cheap checks (ids, counts, lengths) come before the ones that cost per token.
         """
         request_id = msg.request_id
         self.check_request_id(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
+        cap = self.max_pending_per_client
+        if cap is not None and self.pending[client] >= cap:
+            raise ValueError(
+                f"this client already has {self.pending[client]} requests in flight, the most "
+                f"allowed (--max-pending-per-client {cap}); wait for one to finish"
+            )
         msg.sampling.validate(vocab_size)
-        prompt = self.prompt_token_ids(msg, vocab_size)
+        prompt = self.prompt_token_ids(msg, vocab_size, prompt_limit)
         eos = self.tokenizer.eos_token_ids if self.tokenizer else worker_eos_token_ids
         req = ClientRequest(
             request_id=request_id,
@@ -115,22 +135,37 @@ class Frontend:
             eos_token_id=eos[0] if eos else None,
         )
         self.requests[request_id] = req
+        self.pending[client] += 1
         log.debug("request.accepted", request_id=request_id, prompt_tokens=len(prompt))
         return req
 
-    def prompt_token_ids(self, msg: GenerateRequest, vocab_size: int) -> list[int]:
-        """The prompt as token ids; ValueError naming what is wrong with it."""
+    def prompt_token_ids(
+        self, msg: GenerateRequest, vocab_size: int, limit: PromptLimit | None = None
+    ) -> list[int]:
+        """The prompt as token ids; ValueError naming what is wrong with it.
+
+        Its length is checked before its ids are range-checked; a text prompt too long for
+        `limit` even at the longest token per position is refused before it is tokenized.
+        """
         if (msg.prompt is None) == (msg.prompt_token_ids is None):
             raise ValueError("give exactly one of prompt (text) and prompt_token_ids")
         if msg.prompt_token_ids is not None:
-            ids = list(msg.prompt_token_ids)
-            check_token_ids(ids, vocab_size, "prompt token ids")
             if msg.chat:
                 raise ValueError("chat applies to text prompts only")
+            _check_prompt_length(len(msg.prompt_token_ids), limit)
+            ids = list(msg.prompt_token_ids)
+            check_token_ids(ids, vocab_size, "prompt token ids")
         else:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: send prompt_token_ids")
             assert msg.prompt is not None
+            longest = self.tokenizer.max_token_chars
+            if limit is not None and len(msg.prompt) > limit.tokens * longest:
+                raise ValueError(
+                    f"the prompt has {len(msg.prompt)} characters, more than {limit.tokens} "
+                    f"tokens can hold (the longest token has {longest}); at most "
+                    f"{limit.tokens} prompt tokens are allowed ({limit.why})"
+                )
             if msg.chat:
                 text = self.tokenizer.apply_chat_template(
                     [{"role": "user", "content": msg.prompt}], add_generation_prompt=True
@@ -138,6 +173,7 @@ class Frontend:
                 ids = self.tokenizer.encode(text, add_special_tokens=False)
             else:
                 ids = self.tokenizer.encode(msg.prompt)
+            _check_prompt_length(len(ids), limit)
         if not ids:
             raise ValueError("the prompt is empty")
         return ids
@@ -165,8 +201,17 @@ class Frontend:
 
     def refuse(self, req: ClientRequest, reason: str) -> None:
         """Forget an accepted request that no worker can serve, and tell its client why."""
-        del self.requests[req.request_id]
+        self._forget(req)
         self.reject(req.client, req.request_id, reason)
+
+    def _forget(self, req: ClientRequest) -> None:
+        """Stop tracking `req` (once: a second call does nothing)."""
+        if self.requests.get(req.request_id) is not req:
+            return
+        del self.requests[req.request_id]
+        self.pending[req.client] -= 1
+        if not self.pending[req.client]:
+            del self.pending[req.client]
 
     def abort(self, client: bytes, request_id: str) -> None:
         """A client's abort: stop the request and send its final output."""
@@ -186,7 +231,7 @@ class Frontend:
         log.info("client.gone", requests=len(gone))
         for req in gone:
             self._withdraw(req)
-            del self.requests[req.request_id]
+            self._forget(req)
             self.metrics.requests.labels("abort").inc()
 
     # --- outputs ------------------------------------------------------------------------------
@@ -241,7 +286,7 @@ class Frontend:
     ) -> None:
         """The request's last output: the rest of its text (all of it without streaming), the
         finish reason and its speculative decoding statistics."""
-        self.requests.pop(req.request_id, None)
+        self._forget(req)
         self.metrics.requests.labels(reason or "unknown").inc()
         spec = None
         if stats is not None and stats.num_drafts:
@@ -305,4 +350,12 @@ class Frontend:
             num_cached_tokens=req.num_cached_tokens if first else None,
             worker_id=worker,
             spec=spec,
+        )
+
+
+def _check_prompt_length(num_tokens: int, limit: PromptLimit | None) -> None:
+    if limit is not None and num_tokens > limit.tokens:
+        raise ValueError(
+            f"the prompt has {num_tokens} tokens; at most {limit.tokens} prompt tokens are "
+            f"allowed ({limit.why})"
         )

@@ -18,8 +18,17 @@ from collections.abc import Iterable
 import msgspec
 
 from specserve.shared.config import KVGroupSpec
+from specserve.shared.msgpack_walk import (
+    FrameLimitError,
+    FrameShapeError,
+    check_frame,
+    leading_fields,
+)
 
 PROTOCOL_VERSION = 1
+# The deepest legitimate message nests 6 containers (a StepResult's top logprob ids); a frame
+# deeper than this is refused before msgspec, whose recursion it could otherwise exhaust.
+MAX_NESTING_DEPTH = 32
 
 
 WORKER_ID_CHARS = "A-Za-z0-9._-"
@@ -30,9 +39,10 @@ def check_worker_id(worker_id: str) -> str:
     """Worker ids are socket identities and appear in index keys and `<worker>@<epoch>`
     members, so they stay short and plain: no ':', '@' or '#'."""
     if not isinstance(worker_id, str) or not _WORKER_ID_RE.fullmatch(worker_id):
-        raise ValueError(
-            f"worker id {worker_id!r} must be 1-64 characters from [{WORKER_ID_CHARS}]"
-        )
+        shown = repr(worker_id)
+        if len(shown) > 80:  # never echo a megabyte back
+            shown = f"{shown[:64]}... ({len(worker_id)} characters)"
+        raise ValueError(f"worker id {shown} must be 1-64 characters from [{WORKER_ID_CHARS}]")
     return worker_id
 
 
@@ -44,7 +54,26 @@ def check_token_ids(token_ids: Iterable[int], vocab_size: int, what: str) -> Non
 
 
 class ProtocolError(ValueError):
-    """A frame that is not a valid specserve message of this protocol version."""
+    """A frame that is not a valid specserve message of this protocol version.
+
+    `request_id` is set when the frame still reads as a `generate` message with an id, so that
+    the refusal can fail that request at its client instead of leaving it to time out.
+    """
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+# float32's smallest normal number. A smaller temperature cannot scale float32 logits without
+# overflow or division by (a flushed) zero, and its distribution is the argmax to float32
+# precision anyway: such a temperature means greedy decoding.
+MIN_TEMPERATURE = 2.0**-126
+
+
+def is_greedy(temperature: float) -> bool:
+    """True for temperature 0 and for any temperature below MIN_TEMPERATURE."""
+    return temperature < MIN_TEMPERATURE
 
 
 def validate_sampling(
@@ -79,7 +108,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return is_greedy(self.temperature)
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first impossible parameter."""
@@ -111,7 +140,7 @@ class NewRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_scheduled_tokens: int
 
 
-class RunningDelta(msgspec.Struct, frozen=True, array_like=True):
+class RunningDelta(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     """What changed for a request the worker already holds. Array-encoded to stay small."""
 
     handle: int
@@ -138,7 +167,7 @@ class StepBatch(msgspec.Struct, frozen=True, tag="step", forbid_unknown_fields=T
         )
 
 
-class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     """Logprobs of each sampled token and of the top-N alternatives at its position."""
 
     chosen: list[float]
@@ -146,7 +175,7 @@ class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
     top_logprobs: list[list[float]]
 
 
-class RequestResult(msgspec.Struct, frozen=True, array_like=True):
+class RequestResult(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     handle: int
     sampled_token_ids: list[int]  # empty for a prefill chunk that does not end the prompt
     draft_token_ids: list[int] | None = None  # proposals for the next step
@@ -237,7 +266,7 @@ class AbortRequest(msgspec.Struct, frozen=True, tag="abort", forbid_unknown_fiel
     request_id: str
 
 
-class SpecStats(msgspec.Struct, frozen=True, array_like=True):
+class SpecStats(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     num_drafts: int
     num_draft_tokens: int
     num_accepted_tokens: int
@@ -290,6 +319,8 @@ class _Header(msgspec.Struct):
     version: int = -1
 
 
+# msgspec raises UnicodeDecodeError, not DecodeError, for a map key that is not UTF-8.
+_DECODE_ERRORS = (msgspec.DecodeError, UnicodeDecodeError)
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 _header_decoder = msgspec.msgpack.Decoder(_Header)
@@ -299,26 +330,53 @@ def encode(msg: Message) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode(data: bytes) -> Message:
-    """Decode one frame, raising ProtocolError with the reason when it is not a valid message."""
+def decode(
+    data: bytes, max_depth: int = MAX_NESTING_DEPTH, max_items: int | None = None
+) -> Message:
+    """Decode one frame, raising ProtocolError with the reason when it is not a valid message.
+
+    The frame's shape is checked first (`check_frame`: nesting depth, object count, element
+    counts its size can hold), so neither decoding nor the diagnosis of a bad frame can recurse
+    without bound or allocate for elements the frame does not hold.
+    """
+    try:
+        check_frame(data, max_depth, max_items)
+    except FrameLimitError as exc:
+        reason = f"frame refused ({len(data)} bytes): {exc}"
+        raise ProtocolError(reason, _generate_id(data)) from None
+    except FrameShapeError as exc:
+        raise ProtocolError(_not_a_message(data, exc), _generate_id(data)) from None
     try:
         msg = _decoder.decode(data)
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(_diagnose(data, exc)) from exc
+    except _DECODE_ERRORS as exc:
+        raise ProtocolError(_diagnose(data, exc), _generate_id(data)) from exc
     if msg.version != PROTOCOL_VERSION:
-        raise ProtocolError(_version_error(msg.version))
+        raise ProtocolError(_version_error(msg.version), _generate_id(data))
     return msg
+
+
+def _generate_id(data: bytes) -> str | None:
+    """The request id of a refused frame that reads as a `generate` message, if it has one."""
+    fields = leading_fields(data)
+    request_id = fields.get("request_id")
+    if fields.get("type") == "generate" and isinstance(request_id, str) and request_id:
+        return request_id
+    return None
+
+
+def _not_a_message(data: bytes, exc: Exception) -> str:
+    return f"malformed frame ({len(data)} bytes): not a specserve message ({exc})"
 
 
 def _version_error(version: int) -> str:
     return f"unsupported protocol version {version}; this side speaks version {PROTOCOL_VERSION}"
 
 
-def _diagnose(data: bytes, exc: msgspec.DecodeError) -> str:
+def _diagnose(data: bytes, exc: Exception) -> str:
     try:
         header = _header_decoder.decode(data)
-    except msgspec.DecodeError:
-        return f"malformed frame ({len(data)} bytes): not a specserve message ({exc})"
+    except _DECODE_ERRORS:
+        return _not_a_message(data, exc)
     if header.version not in (-1, PROTOCOL_VERSION):
         return _version_error(header.version)
     if header.type not in MESSAGE_TYPES:

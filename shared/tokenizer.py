@@ -10,7 +10,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +148,12 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """Characters of the longest vocabulary entry: no token covers more of a text, so a text
+        longer than `n * max_token_chars` cannot encode to n tokens or fewer."""
+        return max((len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import re
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
     from specserve.cache_index import Namespace
     from specserve.control.control_plane import ControlArgs
+    from specserve.control.limits import ServiceLimits
     from specserve.control.request import SpecDecodingStats
     from specserve.launch.up import UpPlan
     from specserve.shared.protocol import SamplingParams
@@ -71,6 +73,15 @@ def _worker_id(text: str) -> str:
 
     try:
         return check_worker_id(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _redis_url_argument(text: str) -> str:
+    from specserve.cache_index.redis_url import check_redis_url_argument
+
+    try:
+        return check_redis_url_argument(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -195,6 +206,30 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_redis_args(p: argparse.ArgumentParser, what: str) -> None:
+    """--redis-url (no password: arguments are public) and --redis-url-file."""
+    p.add_argument(
+        "--redis-url",
+        type=_redis_url_argument,
+        default=None,
+        help=f"{what}: redis://HOST:PORT/DB or rediss:// (TLS), without a password (default: "
+        "$SPECSERVE_REDIS_URL)",
+    )
+    p.add_argument(
+        "--redis-url-file",
+        default=None,
+        metavar="PATH",
+        help="read the Redis URL from this file instead, e.g. redis://:PASSWORD@HOST:PORT/DB",
+    )
+
+
+def redis_url(args: argparse.Namespace) -> str | None:
+    """The Redis URL from --redis-url, --redis-url-file or $SPECSERVE_REDIS_URL, else None."""
+    from specserve.cache_index.redis_url import resolve_redis_url
+
+    return resolve_redis_url(args.redis_url, args.redis_url_file)
+
+
 def _add_routing_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing", default="prefix", choices=["prefix", "round-robin"])
     p.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"])
@@ -202,6 +237,50 @@ def _add_routing_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--metrics-port", type=_port, default=None, help="serve Prometheus metrics on this port"
     )
+
+
+_LIMIT_HELP = {
+    "max_message_bytes": "largest inbound message; a larger one drops its connection",
+    "max_nesting_depth": "deepest nesting of containers in one message",
+    "max_frame_objects": "most MessagePack objects in one message",
+    "max_prompt_tokens": "longest prompt (also at most each worker's max_model_len - 1)",
+    "max_pending_per_client": "unfinished requests one client socket may have",
+    "max_registration_blocks": "KV blocks one worker may register",
+    "max_registration_seqs": "max_num_seqs one worker may register",
+    "max_registration_string": "characters of a registering worker's device and spec method",
+    "socket_hwm": "messages queued per peer and direction; a client leaving more outputs "
+    "unread counts as gone",
+}
+
+
+def _add_limit_args(p: argparse.ArgumentParser) -> None:
+    """`--max-...` flags for every field of ServiceLimits (control/limits.py), same defaults."""
+    from specserve.control.limits import ServiceLimits
+
+    group = p.add_argument_group("input limits (what one peer may make the control plane spend)")
+    for f in dataclasses.fields(ServiceLimits):
+        group.add_argument(
+            "--" + f.name.replace("_", "-"), type=_positive_int, default=f.default,
+            help=f"{_LIMIT_HELP[f.name]} (default: {f.default})",
+        )  # fmt: skip
+
+
+def service_limits(args: argparse.Namespace) -> ServiceLimits:
+    from specserve.control.limits import ServiceLimits
+
+    names = [f.name for f in dataclasses.fields(ServiceLimits)]
+    return ServiceLimits(**{name: getattr(args, name) for name in names})
+
+
+def limit_argv(args: argparse.Namespace) -> list[str]:
+    """The limit flags that differ from their defaults, to forward to `specserve control`."""
+    from specserve.control.limits import ServiceLimits
+
+    argv = []
+    for f in dataclasses.fields(ServiceLimits):
+        if getattr(args, f.name) != f.default:
+            argv += ["--" + f.name.replace("_", "-"), str(getattr(args, f.name))]
+    return argv
 
 
 # --- parser ----------------------------------------------------------------------------------
@@ -231,7 +310,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 def _add_control(sub: argparse._SubParsersAction) -> None:
     ctl = sub.add_parser("control", help="run the control plane (scheduler, router, index)")
     ctl.add_argument("--bind", default="tcp://*:5555", help="ZeroMQ address to listen on")
-    ctl.add_argument("--redis-url", default=None, help="the prefix index (default: none)")
+    _add_redis_args(ctl, "the prefix index (default: none)")
     ctl.add_argument("--model", default="smollm2-135m", help="the model the workers serve")
     ctl.add_argument(
         "--heartbeat-timeout",
@@ -246,6 +325,7 @@ def _add_control(sub: argparse._SubParsersAction) -> None:
         help="seconds a worker may take for one step before its requests move elsewhere",
     )
     _add_routing_args(ctl)
+    _add_limit_args(ctl)
     ctl.set_defaults(func=cmd_control)
 
 
@@ -270,11 +350,12 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     )
     up.add_argument("--workers", type=_positive_int, default=1)
     up.add_argument("--port", type=_port, default=5555, help="control plane port on 127.0.0.1")
-    up.add_argument("--redis-url", default=None, help="use this Redis instead of a private one")
+    _add_redis_args(up, "use this Redis instead of a private one")
     up.add_argument(
         "--ready-timeout", type=float, default=300.0, help="seconds to wait for the workers"
     )
     _add_routing_args(up)
+    _add_limit_args(up)
     _add_engine_args(up.add_argument_group("engine (every worker)"))
     _add_prompt_args(up, required=False)
     _add_sampling_args(up)
@@ -292,7 +373,7 @@ def _add_cache(sub: argparse._SubParsersAction) -> None:
     }
     for name, text in helps.items():
         view = views.add_parser(name, help=text, description=text)
-        view.add_argument("--redis-url", required=True, help="redis://HOST:PORT/DB")
+        _add_redis_args(view, "the index")
         view.add_argument(
             "--model",
             default=None,
@@ -496,7 +577,7 @@ def control_args(args: argparse.Namespace) -> ControlArgs:
 
     return ControlArgs(
         bind=args.bind,
-        redis_url=args.redis_url,
+        redis_url=redis_url(args),
         model=args.model,
         routing=args.routing,
         heartbeat_timeout_s=args.heartbeat_timeout,
@@ -504,6 +585,7 @@ def control_args(args: argparse.Namespace) -> ControlArgs:
         metrics_port=args.metrics_port,
         policy=args.policy,
         hash_algo=args.hash_algo,
+        limits=service_limits(args),
     )
 
 
@@ -559,13 +641,14 @@ def up_plan(args: argparse.Namespace) -> UpPlan:
     control = ["--routing", args.routing, "--policy", args.policy, "--hash-algo", args.hash_algo]
     if args.metrics_port is not None:
         control += ["--metrics-port", str(args.metrics_port)]
+    control += limit_argv(args)
     return UpPlan(
         model=args.model,
         block_size=args.block_size,
         hash_algo=args.hash_algo,
         workers=args.workers,
         port=args.port,
-        redis_url=args.redis_url,
+        redis_url=redis_url(args),
         control_flags=control,
         worker_flags=engine_argv(args),
         log_flags=_log_argv(args),
@@ -627,18 +710,22 @@ def cmd_cache(args: argparse.Namespace) -> int:
     import redis
 
     from specserve.cache_index import CacheIndexError, connect
+    from specserve.cache_index.redis_url import REDIS_URL_ENV, redact
 
-    client = connect(args.redis_url, socket_timeout=5.0, connect_timeout=2.0)
+    url = redis_url(args)
+    if url is None:
+        raise CliError(f"give --redis-url or --redis-url-file, or set {REDIS_URL_ENV}")
+    client = connect(url, socket_timeout=5.0, connect_timeout=2.0)
     try:
         reports = [_cache_report(client, ns, args) for ns in _cache_namespaces(client, args)]
     except (CacheIndexError, redis.RedisError) as exc:
-        raise CliError(f"redis at {args.redis_url}: {exc}") from None
+        raise CliError(f"redis at {redact(url)}: {exc}") from None
     finally:
         client.close()
     if args.json:
         print(json.dumps(reports[0] if args.model is not None else reports))
     elif not reports:
-        print(f"no specserve index in {args.redis_url}", file=sys.stderr)
+        print(f"no specserve index in {redact(url)}", file=sys.stderr)
     else:
         print("\n\n".join(_render(args.view, report) for report in reports))
     return 0

@@ -1,10 +1,13 @@
 """Sampling from `[N, V]` logits with per-row parameters and per-request generators.
 
 Order of operations per row: temperature, then top-k, then top-p on the renormalised top-k
-distribution, then min-p (relative to the most likely token). Rows with temperature 0 are
-greedy. Sampling uses the exponential-race trick (`argmax(p / E)`, `E ~ Exp(1)`), with each
-row's noise drawn from that row's own generator, so a seeded request gets the same tokens
-whatever else shares its batch. Reported logprobs are of the raw model distribution
+distribution, then min-p (relative to the most likely token). Rows with temperature 0, or below
+float32's smallest normal number (`is_greedy`), are greedy. Logits are shifted by their maximum
+before the division by temperature, so a small temperature cannot overflow them, and top-p always
+keeps the most likely token, so a tiny top-p is the argmax rather than an empty distribution.
+Sampling uses the exponential-race trick (`argmax(p / E)`, `E ~ Exp(1)`), with each row's noise
+drawn from that row's own generator, so a seeded request gets the same tokens whatever else
+shares its batch. Reported logprobs are of the raw model distribution
 (`log_softmax(logits)`), before temperature and filtering.
 """
 
@@ -17,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from specserve.shared.protocol import validate_sampling
+from specserve.shared.protocol import is_greedy, validate_sampling
 from specserve.worker.cpu import ops as cpu_ops
 
 
@@ -94,7 +97,7 @@ def sample(
         validate_sampling(p.temperature, p.top_p, p.top_k, p.min_p, p.logprobs)
 
     token_ids = argmax_rows(logits)  # exact in any float dtype: float32 keeps the order
-    random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    random_rows = [i for i, p in enumerate(params) if not is_greedy(p.temperature)]
     if random_rows or any(p.logprobs is not None for p in params):
         logits = logits.float()
     if random_rows:
@@ -108,8 +111,7 @@ def sample(
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingLike]) -> torch.Tensor:
     """`[N, V]` renormalised probabilities after temperature, top-k, top-p and min-p."""
     device = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=device)[:, None]
-    logits = logits / temps
+    logits = tempered(logits, torch.tensor([p.temperature for p in params], device=device))
     if any(p.top_k > 0 for p in params):
         logits = _apply_top_k(logits, [p.top_k for p in params])
     probs = torch.softmax(logits, dim=-1)
@@ -122,6 +124,19 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingLike]) -> torc
         probs = torch.where(probs >= threshold, probs, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def tempered(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """`logits [N, V] / temperature [N]`, each row first shifted so its maximum is 0.
+
+    The shift leaves the softmax unchanged and keeps every quotient <= 0, so no temperature
+    (>= MIN_TEMPERATURE) overflows a logit to inf and softmax never sees inf - inf. Temperatures
+    past float32's range are clamped to its largest finite value, which keeps -inf logits -inf.
+    """
+    finfo = torch.finfo(torch.float32)
+    temps = temperature.to(torch.float32).clamp(min=finfo.tiny, max=finfo.max)[:, None]
+    shifted = logits - logits.max(dim=-1, keepdim=True).values
+    return shifted / temps
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
@@ -142,6 +157,7 @@ def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     keep_sorted = mass_before < top_p[:, None]
+    keep_sorted[:, 0] = True  # even a top_p that float32 rounds to 0 keeps the top token
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
     kept = torch.where(keep, probs, 0.0)
     return kept / kept.sum(dim=-1, keepdim=True)

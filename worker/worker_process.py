@@ -25,6 +25,7 @@ import zmq
 
 from specserve.shared import protocol
 from specserve.shared.protocol import PROTOCOL_VERSION
+from specserve.shared.socket_limits import bound_socket, worker_max_message_bytes
 from specserve.worker.engine import EngineArgs, WorkerEngine
 
 __all__ = [
@@ -44,6 +45,7 @@ EXIT_REJECTED = 3
 REGISTER_RETRY_S = 2.0  # re-send Register this often until the control plane answers
 POLL_MS = 100  # how often the main loop looks at `stop`
 HEARTBEAT_SUFFIX = "#hb"  # '#' cannot appear in a worker id, so the identities never collide
+HEARTBEAT_MAX_MESSAGE_BYTES = 1 << 20  # only short error replies ever reach that socket
 
 _NOT_ID_CHAR = re.compile(f"[^{protocol.WORKER_ID_CHARS}]")
 
@@ -81,13 +83,15 @@ class WorkerStats:
             self.idle_s += idle_s
 
 
-def _dealer(ctx: zmq.Context, identity: str, url: str) -> zmq.Socket:
+def _dealer(ctx: zmq.Context, identity: str, url: str, max_message_bytes: int) -> zmq.Socket:
     """A DEALER that queues nothing until its connection is up (IMMEDIATE), so a control plane
-    that starts late is not flooded with stale Registers and heartbeats."""
+    that starts late is not flooded with stale Registers and heartbeats, and that drops a
+    connection sending a message over `max_message_bytes`."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, identity.encode())
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IMMEDIATE, 1)
+    bound_socket(sock, max_message_bytes)
     sock.connect(url)
     return sock
 
@@ -136,7 +140,8 @@ class _Heartbeater:
         self._thread.join()
 
     def _run(self) -> None:
-        sock = _dealer(self._ctx, self._worker_id + HEARTBEAT_SUFFIX, self._url)
+        identity = self._worker_id + HEARTBEAT_SUFFIX
+        sock = _dealer(self._ctx, identity, self._url, HEARTBEAT_MAX_MESSAGE_BYTES)
         try:
             while not self._done.wait(self._interval_s):
                 self._beat(sock)
@@ -188,7 +193,11 @@ class WorkerServer:
         """Serve until `stop` is set (exit code 0) or the control plane rejects us (3)."""
         log.info("worker.connecting", worker_id=self.worker_id, url=self.control_url)
         ctx = zmq.Context()
-        self._sock = _dealer(ctx, self.worker_id, self.control_url)
+        info = self.info
+        max_bytes = worker_max_message_bytes(
+            info.max_num_seqs, info.max_model_len, len(info.kv_groups)
+        )
+        self._sock = _dealer(ctx, self.worker_id, self.control_url, max_bytes)
         self._heartbeater = _Heartbeater(
             ctx, self.control_url, self.worker_id, self.heartbeat_interval_s
         )

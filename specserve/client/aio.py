@@ -18,6 +18,7 @@ from specserve.client.state import Completion
 from specserve.client.steps import Run, Send, Step, Steps, Wait
 from specserve.client.wire import abort_frame
 from specserve.shared.protocol import GenerateRequest, RequestOutput
+from specserve.shared.socket_limits import CLIENT_MAX_MESSAGE_BYTES, bound_socket
 
 log = structlog.get_logger(__name__)
 
@@ -40,12 +41,22 @@ class AsyncClient(
     held back (within its call's timeout, else `RequestTimeout` with nothing sent) until the
     control plane has confirmed the abort with the old request's final output, or until
     `TOMBSTONE_TTL_S` has passed; the old request's outputs are dropped.
+
+    An inbound message over `max_message_bytes` (default 256 MiB, room for a long non-streaming
+    completion with logprobs) drops the connection rather than being buffered.
     """
 
-    def __init__(self, url: str = DEFAULT_URL, timeout: float | None = DEFAULT_TIMEOUT) -> None:
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        *,
+        max_message_bytes: int = CLIENT_MAX_MESSAGE_BYTES,
+    ) -> None:
         super().__init__(url, timeout)
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.DEALER)
+        bound_socket(self._socket, max_message_bytes)
         self._socket.connect(url)
         # The tasks waiting for news of an id (see `_wake`); an event is dropped once set.
         self._news: dict[str, asyncio.Event] = {}

@@ -15,6 +15,7 @@ from specserve.client.state import Completion
 from specserve.client.steps import Run, Send, Step, Steps
 from specserve.client.wire import abort_frame
 from specserve.shared.protocol import GenerateRequest, RequestOutput
+from specserve.shared.socket_limits import CLIENT_MAX_MESSAGE_BYTES, bound_socket
 
 T = TypeVar("T")
 
@@ -31,12 +32,22 @@ class Client(ClientCore[Completion, str, Iterator[RequestOutput]]):
     new request is not sent; `generate`, `stream` and `submit` wait for that (receiving and
     buffering other requests' outputs meanwhile) within their timeout, and raise `RequestTimeout`,
     having sent nothing, if it does not come in time. The old request's outputs are dropped.
+
+    An inbound message over `max_message_bytes` (default 256 MiB, room for a long non-streaming
+    completion with logprobs) drops the connection rather than being buffered.
     """
 
-    def __init__(self, url: str = DEFAULT_URL, timeout: float | None = DEFAULT_TIMEOUT) -> None:
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        *,
+        max_message_bytes: int = CLIENT_MAX_MESSAGE_BYTES,
+    ) -> None:
         super().__init__(url, timeout)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
+        bound_socket(self._socket, max_message_bytes)
         self._socket.connect(url)
 
     def abort(self, request_id: str) -> None:

@@ -23,6 +23,7 @@ from typing import IO
 from redis import Redis
 
 from specserve.cache_index import CacheIndexError, Namespace, connect, list_workers
+from specserve.cache_index.redis_url import REDIS_URL_ENV, redact
 from specserve.launch.lifetime import child_environment
 from specserve.launch.local_redis import LocalRedis, RedisNotFound
 
@@ -124,22 +125,30 @@ class Cluster:
             say(f"started Redis at {self.redis_url} (pid {self.redis.proc.pid})")
 
     def start_processes(self) -> None:
-        """The control plane, then the workers (which retry until the control plane answers)."""
+        """The control plane, then the workers (which retry until the control plane answers).
+
+        The Redis URL, which may hold a password, reaches the control plane in its environment,
+        never in its arguments (readable by every user of the machine); workers never get it.
+        """
         plan = self.plan
-        control = ["control", "--bind", plan.url, "--redis-url", self.redis_url]
-        self.spawn("control", [*control, "--model", plan.model, *plan.control_flags])
+        control = ["control", "--bind", plan.url, "--model", plan.model, *plan.control_flags]
+        self.spawn("control", control, redis_url=self.redis_url)
         for worker_id in plan.worker_ids():
             worker = ["worker", "--control", plan.url, "--worker-id", worker_id]
             self.spawn(worker_id, [*worker, *plan.worker_flags])
 
-    def spawn(self, name: str, argv: list[str]) -> Child:
+    def spawn(self, name: str, argv: list[str], redis_url: str | None = None) -> Child:
         cmd = [sys.executable, "-m", "specserve.cli", *self.plan.log_flags, *argv]
+        env = child_environment()
+        env.pop(REDIS_URL_ENV, None)
+        if redis_url is not None:
+            env[REDIS_URL_ENV] = redis_url
         proc = subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            env=child_environment(),
+            env=env,
             start_new_session=True,
         )
         pump = threading.Thread(target=_pump, args=(name, proc.stdout), daemon=True)
@@ -252,7 +261,7 @@ def _check_redis(url: str) -> int:
     try:
         sec, usec = client.time()
     except Exception as exc:  # any failure here means: not a reachable Redis
-        raise LaunchError(f"cannot reach Redis at {url}: {exc}") from None
+        raise LaunchError(f"cannot reach Redis at {redact(url)}: {exc}") from None
     finally:
         client.close()
     return sec * 1000 + usec // 1000
@@ -291,7 +300,7 @@ def _signals_ignored() -> Iterator[None]:
 
 def _say_serving(plan: UpPlan, redis_url: str) -> None:
     workers = f"{plan.workers} worker{'s' if plan.workers != 1 else ''}"
-    line = f"specserve is serving {plan.model} at {plan.url} ({workers}, redis {redis_url})"
+    line = f"specserve is serving {plan.model} at {plan.url} ({workers}, redis {redact(redis_url)})"
     with _stderr_lock:
         print(line, file=sys.stderr, flush=True)
 

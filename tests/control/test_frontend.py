@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.control.frontend import ClientRequest, Frontend
+from specserve.control.frontend import ClientRequest, Frontend, PromptLimit
 from specserve.control.metrics import ServiceMetrics
 from specserve.shared.protocol import PROTOCOL_VERSION, GenerateRequest, SamplingParams
 from specserve.shared.tokenizer import Tokenizer, load_tokenizer
@@ -82,3 +82,68 @@ def test_every_eos_id_stops_unless_eos_is_ignored():
     assert Frontend.with_stop_ids(params, (2,)) is params
     ignoring = SamplingParams(ignore_eos=True)
     assert Frontend.with_stop_ids(ignoring, (2, 3)) is ignoring
+
+
+# --- limits: cheap checks first ---------------------------------------------------------------
+
+
+def test_prompt_length_is_checked_before_the_ids_are(frontend: Frontend, monkeypatch):
+    def no_range_check(*_):
+        raise AssertionError("the ids were range-checked before the length")
+
+    monkeypatch.setattr("specserve.control.frontend.check_token_ids", no_range_check)
+    limit = PromptLimit(255, "max_model_len 256, one position kept for output")
+    msg = request(prompt_token_ids=[10**9] * 10_000_000)
+    with pytest.raises(ValueError) as err:
+        frontend.prompt_token_ids(msg, 49152, limit)
+    assert str(err.value) == (
+        "the prompt has 10000000 tokens; at most 255 prompt tokens are allowed "
+        "(max_model_len 256, one position kept for output)"
+    )
+
+
+def test_a_text_too_long_for_any_tokenization_is_refused_untokenized(frontend, monkeypatch):
+    longest = frontend.tokenizer.max_token_chars
+    assert longest == 81  # SmolLM2's longest vocabulary entry
+    limit = PromptLimit(100, "--max-prompt-tokens")
+    fits = "a" * (100 * longest)
+    with pytest.raises(ValueError, match=r"^the prompt has \d+ tokens; at most 100 prompt"):
+        frontend.prompt_token_ids(request(prompt=fits), 49152, limit)  # tokenized, then counted
+
+    def no_tokenizing(*_args, **_kwargs):
+        raise AssertionError("tokenized")
+
+    monkeypatch.setattr(frontend.tokenizer, "encode", no_tokenizing)
+    with pytest.raises(ValueError) as err:
+        frontend.prompt_token_ids(request(prompt=fits + "a"), 49152, limit)
+    assert str(err.value) == (
+        "the prompt has 8101 characters, more than 100 tokens can hold (the longest token has "
+        "81); at most 100 prompt tokens are allowed (--max-prompt-tokens)"
+    )
+
+
+def test_requests_in_flight_are_capped_per_client():
+    sent: list = []
+    frontend = Frontend(
+        None, ServiceMetrics(), send=lambda *m: sent.append(m) or True,
+        withdraw=lambda _: None, max_pending_per_client=2,
+    )  # fmt: skip
+
+    def accept(client: bytes, rid: str) -> ClientRequest:
+        msg = GenerateRequest(PROTOCOL_VERSION, rid, prompt_token_ids=[1])
+        return frontend.accept(client, msg, 10, ())
+
+    first, _ = accept(b"a", "a1"), accept(b"a", "a2")
+    with pytest.raises(ValueError) as err:
+        accept(b"a", "a3")
+    assert str(err.value) == (
+        "this client already has 2 requests in flight, the most allowed "
+        "(--max-pending-per-client 2); wait for one to finish"
+    )
+    accept(b"b", "b1")  # another client is not affected
+    frontend.finish(first, [3], "length", None)
+    accept(b"a", "a3")  # a finished request frees its place
+    frontend.refuse(frontend.requests["a3"], "no worker")
+    frontend._client_gone(b"a")
+    assert dict(frontend.pending) == {b"b": 1}
+    assert list(frontend.requests) == ["b1"]

@@ -11,8 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+import zmq
 
+from specserve.control import control_plane
 from specserve.control.control_plane import ControlArgs, ControlPlane
+from specserve.control.limits import ServiceLimits
 from specserve.launch.local_redis import LocalRedis, RedisNotFound
 from specserve.shared.config import AttentionType, KVGroupSpec
 from specserve.shared.protocol import (
@@ -22,6 +25,7 @@ from specserve.shared.protocol import (
     GenerateRequest,
     Heartbeat,
     Register,
+    Rejected,
     RequestOutput,
     RequestResult,
     Reregister,
@@ -29,9 +33,19 @@ from specserve.shared.protocol import (
     StepBatch,
     StepResult,
     WorkerInfo,
+    encode,
 )
 
 P = PROTOCOL_VERSION
+
+
+def _info(worker_id: str, **fields) -> WorkerInfo:
+    values = dict(
+        worker_id=worker_id, model="unset", device="cpu",
+        kv_groups=[KVGroupSpec(AttentionType.FULL, 4)], num_blocks=64, max_model_len=256,
+        vocab_size=256, eos_token_ids=[], max_num_batched_tokens=512, max_num_seqs=16,
+    )  # fmt: skip
+    return WorkerInfo(**{**values, **fields})
 
 
 class RecordingPlane(ControlPlane):
@@ -47,12 +61,7 @@ class RecordingPlane(ControlPlane):
         return True
 
     def register(self, worker_id: str, **fields) -> None:
-        info = WorkerInfo(
-            worker_id=worker_id, model=self.args.model, device="cpu",
-            kv_groups=[KVGroupSpec(AttentionType.FULL, 4)], num_blocks=64, max_model_len=256,
-            vocab_size=256, eos_token_ids=[], max_num_batched_tokens=512, max_num_seqs=16,
-            **fields,
-        )  # fmt: skip
+        info = _info(worker_id, **{"model": self.args.model, **fields})
         self._on_register(worker_id.encode(), Register(P, info))
 
     def generate(self, request_id: str, prompt: list[int], client: bytes = b"c1", **sampling):
@@ -209,3 +218,163 @@ def test_redis_refusing_writes_does_not_stop_serving(llama_ckpt, tmp_path: Path)
     finally:
         plane.sock.close(linger=0)
         redis_server.close()
+
+
+# --- one frame's failure fails that frame only ----------------------------------------------
+
+
+def _dealer(plane: RecordingPlane, identity: bytes):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(plane.endpoint)
+    return sock
+
+
+def _drain_until(plane: RecordingPlane, done, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"not done after {len(plane.sent)} sends"
+        plane.sock.poll(50)
+        plane._drain()
+
+
+def test_an_exception_while_decoding_a_frame_fails_only_that_frame(plane, monkeypatch):
+    real_decode = control_plane.protocol.decode
+
+    def decode(payload: bytes, *args, **kwargs):
+        if payload == b"poison":
+            raise RecursionError("maximum recursion depth exceeded")
+        return real_decode(payload, *args, **kwargs)
+
+    monkeypatch.setattr(control_plane.protocol, "decode", decode)
+    plane.register("w0")
+    client = _dealer(plane, b"mallory")
+    try:
+        client.send(b"poison")
+        client.send(encode(GenerateRequest(P, "after", prompt_token_ids=[1, 2, 3])))
+        _drain_until(plane, lambda: "after" in plane.frontend.requests)
+    finally:
+        client.close()
+    (error,) = plane.outputs(b"mallory")
+    assert error == ErrorReply(P, "internal error (RecursionError) while handling this message")
+    plane._dispatch_all()  # the next frame was handled as usual
+    plane.answer("w0", plane.batches("w0")[-1], token=7)
+    assert tokens(plane.outputs(b"mallory")[1:]) == [7]
+
+
+def test_an_exception_while_handling_a_request_fails_and_forgets_that_request(
+    plane: RecordingPlane, monkeypatch
+):
+    plane.register("w0")
+    real_place = plane.placement.place
+
+    def place(req):
+        if req.request_id == "boom":
+            real_place(req)  # on the worker's scheduler already, then the failure
+            raise KeyError("lost")
+        real_place(req)
+
+    monkeypatch.setattr(plane.placement, "place", place)
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+    for rid, prompt in (("boom", [1, 2, 3]), ("fine", [4, 5, 6])):
+        frame = encode(GenerateRequest(P, rid, prompt_token_ids=prompt, sampling=greedy))
+        plane._on_frame(b"c1", frame)
+    (error,) = plane.outputs()
+    assert error == ErrorReply(P, "internal error (KeyError): 'lost'", "boom")
+    assert list(plane.frontend.requests) == ["fine"]
+    assert list(plane.workers["w0"].scheduler.requests) == ["fine"]
+    plane._dispatch_all()
+    plane.answer("w0", plane.batches("w0")[-1], token=7)
+    assert tokens(plane.outputs()[1:]) == [7]
+
+
+def test_a_flood_of_frames_is_handled_a_bounded_batch_at_a_time(plane: RecordingPlane):
+    client = _dealer(plane, b"flood")
+    try:
+        for _ in range(control_plane.FRAMES_PER_PASS + 44):
+            client.send(b"\xc1")
+        total = control_plane.FRAMES_PER_PASS + 44
+        time.sleep(0.5)  # all of them queued at the control plane's socket
+        plane._drain()
+        assert len(plane.sent) == control_plane.FRAMES_PER_PASS
+        _drain_until(plane, lambda: len(plane.sent) == total)
+    finally:
+        client.close()
+    assert all(isinstance(m, ErrorReply) for _, m in plane.sent)
+
+
+# --- a registration's claims are bounded before anything is built from them -----------------
+
+
+def _rejections(plane: RecordingPlane, identity: bytes) -> list[str]:
+    return [m.reason for i, m in plane.sent if i == identity and isinstance(m, Rejected)]
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"num_blocks": 1 << 24}, "num_blocks must be in [2, 262144], got 16777216"),
+        ({"num_blocks": 1}, "num_blocks must be in [2, 262144], got 1"),
+        ({"max_num_seqs": 1 << 20}, "max_num_seqs must be in [1, 4096], got 1048576"),
+        ({"vocab_size": 0}, "vocab_size must be in [1, 2147483648], got 0"),
+        ({"device": "x" * (1 << 20)}, "device has 1048576 characters; at most 256 are allowed"),
+        ({"spec_method": "y" * 257}, "spec_method has 257 characters; at most 256 are allowed"),
+        ({"eos_token_ids": list(range(300))},
+         "at most 64 KV groups and 256 EOS token ids are allowed, got 1 and 300"),
+    ],
+)  # fmt: skip
+def test_registration_claims_beyond_the_limits_are_rejected_at_once(
+    plane: RecordingPlane, fields: dict, reason: str
+):
+    start = time.monotonic()
+    plane.register("w0", **fields)
+    assert time.monotonic() - start < 1.0  # nothing sized by the claim was built
+    assert _rejections(plane, b"w0") == [reason]
+    assert plane.workers == {}
+
+
+def test_rejections_never_echo_a_huge_string(plane: RecordingPlane):
+    plane._on_register(b"w" * 100, Register(P, _info("w" * (1 << 20))))
+    plane._on_register(b"w1", Register(P, _info("w1", model="m" * (1 << 20))))
+    first, second = [m.reason for _, m in plane.sent if isinstance(m, Rejected)]
+    assert (
+        first == f"worker id '{'w' * 63}... (1048576 characters) must be 1-64 characters from "
+        "[A-Za-z0-9._-]"
+    )
+    assert second.endswith(f"the worker loaded '{'m' * 64}... (1048512 more characters)'")
+    assert plane.workers == {}
+
+
+def test_limits_are_the_operators(llama_ckpt):
+    limits = ServiceLimits(max_registration_blocks=64, max_registration_seqs=16)
+    p = RecordingPlane(str(llama_ckpt.path), limits=limits)
+    try:
+        p.register("w0")  # 64 blocks, 16 sequences: at the limits
+        assert "w0" in p.workers
+        p.register("w1", num_blocks=65)
+        assert _rejections(p, b"w1") == ["num_blocks must be in [2, 64], got 65"]
+    finally:
+        p.sock.close(linger=0)
+
+
+def test_the_prompt_limit_is_the_smallest_of_the_service_and_the_workers(llama_ckpt):
+    p = RecordingPlane(str(llama_ckpt.path), limits=ServiceLimits(max_prompt_tokens=100))
+    try:
+        p.generate("a", [1] * 101)  # no worker yet: the service's limit
+        p.register("w0")  # max_model_len 256: the service's 100 is still smaller
+        p.generate("b", [1] * 101)
+        p.register("w1", max_model_len=50)
+        p.generate("c", [1] * 50)
+        p.generate("d", [1] * 49)
+    finally:
+        p.sock.close(linger=0)
+    assert [(r.request_id, r.message) for r in p.outputs() if isinstance(r, ErrorReply)] == [
+        ("a", "the prompt has 101 tokens; at most 100 prompt tokens are allowed "
+              "(--max-prompt-tokens)"),
+        ("b", "the prompt has 101 tokens; at most 100 prompt tokens are allowed "
+              "(--max-prompt-tokens)"),
+        ("c", "the prompt has 50 tokens; at most 49 prompt tokens are allowed "
+              "(max_model_len 50, one position kept for output)"),
+    ]  # fmt: skip
+    assert "d" in p.frontend.requests

@@ -123,3 +123,88 @@ def test_stop_tokens_outside_the_vocabulary_are_rejected():
     p.SamplingParams(stop_token_ids=(1, 2)).validate(vocab_size=10)
     with pytest.raises(ValueError, match=r"stop_token_ids \[10\] are outside the vocabulary"):
         p.SamplingParams(stop_token_ids=(1, 10)).validate(vocab_size=10)
+
+
+def _generate_with(extra: dict[str, bytes]) -> bytes:
+    """A `generate` map whose `extra` values are spliced in raw, after the usual fields."""
+    enc = msgspec.msgpack.encode
+    fields = {"type": enc("generate"), "version": enc(1), "request_id": enc("r")} | extra
+    return bytes([0x80 | len(fields)]) + b"".join(enc(k) + v for k, v in fields.items())
+
+
+NESTED = b"\x91" * 1000 + b"\xc0"  # [[[...[nil]...]]]: 1001 bytes, 1000 levels
+
+
+@pytest.mark.parametrize(
+    ("frame", "request_id"),
+    [
+        (_generate_with({"prompt_token_ids": NESTED}), "r"),
+        (_generate_with({"junk": NESTED}), "r"),  # the header diagnosis would have skipped it
+        (NESTED, None),
+        (b"\x81" + msgspec.msgpack.encode("x") + NESTED, None),  # so would the tag lookup
+    ],
+)
+def test_a_deeply_nested_frame_is_a_protocol_error_not_a_recursion_error(frame, request_id):
+    with pytest.raises(p.ProtocolError) as err:
+        p.decode(frame)
+    assert err.value.request_id == request_id  # the refusal can fail that request
+    assert str(err.value) == f"frame refused ({len(frame)} bytes): nested deeper than 32 levels"
+
+
+def test_limits_on_depth_and_objects_are_the_callers():
+    frame = p.encode(p.GenerateRequest(1, "r", prompt_token_ids=list(range(100))))
+    objects = 1 + 10 + 10 + 100  # the map, its 10 keys and 10 values, the 100 ids
+    assert p.decode(frame, max_items=objects).prompt_token_ids == list(range(100))
+    refused = rf"^frame refused \({len(frame)} bytes\): "
+    with pytest.raises(p.ProtocolError, match=refused + "more than 120 objects in one frame$"):
+        p.decode(frame, max_items=objects - 1)
+    with pytest.raises(p.ProtocolError, match=refused + "nested deeper than 1 levels$"):
+        p.decode(frame, max_depth=1)
+
+
+def test_array_structs_refuse_extra_elements():
+    enc = msgspec.msgpack.encode
+    frame = enc(
+        {
+            "type": "result",
+            "version": 1,
+            "step_id": 1,
+            "results": [[1, [2], None, None, None, "extra"]],
+        }
+    )
+    message = r"^malformed 'result' message: Expected `array` of at most length 5, got 6"
+    with pytest.raises(p.ProtocolError, match=message):
+        p.decode(frame)
+
+
+def test_a_refused_generate_frame_names_its_request():
+    enc = msgspec.msgpack.encode
+    bad_type = enc({"type": "generate", "version": 1, "request_id": "x1", "prompt_token_ids": "a"})
+    with pytest.raises(p.ProtocolError, match="malformed 'generate' message") as err:
+        p.decode(bad_type)
+    assert err.value.request_id == "x1"
+    future = p.encode(p.GenerateRequest(7, "x2", prompt_token_ids=[1]))
+    with pytest.raises(p.ProtocolError, match="unsupported protocol version 7") as err:
+        p.decode(future)
+    assert err.value.request_id == "x2"
+    abort = enc({"type": "abort", "version": 1, "request_id": 5})
+    with pytest.raises(p.ProtocolError) as err:
+        p.decode(abort)
+    assert err.value.request_id is None
+
+
+def test_a_map_key_that_is_not_utf8_is_a_protocol_error():
+    """msgspec raises UnicodeDecodeError for such a key; found by tests/service/test_fuzz_frames."""
+    enc = msgspec.msgpack.encode
+    frame = enc({"type": "generate", "version": 1, "request_id": "u1", "prompt_token_ids": [1]})
+    bad_key = frame.replace(b"prompt_token_ids", b"prompt\xc1token_ids")
+    with pytest.raises(
+        p.ProtocolError, match=r"^malformed 'generate' message: 'utf-8' codec"
+    ) as err:
+        p.decode(bad_key)
+    assert err.value.request_id == "u1"
+    bad_type = msgspec.msgpack.encode({"type": "result", "version": 1}).replace(
+        b"result", b"res\xdflt"
+    )
+    with pytest.raises(p.ProtocolError, match=r"^malformed frame \(22 bytes\): not a specserve"):
+        p.decode(bad_type)

@@ -350,3 +350,14 @@ def test_distribution_test_detects_a_biased_sampler(
     out, p = _simulate(case, seed=1)
     draws, pvalue = _position_pvalues(out, p)[0]
     assert pvalue < ALPHA, f"biased sampler passed: p-value {pvalue:.3g} ({draws} draws)"
+
+
+def test_a_below_normal_temperature_verifies_greedily() -> None:
+    # Random rows would accept a draft whose target probability is 1e-40-ish only by luck, and
+    # an overflowed row would recover token 0; greedy verification takes the argmax.
+    tiny = SamplingParams(temperature=1e-39)
+    logits = torch.cat([_peaked([1, 5, 3]), _peaked([6])])
+    for seed in range(4):
+        gens = [make_generator(seed), make_generator(seed + 10)]
+        out = rejection_sample(logits, [[1, 2], []], [tiny, tiny], gens)
+        assert out == [[1, 5], [6]]

@@ -151,3 +151,56 @@ def test_argmax_rows_takes_the_first_of_tied_maxima() -> None:
     got = argmax_rows(x)
     assert torch.equal(got, x.argmax(dim=-1))
     assert got[7].item() == 0
+
+
+# --- vanishing and extreme values: exact, never token 0 by overflow -------------------------
+
+# The argmax is token 2 (so a NaN row, whose argmax is 0, cannot pass); token 4 is a near tie.
+EXTREME = torch.tensor([[1.0, -3.0, 4.0, 0.5, 4.0 - 1e-4, -math.inf]])
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        RowSampling(temperature=1e-39),  # subnormal in float32
+        RowSampling(temperature=1e-45),  # rounds to float32's smallest subnormal
+        RowSampling(temperature=5e-324),  # the smallest float64, 0 in float32
+        RowSampling(temperature=2.0**-127),
+        RowSampling(temperature=1e-38),  # normal in float64, below float32's smallest normal
+        RowSampling(temperature=2.0**-126),  # the smallest normal: sampled, and exactly argmax
+        RowSampling(temperature=1e-30),
+        RowSampling(top_p=1e-46),  # 0 in float32
+        RowSampling(top_p=1.4e-45),  # float32's smallest subnormal
+        RowSampling(top_p=1e-40),
+        RowSampling(temperature=1e-39, top_p=1e-46, top_k=3, min_p=1.0),
+    ],
+)
+def test_vanishing_temperature_or_top_p_gives_the_argmax(row: RowSampling) -> None:
+    for seed in (None, 0, 1, 2):
+        gens = [make_generator(seed)] if seed is not None else None
+        assert sample(EXTREME, [row], gens).token_ids.tolist() == [2]
+
+
+def test_a_below_normal_temperature_is_greedy_everywhere() -> None:
+    assert SamplingParams(temperature=1e-39).greedy
+    assert SamplingParams(temperature=2.0**-127).greedy
+    assert not SamplingParams(temperature=2.0**-126).greedy
+    assert not SamplingParams(temperature=1e-30).greedy
+
+
+def test_small_temperatures_do_not_overflow_large_logits() -> None:
+    # Unshifted, 1e30 / 1e-10 overflows float32: inf - inf made the whole row NaN.
+    logits = torch.tensor([[0.0, 1e30, -1e30, 5e29]])
+    row = RowSampling(temperature=1e-10)
+    assert filtered_probs(logits, [row])[0].tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert sample(logits, [row], [make_generator(7)]).token_ids.tolist() == [1]
+    # A tied maximum stays a fair tie at any temperature.
+    tied = torch.tensor([[1.0, 7.0, 2.0, 7.0]])
+    assert filtered_probs(tied, [RowSampling(temperature=2.0**-126)])[0].tolist() == [
+        0.0, 0.5, 0.0, 0.5,
+    ]  # fmt: skip
+
+
+def test_a_huge_temperature_is_uniform_over_the_finite_logits() -> None:
+    got = filtered_probs(EXTREME, [RowSampling(temperature=1e300)])[0]
+    torch.testing.assert_close(got, torch.tensor([0.2] * 5 + [0.0]), atol=1e-7, rtol=0)

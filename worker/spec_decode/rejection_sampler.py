@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.shared.protocol import is_greedy
 from specserve.worker.sampler import (
     SamplingLike,
     argmax_rows,
@@ -80,8 +81,8 @@ def rejection_sample(
     accepted = torch.zeros(layout.draft_ids.shape[0], dtype=torch.bool, device=device)
     final = torch.zeros(layout.num_requests, dtype=torch.long, device=device)
 
-    greedy = [r for r, p in enumerate(params) if p.temperature == 0.0]
-    randoms = [r for r, p in enumerate(params) if p.temperature != 0.0]
+    greedy = [r for r, p in enumerate(params) if is_greedy(p.temperature)]
+    randoms = [r for r, p in enumerate(params) if not is_greedy(p.temperature)]
     greedy_drafts = _drafts_of(layout, greedy)
     accepted[greedy_drafts] = _greedy_accept(logits, layout, greedy_drafts)
     if randoms:

@@ -21,10 +21,11 @@ from typing import Generic, TypeVar
 import torch
 
 from specserve.shared.config import SpecConfig, SpecMethod
+from specserve.shared.protocol import is_greedy
 from specserve.worker.attention.base import SequenceStep
 from specserve.worker.kv_cache import PagedKVCache
 from specserve.worker.models import DecoderModel
-from specserve.worker.sampler import argmax_rows
+from specserve.worker.sampler import argmax_rows, tempered
 from specserve.worker.spec_decode.dflash import DFlashDrafter, load_dflash
 from specserve.worker.spec_decode.eagle3 import Eagle3Drafter, load_eagle3
 from specserve.worker.spec_decode.ngram import NgramProposer
@@ -63,17 +64,18 @@ def choose_drafts(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One draft token per row of `logits` (row i belongs to `inputs[i]`).
 
-    Greedy by default. With `sample`, a row of a request with temperature > 0 is drawn from
+    Greedy by default. With `sample`, a row of a request that is not greedy is drawn from
     softmax(logits / temperature) with the request's generator, and the distributions come back
     for exact verification; greedy requests keep argmax (their verification ignores q).
     """
     tokens = argmax_rows(logits)
-    if not sample or all(inp.temperature == 0 for inp in inputs):
+    if not sample or all(is_greedy(inp.temperature) for inp in inputs):
         return tokens, None
     probs = torch.nn.functional.one_hot(tokens, logits.shape[-1]).float()
     for i, inp in enumerate(inputs):
-        if inp.temperature > 0:
-            probs[i] = torch.softmax(logits[i].float() / inp.temperature, dim=-1)
+        if not is_greedy(inp.temperature):
+            temperature = torch.tensor([inp.temperature], device=logits.device)
+            probs[i] = torch.softmax(tempered(logits[i : i + 1].float(), temperature)[0], dim=-1)
             tokens[i] = torch.multinomial(probs[i], 1, generator=inp.generator)[0]
     return tokens, probs
 
