@@ -44,6 +44,6 @@ RUN useradd --create-home --uid 10001 specserve
 ENV SPECSERVE_KERNELS_DIR=/opt/specserve/kernels
 RUN specserve kernels build && chown -R specserve "${SPECSERVE_KERNELS_DIR}"
 USER specserve
-EXPOSE 5555 9090
+EXPOSE 5555 5556 9090
 ENTRYPOINT ["specserve"]
 CMD ["--help"]

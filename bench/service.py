@@ -2,7 +2,7 @@
 
 Usage: .venv/bin/python bench/service.py [--workers 2] [--groups 6] [--users 8] [--questions 2]
     [--system-tokens 192] [--rate 2] [--max-tokens 16] [--model smollm2-135m] [--num-blocks N]
-    [--redis-url URL] [--seed 0] [--quick] [--index-only] [--json]
+    [--redis-url URL] [--seed 0] [--quick] [--index-only] [--json] [--curve [--repeat 3]]
 
 The workload has the shape of llm-d's precise-prefix-cache benchmark, scaled to a small CPU box:
 G groups of users, each group sharing one long system prompt; each of U users per group asks Q
@@ -17,6 +17,11 @@ times against one Redis. Both modes run one after the other in this process, so 
 machine's conditions as far as a sequential run can. Part 2 (alone with --index-only) times the
 prefix index against the same Redis (`IndexReader.longest_prefix` for a 12-block prompt,
 `IndexWriter.apply` batches) and the control plane's admission rate, with and without Redis.
+
+With --curve it measures authentication instead: prefix routing without keys against prefix
+routing with CURVE on both ports (`--keys`, every worker and the client authenticated), the two
+interleaved --repeat times, and prints TTFT p50, inter-token latency p50 and throughput of each
+with the ratios (the medians over the repeats).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from specserve.client import AsyncClient, ServiceError
 from specserve.control.control_plane import ControlArgs, ControlPlane
 from specserve.launch.local_redis import LocalRedis, free_port
 from specserve.shared.config import AttentionType, KVGroupSpec
+from specserve.shared.curve import generate_keys
 from specserve.shared.kv_events import BlockStored
 from specserve.shared.logging import configure_logging
 from specserve.shared.protocol import (
@@ -148,7 +154,9 @@ import torch
 torch.set_num_threads(1)
 from specserve.worker.engine import EngineArgs
 from specserve.worker.worker_process import run_worker
-sys.exit(run_worker(EngineArgs(**{engine!r}), {url!r}, {worker_id!r}))
+from specserve.shared.curve import PeerKeys
+keys = None if {keys!r} is None else PeerKeys.load({keys!r}, "workers", "worker")
+sys.exit(run_worker(EngineArgs(**{engine!r}), {url!r}, {worker_id!r}, keys=keys))
 """
 
 
@@ -158,14 +166,20 @@ class Service:
 
     plane: ControlPlane
     url: str
+    worker_url: str
     logdir: Path
+    keys: str | None = None
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
     workers: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def start_worker(self, worker_id: str, engine: dict[str, object]) -> None:
         code = WORKER_CODE.format(
-            parent=os.getpid(), engine=engine, url=self.url, worker_id=worker_id
+            parent=os.getpid(),
+            engine=engine,
+            url=self.worker_url,
+            worker_id=worker_id,
+            keys=self.keys,
         )
         env = dict(os.environ, OMP_NUM_THREADS="1", SPECSERVE_LOG_LEVEL="warning")
         with open(self.logdir / f"{worker_id}.log", "ab") as out:
@@ -196,13 +210,20 @@ class Service:
 
 @contextlib.contextmanager
 def running_service(
-    routing: str, args: argparse.Namespace, redis_url: str, logdir: Path
+    routing: str, args: argparse.Namespace, redis_url: str, logdir: Path, keys: str | None
 ) -> Iterator[Service]:
     url = f"tcp://127.0.0.1:{free_port()}"
-    plane = ControlPlane(
-        ControlArgs(bind=url, redis_url=redis_url, model=args.model, routing=routing)
+    worker_url = f"tcp://127.0.0.1:{free_port()}"
+    control = ControlArgs(
+        bind=url,
+        worker_bind=worker_url,
+        keys=keys,
+        redis_url=redis_url,
+        model=args.model,
+        routing=routing,
     )
-    service = Service(plane, url, logdir)
+    plane = ControlPlane(control)
+    service = Service(plane, url, worker_url, logdir, keys)
     try:
         service.thread = threading.Thread(target=plane.run, args=(service.stop,), daemon=True)
         service.thread.start()
@@ -291,9 +312,10 @@ async def drive(
     params: SamplingParams,
     label: str,
     on_warm: Callable[[], None],
+    keys: str | None = None,
 ) -> list[Outcome]:
     """Warm up (untimed), call `on_warm`, then replay the jobs in an open loop."""
-    async with AsyncClient(url, timeout=REQUEST_TIMEOUT_S) as client:
+    async with AsyncClient(url, timeout=REQUEST_TIMEOUT_S, keys=keys) as client:
         await asyncio.gather(*(client.generate(p, params) for p in warmup))
         on_warm()
         progress = Progress(label, len(jobs))
@@ -375,6 +397,7 @@ class ModeResult:
     wall_s: float
     ttft_p50_ms: float
     ttft_p90_ms: float
+    itl_p50_ms: float  # per request: (last token - first token) / (tokens - 1)
     e2e_p50_ms: float
     output_tokens_per_s: float
     prefix_hit_rate: float  # the router's estimate, from the control plane's metrics
@@ -392,25 +415,32 @@ class ModeResult:
 
 
 def run_mode(
-    routing: str, args: argparse.Namespace, redis_url: str, jobs: list[Job], logdir: Path
+    routing: str,
+    args: argparse.Namespace,
+    redis_url: str,
+    jobs: list[Job],
+    logdir: Path,
+    keys: str | None = None,
 ) -> ModeResult:
-    log(f"[{routing}] starting a control plane and {args.workers} workers")
+    label = routing + ("+curve" if keys else "")
+    log(f"[{label}] starting a control plane and {args.workers} workers")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    with running_service(routing, args, redis_url, logdir) as service:
+    with running_service(routing, args, redis_url, logdir, keys) as service:
         states: list[PlaneState] = []
-        log(f"[{routing}] workers registered; warm-up, then {len(jobs)} requests")
+        log(f"[{label}] workers registered; warm-up, then {len(jobs)} requests")
         outcomes = asyncio.run(
             drive(
                 service.url,
                 jobs,
                 warmup_prompts(args),
                 params,
-                routing,
+                label,
                 lambda: states.append(read_plane(service.plane)),
+                keys,
             )
         )
         states.append(read_plane(service.plane))
-    return summarize(routing, args, outcomes, states[0], states[1])
+    return summarize(label, args, outcomes, states[0], states[1])
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -437,6 +467,11 @@ def summarize(
         if o.error is None and len(o.token_ids) != args.max_tokens:
             o.error = f"{len(o.token_ids)} tokens instead of {args.max_tokens}"
     ttft = [o.first_token - o.sent for o in good if o.first_token is not None]
+    itl = [
+        (o.done - o.first_token) / (len(o.token_ids) - 1)
+        for o in good
+        if o.first_token is not None and len(o.token_ids) > 1
+    ]
     e2e = [o.done - o.sent for o in good]
     wall = max(o.done for o in outcomes) - min(o.sent for o in outcomes)
     m = delta(before.samples, after.samples)
@@ -453,6 +488,7 @@ def summarize(
         wall_s=wall,
         ttft_p50_ms=percentile(ttft, 0.5) * 1e3,
         ttft_p90_ms=percentile(ttft, 0.9) * 1e3,
+        itl_p50_ms=percentile(itl, 0.5) * 1e3,
         e2e_p50_ms=percentile(e2e, 0.5) * 1e3,
         output_tokens_per_s=sum(len(o.token_ids) for o in good) / wall,
         prefix_hit_rate=total(m, "specserve_prefix_hit_tokens_total") / queries if queries else 0.0,
@@ -709,6 +745,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a small run (about a minute)")
     p.add_argument("--index-only", action="store_true", help="part 2 only: index and admission")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument(
+        "--curve", action="store_true", help="prefix routing without and with CURVE keys"
+    )
+    p.add_argument("--repeat", type=int, default=3, help="interleaved pairs with --curve")
     args = p.parse_args()
     if args.quick:
         args.users, args.questions, args.max_tokens = 2, 1, 8
@@ -716,6 +756,39 @@ def parse_args() -> argparse.Namespace:
     if args.num_blocks is None:
         args.num_blocks = default_num_blocks(args)
     return args
+
+
+def curve_bench(args: argparse.Namespace, redis_url: str, jobs: list[Job], logdir: Path) -> None:
+    """Prefix routing without and with CURVE, interleaved, each --repeat times; medians."""
+    keys = str(logdir / "keys")
+    generate_keys(keys)
+    runs: dict[bool, list[ModeResult]] = {False: [], True: []}
+    for _ in range(args.repeat):
+        for curve in (False, True):
+            runs[curve].append(
+                run_mode("prefix", args, redis_url, jobs, logdir, keys if curve else None)
+            )
+    plain, curve = runs[False], runs[True]
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; "
+        f"model {args.model}, {args.workers} workers x 1 thread; {plain[0].requests} requests "
+        f"at {args.rate:g}/s, {args.max_tokens} tokens each; {args.repeat} interleaved pairs"
+    )
+    print(f"{'metric (median of runs)':<28} {'plain':>10} {'curve':>10} {'curve/plain':>12}")
+    for name, attr in [
+        ("TTFT p50 (ms)", "ttft_p50_ms"),
+        ("inter-token p50 (ms)", "itl_p50_ms"),
+        ("output tokens/s", "output_tokens_per_s"),
+    ]:
+        a = statistics.median(getattr(r, attr) for r in plain)
+        b = statistics.median(getattr(r, attr) for r in curve)
+        print(f"{name:<28} {a:>10.2f} {b:>10.2f} {b / a:>12.3f}")
+    for name, attr in [("per run, tokens/s", "output_tokens_per_s")]:
+        print(f"{name}: plain {[round(getattr(r, attr), 1) for r in plain]}, "
+              f"curve {[round(getattr(r, attr), 1) for r in curve]}")  # fmt: skip
+    same = all(a.outputs == b.outputs for a, b in zip(plain, curve, strict=True))
+    errors = sum(r.errors for r in plain + curve)
+    print(f"greedy outputs identical with and without CURVE: {same}; errors: {errors}")
 
 
 def _exit_on_sigterm() -> None:
@@ -731,6 +804,9 @@ def main() -> None:
     if args.num_blocks - 1 >= args.groups * (args.system_tokens // BLOCK_SIZE):
         log("note: each worker's KV cache holds every system prompt; round-robin need not evict")
     with redis_server(args.redis_url) as redis_url, tempfile.TemporaryDirectory() as logdir:
+        if args.curve:
+            curve_bench(args, redis_url, jobs, Path(logdir))
+            return
         results = []
         if not args.index_only:
             results = [run_mode(mode, args, redis_url, jobs, Path(logdir)) for mode in MODES]

@@ -1,5 +1,11 @@
-"""The control plane: one ZeroMQ ROUTER socket for clients and workers, and the registry of
-workers (a scheduler per worker).
+"""The control plane: a ZeroMQ ROUTER socket for clients, another for workers, and the registry
+of workers (a scheduler per worker).
+
+Each socket accepts only its role's messages, and with `--keys` each is a CURVE server whose ZAP
+domain admits only that role's public keys (`shared/curve.py`), so a client key never acts as a
+worker. A worker is bound at registration to its connection and authenticated key: its step
+results and heartbeats count only from those, a heartbeat must carry the token its Welcome gave,
+and a second registration under a live worker id is refused.
 
 The loop, single-threaded: read every waiting frame; hand each idle worker its next step the
 moment its last result is applied (the result, the index write-through and the next batch are
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import secrets
 import signal
 import threading
 import time
@@ -40,6 +47,14 @@ from specserve.control.scheduler import Scheduler
 from specserve.control.worker_handle import WorkerHandle
 from specserve.shared import protocol
 from specserve.shared.config import SchedulingPolicy
+from specserve.shared.curve import (
+    CLIENTS,
+    WORKERS,
+    ServerKeys,
+    is_loopback,
+    serve_curve,
+    start_authenticator,
+)
 from specserve.shared.protocol import (
     PROTOCOL_VERSION,
     AbortRequest,
@@ -64,9 +79,21 @@ FRAMES_PER_PASS = 256  # frames handled between two dispatch/tick passes of the 
 HEARTBEAT_SUFFIX = b"#hb"
 
 
+def default_worker_bind(bind: str) -> str:
+    """The worker port next to the client port: `tcp://HOST:PORT` -> `tcp://HOST:PORT+1`
+    (port 0, any free port, stays 0)."""
+    head, sep, port = bind.rpartition(":")
+    if not (bind.startswith("tcp://") and sep and port.isdigit() and int(port) < 65535):
+        raise ValueError(f"give --worker-bind: no worker port can be derived from {bind!r}")
+    return f"{head}:{int(port) + 1 if int(port) else 0}"  # 0: any free port, for both
+
+
 @dataclass(frozen=True)
 class ControlArgs:
-    bind: str = "tcp://*:5555"
+    bind: str = "tcp://*:5555"  # clients
+    worker_bind: str | None = None  # workers; None: the client port + 1
+    keys: str | None = None  # a `specserve keys generate` directory: CURVE on both ports
+    insecure: bool = False  # allow a non-loopback bind without keys
     redis_url: str | None = None  # None: no global index; routing uses the local block pools
     model: str = "smollm2-135m"  # the served model: its tokenizer, and what workers must load
     routing: str = "prefix"  # prefix | round-robin
@@ -106,19 +133,29 @@ class ControlPlane:
             max_pending_per_client=args.limits.max_pending_per_client,
         )
         self._last_tick = 0.0
-        self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished peer raises, not drops
-        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes its id back
-        self.sock.setsockopt(zmq.LINGER, 0)
-        # A larger frame drops its peer; a client that leaves socket_hwm outputs unread is gone.
-        bound_socket(self.sock, args.limits.max_message_bytes, args.limits.socket_hwm)
-        self.endpoint = self._bind(args.bind)
+        worker_bind = args.worker_bind or default_worker_bind(args.bind)
+        check_exposure(args.bind, worker_bind, args.keys, args.insecure)
+        keys = ServerKeys.load(args.keys) if args.keys else None
+        self.authenticated = keys is not None
+        # Its own context: the ZAP handler is per context, and tests run several planes.
+        self.ctx = zmq.Context()
+        self._auth = start_authenticator(self.ctx, keys) if keys else None
+        try:
+            self.sock = self._router(CLIENTS, keys)
+            self.worker_sock = self._router(WORKERS, keys)
+            self.endpoint = self._bind(self.sock, args.bind)
+            self.worker_endpoint = self._bind(self.worker_sock, worker_bind)
+        except Exception:
+            self._close_sockets()
+            raise
+        self._by_identity: dict[bytes, WorkerHandle] = {}  # worker socket identity -> worker
         if args.metrics_port is not None:
             self.metrics.serve(args.metrics_port)
         log.info(
             "control.ready",
             endpoint=self.endpoint,
+            worker_endpoint=self.worker_endpoint,
+            authenticated=self.authenticated,
             session=self.session,
             model=args.model,
             routing=args.routing,
@@ -126,24 +163,45 @@ class ControlPlane:
             metrics_port=args.metrics_port,
         )
 
-    def _bind(self, endpoint: str, wait_s: float = 5.0) -> str:
+    def _router(self, role: str, keys: ServerKeys | None) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.ROUTER)
+        # No ROUTER_HANDOVER: a peer that names itself after a connected one is turned away
+        # instead of taking over its connection.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished peer raises, not drops
+        sock.setsockopt(zmq.LINGER, 0)
+        # A larger frame drops its peer; a client that leaves socket_hwm outputs unread is gone.
+        bound_socket(sock, self.args.limits.max_message_bytes, self.args.limits.socket_hwm)
+        if keys is not None:
+            serve_curve(sock, keys.pair, role)
+        return sock
+
+    @staticmethod
+    def _bind(sock: zmq.Socket, endpoint: str, wait_s: float = 5.0) -> str:
         """Bind, waiting a little for a port a previous instance is still releasing."""
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                self.sock.bind(endpoint)
-                return self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+                sock.bind(endpoint)
+                return sock.getsockopt_string(zmq.LAST_ENDPOINT)
             except zmq.ZMQError as exc:
                 if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
-                    self.sock.close()
                     raise ValueError(f"cannot bind {endpoint}: {exc}") from None
                 time.sleep(0.1)
+
+    def _close_sockets(self) -> None:
+        for sock in (getattr(self, "sock", None), getattr(self, "worker_sock", None)):
+            if sock is not None:
+                sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        self.ctx.term()
 
     # --- the loop ---------------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.worker_sock, zmq.POLLIN)
         try:
             while not stop.is_set():
                 poller.poll(timeout=20)
@@ -157,41 +215,57 @@ class ControlPlane:
             self._shutdown()
 
     def _drain(self) -> None:
-        """Handle the waiting frames, at most FRAMES_PER_PASS of them: a peer that floods the
+        """Handle the waiting frames, at most FRAMES_PER_PASS per socket: a peer that floods a
         socket must not keep the loop from dispatching steps and checking heartbeats."""
+        self._drain_socket(self.worker_sock, self._on_worker_frame)
+        self._drain_socket(self.sock, self._on_frame)
+
+    def _drain_socket(self, sock: zmq.Socket, on_frame) -> None:
         for _ in range(FRAMES_PER_PASS):
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             if len(frames) != 2:  # a peer speaking something else
                 continue
-            identity, payload = frames
+            identity, payload = frames[0].bytes, frames[1].bytes
+            # With CURVE, the ZAP handler's user id: the peer's authenticated public key.
+            key = frames[1].get("User-Id") if self.authenticated else ""
             try:
-                self._on_frame(identity, payload)
+                on_frame(identity, payload, key)
             except Exception as exc:  # one frame's failure must never stop the loop
-                self._frame_failed(identity, payload, exc)
+                log.exception(
+                    "frame.failed",
+                    peer=_peer(identity),
+                    error_type=type(exc).__name__,
+                    size=len(payload),
+                )
+                if sock is self.sock:
+                    reason = f"internal error ({type(exc).__name__}) while handling this message"
+                    self._send(identity, ErrorReply(PROTOCOL_VERSION, reason))
 
-    def _frame_failed(self, identity: bytes, payload: bytes, exc: Exception) -> None:
-        """Log a frame that raised, and tell its sender, unless that is a worker (whose
-        failures `_on_frame` handles) or the sender is gone."""
-        peer = _peer(identity)
-        log.exception("frame.failed", peer=peer, error_type=type(exc).__name__, size=len(payload))
-        if peer in self.workers or identity.endswith(HEARTBEAT_SUFFIX):
-            return
-        reason = f"internal error ({type(exc).__name__}) while handling this message"
-        self._send(identity, ErrorReply(PROTOCOL_VERSION, reason))
-
-    def _on_frame(self, identity: bytes, payload: bytes) -> None:
+    def _decode(self, identity: bytes, payload: bytes) -> protocol.Message | ProtocolError:
         limits = self.args.limits
         try:
-            msg = protocol.decode(payload, limits.max_nesting_depth, limits.max_frame_objects)
+            return protocol.decode(payload, limits.max_nesting_depth, limits.max_frame_objects)
         except ProtocolError as exc:
             log.warning("control.bad_frame", peer=_peer(identity), reason=str(exc))
-            self._send(identity, ErrorReply(PROTOCOL_VERSION, str(exc), exc.request_id))
+            return exc
+
+    def _on_frame(self, identity: bytes, payload: bytes, key: str = "") -> None:
+        """A frame on the client port: only `generate` and `abort` are accepted there."""
+        msg = self._decode(identity, payload)
+        if isinstance(msg, ProtocolError):
+            self._send(identity, ErrorReply(PROTOCOL_VERSION, str(msg), msg.request_id))
             return
         try:
-            self._handle(identity, msg)
+            if isinstance(msg, GenerateRequest):
+                self._on_generate(identity, msg)
+            elif isinstance(msg, AbortRequest):
+                self.frontend.abort(identity, msg.request_id)
+            else:
+                reason = f"the client port does not accept {type(msg).__name__} messages"
+                self._send(identity, ErrorReply(PROTOCOL_VERSION, reason))
         except Exception as exc:  # a bug or an unforeseen input must not stop the service
             log.exception(
                 "frame.failed",
@@ -199,15 +273,32 @@ class ControlPlane:
                 type=type(msg).__name__,
                 error_type=type(exc).__name__,
             )
-            worker = self.workers.get(_peer(identity))
             reason = f"internal error ({type(exc).__name__}): {exc}"
-            if worker is not None and isinstance(msg, StepResult):
-                worker.failed = f"its step result could not be applied ({exc})"
-                self._remove_worker(worker, worker.failed)
-            elif isinstance(msg, GenerateRequest):
+            if isinstance(msg, GenerateRequest):
                 self._fail_generate(identity, msg.request_id, reason)
             elif isinstance(msg, AbortRequest):
                 self._send(identity, ErrorReply(PROTOCOL_VERSION, reason, msg.request_id))
+
+    def _on_worker_frame(self, identity: bytes, payload: bytes, key: str = "") -> None:
+        """A frame on the worker port: registrations, heartbeats and step results."""
+        msg = self._decode(identity, payload)
+        if isinstance(msg, ProtocolError):
+            return  # never answered: a worker's bad frame is a bug the worker logs can't fix
+        if isinstance(msg, Register):
+            self._on_register(identity, key, msg)
+        elif isinstance(msg, Heartbeat):
+            self._on_heartbeat(identity, key, msg)
+        elif isinstance(msg, StepResult):
+            worker = self._by_identity.get(identity)
+            try:
+                self._on_result(identity, key, msg)
+            except Exception as exc:  # its requests move on; the loop goes on
+                log.exception("frame.failed", peer=_peer(identity), type="StepResult")
+                if worker is not None:
+                    worker.failed = f"its step result could not be applied ({exc})"
+                    self._remove_worker(worker, worker.failed)
+        else:
+            log.warning("control.refused", peer=_peer(identity), type=type(msg).__name__)
 
     def _fail_generate(self, client: bytes, request_id: str, reason: str) -> None:
         """Fail a request whose handling raised: stop it wherever it got to, forget it, and
@@ -221,37 +312,25 @@ class ControlPlane:
         finally:
             self.frontend.refuse(req, reason)
 
-    def _handle(self, identity: bytes, msg: protocol.Message) -> None:
-        if isinstance(msg, StepResult):
-            self._on_result(identity, msg)
-        elif isinstance(msg, Heartbeat):
-            self._on_heartbeat(identity, msg)
-        elif isinstance(msg, GenerateRequest):
-            self._on_generate(identity, msg)
-        elif isinstance(msg, AbortRequest):
-            self.frontend.abort(identity, msg.request_id)
-        elif isinstance(msg, Register):
-            self._on_register(identity, msg)
-        else:
-            reason = f"the control plane does not accept {type(msg).__name__} messages"
-            self._send(identity, ErrorReply(PROTOCOL_VERSION, reason))
-
     def _send(self, identity: bytes, msg: protocol.Message) -> bool:
-        """False when the peer is gone (ROUTER_MANDATORY makes that an error)."""
-        try:
-            self.sock.send_multipart([identity, protocol.encode(msg)], zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError:
-            return False
+        """To a client. False when the peer is gone (ROUTER_MANDATORY makes that an error)."""
+        return _send_on(self.sock, identity, msg)
+
+    def _send_worker(self, identity: bytes, msg: protocol.Message) -> bool:
+        return _send_on(self.worker_sock, identity, msg)
 
     # --- workers ----------------------------------------------------------------------------
 
-    def _on_register(self, identity: bytes, msg: Register) -> None:
+    def _on_register(self, identity: bytes, key: str, msg: Register) -> None:
         info = msg.info
+        old = self.workers.get(info.worker_id) if isinstance(info.worker_id, str) else None
         try:
             check_worker_id(info.worker_id)
-            if identity != info.worker_id.encode():
-                raise ValueError("the socket identity must be the worker id")
+            if old is not None and (old.identity, old.key) != (identity, key):
+                raise ValueError(
+                    f"worker id {info.worker_id!r} is registered by a live worker; a second "
+                    "registration under it is refused (give each worker its own --worker-id)"
+                )
             # Its claims are bounded before anything is built or stored from them.
             self.args.limits.check_worker(info, self.args.model)
             # Step ids never repeat across registrations, so a late result of an earlier
@@ -260,16 +339,25 @@ class ControlPlane:
             scheduler = Scheduler.for_worker(info, self.policy, self.args.hash_algo, first_step_id)
         except ValueError as exc:
             log.warning("worker.rejected", worker=clip(info.worker_id), reason=str(exc))
-            self._send(identity, Rejected(PROTOCOL_VERSION, str(exc)))
+            self._send_worker(identity, Rejected(PROTOCOL_VERSION, str(exc)))
             return
-        old = self.workers.get(info.worker_id)
-        if old is not None:
+        if old is not None:  # the same connection registering again
             self._remove_worker(old, "re-registered")
         namespace = Namespace.for_cache(key_model_name(info.model), scheduler.kv.config)
-        worker = WorkerHandle(info, scheduler, namespace, last_seen=time.monotonic())
+        worker = WorkerHandle(
+            info,
+            scheduler,
+            namespace,
+            last_seen=time.monotonic(),
+            identity=identity,
+            key=key,
+            token=secrets.token_hex(16),  # its heartbeats' proof; only the worker learns it
+        )
         self.workers[info.worker_id] = worker
+        self._by_identity[identity] = worker
         self.index.register(worker)
-        self._send(identity, Welcome(PROTOCOL_VERSION, info.worker_id, self.session, worker.epoch))
+        welcome = Welcome(PROTOCOL_VERSION, info.worker_id, worker.token, worker.epoch)
+        self._send_worker(identity, welcome)
         self.metrics.worker_up.labels(info.worker_id).set(1)
         self.metrics.workers.set(len(self.workers))
         log.info(
@@ -279,15 +367,20 @@ class ControlPlane:
             kv_blocks=info.num_blocks,
             epoch=worker.epoch,
             pid=info.pid,
+            key=key or None,
         )
         for req in self.placement.take_pending():
             self._place(req)
 
-    def _on_heartbeat(self, identity: bytes, msg: Heartbeat) -> None:
+    def _on_heartbeat(self, identity: bytes, key: str, msg: Heartbeat) -> None:
         worker = self.workers.get(msg.worker_id)
         now = time.monotonic()
-        if worker is not None and msg.session == self.session:
-            worker.last_seen = now
+        if worker is not None:
+            # Only the token of its Welcome, from its own key, keeps a worker alive.
+            if secrets.compare_digest(msg.session, worker.token) and key == worker.key:
+                worker.last_seen = now
+            else:
+                log.debug("heartbeat.refused", worker=worker.worker_id, peer=_peer(identity))
             return
         if not msg.session:
             return  # still registering
@@ -300,11 +393,11 @@ class ControlPlane:
         if now - self._reregistered.get(identity, -math.inf) < 1.0:
             return
         self._reregistered[identity] = now
-        self._send(identity, Reregister(PROTOCOL_VERSION, "unknown session; register again"))
+        self._send_worker(identity, Reregister(PROTOCOL_VERSION, "unknown session; register again"))
 
-    def _on_result(self, identity: bytes, msg: StepResult) -> None:
-        worker = self.workers.get(identity.decode(errors="replace"))
-        if worker is None:
+    def _on_result(self, identity: bytes, key: str, msg: StepResult) -> None:
+        worker = self._by_identity.get(identity)
+        if worker is None or worker.key != key:
             self._ask_to_reregister(identity, time.monotonic())
             return
         now = time.monotonic()
@@ -343,7 +436,7 @@ class ControlPlane:
         batch = step.batch
         if not (step.num_scheduled_tokens or batch.finished or batch.preempted):
             return
-        if not self._send(worker.identity, batch):
+        if not self._send_worker(worker.identity, batch):
             worker.failed = "unreachable"  # removed at the next safe point (see _on_result)
             return
         worker.outstanding = step
@@ -356,6 +449,7 @@ class ControlPlane:
         if self.workers.get(worker.worker_id) is not worker:
             return
         del self.workers[worker.worker_id]
+        self._by_identity.pop(worker.identity, None)
         self.metrics.worker_up.labels(worker.worker_id).set(0)
         self.metrics.workers.set(len(self.workers))
         self.index.remove(worker)
@@ -429,8 +523,30 @@ class ControlPlane:
 
     def _shutdown(self) -> None:
         self.frontend.fail_all("the control plane is shutting down")
-        self.sock.close(linger=0)
+        self._close_sockets()
         log.info("control.stopped")
+
+
+def check_exposure(bind: str, worker_bind: str, keys: str | None, insecure: bool) -> None:
+    """Refuse to listen beyond this machine without keys, unless told to (`--insecure`):
+    anyone who reaches an unauthenticated worker port can register as a worker and read every
+    prompt routed to it."""
+    exposed = [e for e in (bind, worker_bind) if not is_loopback(e)]
+    if exposed and keys is None and not insecure:
+        raise ValueError(
+            f"refusing to listen on {exposed[0]} without keys: anyone who can reach it could act "
+            "as a worker (and read prompts) or as a client. Make keys with `specserve keys "
+            "generate DIR` and pass --keys DIR, bind a loopback address, or pass --insecure on "
+            "a network only trusted peers reach"
+        )
+
+
+def _send_on(sock: zmq.Socket, identity: bytes, msg: protocol.Message) -> bool:
+    try:
+        sock.send_multipart([identity, protocol.encode(msg)], zmq.NOBLOCK)
+        return True
+    except zmq.ZMQError:
+        return False
 
 
 def _peer(identity: bytes) -> str:

@@ -21,6 +21,9 @@ class WorkerHandle:
     scheduler: Scheduler
     namespace: Namespace
     last_seen: float
+    identity: bytes = b""  # its connection on the worker port
+    key: str = ""  # its authenticated public key (Z85); "" without --keys
+    token: str = ""  # what its heartbeats must carry (the Welcome's `session`)
     writer: IndexWriter | None = None
     epoch: int = -1
     outstanding: ScheduledStep | None = None
@@ -82,10 +85,6 @@ class WorkerHandle:
     @property
     def worker_id(self) -> str:
         return self.info.worker_id
-
-    @property
-    def identity(self) -> bytes:
-        return self.info.worker_id.encode()
 
     @property
     def load(self) -> float:

@@ -2,8 +2,8 @@
 
 `generate` serves one prompt in-process (or asks a running service with `--url`), `control` and
 `worker` run the two halves of the distributed service, `up` starts a whole local service,
-`cache` inspects the Redis prefix index, `kernels` builds the CPU kernels ahead of time and
-`train-drafter` trains a drafter for a model.
+`cache` inspects the Redis prefix index, `kernels` builds the CPU kernels ahead of time, `keys`
+makes CURVE keys and `train-drafter` trains a drafter for a model.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import os
 import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -31,11 +32,14 @@ if TYPE_CHECKING:
     from specserve.control.limits import ServiceLimits
     from specserve.control.request import SpecDecodingStats
     from specserve.launch.up import UpPlan
+    from specserve.shared.curve import PeerKeys
     from specserve.shared.protocol import SamplingParams
     from specserve.worker.engine import EngineArgs
 
 ArgTarget = argparse.ArgumentParser | argparse._ArgumentGroup
 DEFAULT_SERVICE_URL = "tcp://127.0.0.1:5555"
+DEFAULT_WORKER_URL = "tcp://127.0.0.1:5556"  # the control plane's worker port
+KEYS_ENV = "SPECSERVE_KEYS"
 _SERVICE_URL = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):\d{1,5}|ipc://\S+")
 
 
@@ -204,6 +208,22 @@ def _add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--timeout", type=float, default=300.0, help="seconds to wait for the service's answer"
     )
+    _add_key_args(p, "client", f"default: ${KEYS_ENV}; none: no authentication")
+
+
+def _add_key_args(p: argparse.ArgumentParser, role: str, default: str) -> None:
+    p.add_argument(
+        "--keys",
+        default=None,
+        help=f"a key directory from `specserve keys generate`, to authenticate with CURVE "
+        f"({default})",
+    )
+    if role != "control":
+        p.add_argument(
+            "--key-name",
+            default=role,
+            help=f"this {role}'s key pair: {role}s/NAME.key_secret in --keys (default: {role})",
+        )
 
 
 def _add_redis_args(p: argparse.ArgumentParser, what: str) -> None:
@@ -309,7 +329,17 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 def _add_control(sub: argparse._SubParsersAction) -> None:
     ctl = sub.add_parser("control", help="run the control plane (scheduler, router, index)")
-    ctl.add_argument("--bind", default="tcp://*:5555", help="ZeroMQ address to listen on")
+    ctl.add_argument("--bind", default="tcp://*:5555", help="ZeroMQ address for clients")
+    ctl.add_argument(
+        "--worker-bind", default=None, help="ZeroMQ address for workers (default: --bind's port+1)"
+    )
+    _add_key_args(ctl, "control", "needed to listen beyond loopback, unless --insecure")
+    ctl.add_argument(
+        "--insecure",
+        action="store_true",
+        help="listen on a non-loopback address without keys (only on a network where every "
+        "peer is trusted: anyone reaching the worker port can act as a worker)",
+    )
     _add_redis_args(ctl, "the prefix index (default: none)")
     ctl.add_argument("--model", default="smollm2-135m", help="the model the workers serve")
     ctl.add_argument(
@@ -332,8 +362,12 @@ def _add_control(sub: argparse._SubParsersAction) -> None:
 def _add_worker(sub: argparse._SubParsersAction) -> None:
     wrk = sub.add_parser("worker", help="run one GPU/CPU worker for a control plane")
     wrk.add_argument(
-        "--control", type=_service_url, default=DEFAULT_SERVICE_URL, help="control plane address"
+        "--control",
+        type=_service_url,
+        default=DEFAULT_WORKER_URL,
+        help="the control plane's worker port (its --bind port + 1 unless --worker-bind)",
     )
+    _add_key_args(wrk, "worker", "needed when the control plane runs with --keys")
     wrk.add_argument("--worker-id", type=_worker_id, default=None, help="default: host and pid")
     wrk.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds")
     _add_engine_args(wrk)
@@ -359,8 +393,19 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     _add_engine_args(up.add_argument_group("engine (every worker)"))
     _add_prompt_args(up, required=False)
     _add_sampling_args(up)
-    _add_client_args(up)
-    up.set_defaults(func=cmd_up)
+    up.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds to wait for the service's answer"
+    )
+    up.add_argument(
+        "--keys",
+        default=None,
+        help=f"the service's key directory, generated if empty (default: ${KEYS_ENV}, else "
+        "$SPECSERVE_CACHE_DIR/keys, i.e. ~/.cache/specserve/keys)",
+    )
+    up.add_argument(
+        "--insecure", action="store_true", help="no authentication (loopback only anyway)"
+    )
+    up.set_defaults(func=cmd_up, key_name="client")
 
 
 def _add_cache(sub: argparse._SubParsersAction) -> None:
@@ -416,6 +461,35 @@ def _add_kernels(sub: argparse._SubParsersAction) -> None:
         action.set_defaults(func=cmd_kernels_build if name == "build" else cmd_kernels_status)
 
 
+def _add_keys(sub: argparse._SubParsersAction) -> None:
+    keys = sub.add_parser("keys", help="make CURVE keys for the control plane, workers, clients")
+    actions = keys.add_subparsers(dest="action", required=True)
+    text = (
+        "write DIR/control.key(_secret), DIR/workers/NAME.key(_secret) and "
+        "DIR/clients/NAME.key(_secret) (mode 0600, folders 0700); existing keys are never "
+        "overwritten"
+    )
+    gen = actions.add_parser("generate", help=text, description=text)
+    gen.add_argument("dir", help="the key directory")
+    gen.add_argument("--workers", default="worker", help="comma-separated worker key names")
+    gen.add_argument("--clients", default="client", help="comma-separated client key names")
+    gen.set_defaults(func=cmd_keys_generate)
+
+
+def cmd_keys_generate(args: argparse.Namespace) -> int:
+    from specserve.shared.curve import generate_keys
+
+    names = {}
+    for role in ("workers", "clients"):
+        names[role] = tuple(n.strip() for n in getattr(args, role).split(",") if n.strip())
+        for name in names[role]:
+            if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", name):
+                raise CliError(f"key name {name!r} must be 1-64 characters from [A-Za-z0-9._-]")
+    for path in generate_keys(args.dir, names["workers"], names["clients"]):
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specserve", description="LLM serving with speculative decoding."
@@ -423,7 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_logging_args(parser, None, False)
     sub = parser.add_subparsers(dest="command", required=True)
     commands = (
-        _add_generate, _add_control, _add_worker, _add_up, _add_cache, _add_kernels, train_command
+        _add_generate, _add_control, _add_worker, _add_up, _add_cache, _add_kernels, _add_keys,
+        train_command,
     )  # fmt: skip
     for add in commands:
         add(sub)
@@ -521,7 +596,8 @@ def generate_remote(url: str, args: argparse.Namespace, params: SamplingParams) 
     from specserve.client import Client, ServiceError
 
     try:
-        with Client(url, timeout=args.timeout) as client:
+        keys = args.keys or os.environ.get(KEYS_ENV) or None
+        with Client(url, timeout=args.timeout, keys=keys, key_name=args.key_name) as client:
             if args.json:
                 completion = client.generate(_prompt(args), params, chat=args.chat)
                 print(json.dumps(completion_json(completion)))
@@ -577,6 +653,9 @@ def control_args(args: argparse.Namespace) -> ControlArgs:
 
     return ControlArgs(
         bind=args.bind,
+        worker_bind=args.worker_bind,
+        keys=args.keys,
+        insecure=args.insecure,
         redis_url=redis_url(args),
         model=args.model,
         routing=args.routing,
@@ -610,7 +689,17 @@ def cmd_worker(args: argparse.Namespace) -> int:
         args.control,
         worker_id=args.worker_id,
         heartbeat_interval_s=args.heartbeat_interval,
+        keys=_peer_keys(args, "workers"),
     )
+
+
+def _peer_keys(args: argparse.Namespace, role: str) -> PeerKeys | None:
+    """A worker's or client's keys, loaded before any slow work so that a bad path fails fast."""
+    from specserve.shared.curve import PeerKeys
+
+    if args.keys is None:
+        return None
+    return PeerKeys.load(args.keys, role, args.key_name)
 
 
 # --- up --------------------------------------------------------------------------------------
@@ -653,6 +742,7 @@ def up_plan(args: argparse.Namespace) -> UpPlan:
         worker_flags=engine_argv(args),
         log_flags=_log_argv(args),
         ready_timeout_s=args.ready_timeout,
+        keys=args.keys,
     )
 
 
@@ -661,6 +751,14 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     _check_worker_installed()
     _check_model(args.model)
+    if not args.insecure:
+        from specserve.shared.curve import default_keys_dir, ensure_keys
+
+        args.keys = args.keys or os.environ.get(KEYS_ENV) or str(default_keys_dir())
+        if ensure_keys(args.keys):
+            print(f"[up] generated the service's keys in {args.keys}", file=sys.stderr)
+    else:
+        args.keys = None
     plan = up_plan(args)
     on_ready: Callable[[str], int] | None = None
     if args.prompt is not None or args.prompt_ids is not None:

@@ -115,6 +115,20 @@ def qwen3_hybrid_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
     return _save(tmp_path_factory, "qwen3_hybrid", _seeded(transformers.Qwen3ForCausalLM, config))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def service_keys(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`specserve up` (and `generate --url` after it) keep their CURVE keys in $SPECSERVE_KEYS:
+    a session folder, never the user's own key directory."""
+    keys = str(tmp_path_factory.mktemp("service-keys") / "keys")
+    before = os.environ.get("SPECSERVE_KEYS")
+    os.environ["SPECSERVE_KEYS"] = keys
+    yield keys
+    if before is None:
+        os.environ.pop("SPECSERVE_KEYS", None)
+    else:
+        os.environ["SPECSERVE_KEYS"] = before
+
+
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
     """A real Redis for the whole session: REDIS_URL if set, else a private server. Tests keep to

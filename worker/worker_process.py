@@ -13,6 +13,7 @@ import math
 import os
 import platform
 import re
+import secrets
 import signal
 import threading
 import time
@@ -24,6 +25,7 @@ import structlog
 import zmq
 
 from specserve.shared import protocol
+from specserve.shared.curve import PeerKeys
 from specserve.shared.protocol import PROTOCOL_VERSION
 from specserve.shared.socket_limits import bound_socket, worker_max_message_bytes
 from specserve.worker.engine import EngineArgs, WorkerEngine
@@ -83,17 +85,28 @@ class WorkerStats:
             self.idle_s += idle_s
 
 
-def _dealer(ctx: zmq.Context, identity: str, url: str, max_message_bytes: int) -> zmq.Socket:
+def _dealer(
+    ctx: zmq.Context, identity: str, url: str, max_message_bytes: int, keys: PeerKeys | None
+) -> zmq.Socket:
     """A DEALER that queues nothing until its connection is up (IMMEDIATE), so a control plane
     that starts late is not flooded with stale Registers and heartbeats, and that drops a
-    connection sending a message over `max_message_bytes`."""
+    connection sending a message over `max_message_bytes`. With `keys` it authenticates with
+    CURVE (and a control plane without our key never completes the connection)."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, identity.encode())
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IMMEDIATE, 1)
     bound_socket(sock, max_message_bytes)
+    if keys is not None:
+        keys.apply(sock)
     sock.connect(url)
     return sock
+
+
+def connection_identity(worker_id: str) -> str:
+    """The worker socket's identity: the id (for readable logs) and a nonce, so that a restarted
+    worker never collides with the connection of its previous life."""
+    return f"{worker_id}#{secrets.token_hex(4)}"
 
 
 def _try_send(sock: zmq.Socket, msg: protocol.Message) -> bool:
@@ -109,11 +122,19 @@ class _Heartbeater:
     """Sends `Heartbeat` on its own socket and thread, once registered (session set)."""
 
     def __init__(
-        self, ctx: zmq.Context, control_url: str, worker_id: str, interval_s: float
+        self,
+        ctx: zmq.Context,
+        control_url: str,
+        worker_id: str,
+        identity: str,
+        interval_s: float,
+        keys: PeerKeys | None,
     ) -> None:
         self._ctx = ctx
         self._url = control_url
         self._worker_id = worker_id
+        self._identity = identity + HEARTBEAT_SUFFIX
+        self._keys = keys
         self._interval_s = interval_s
         self._lock = threading.Lock()
         self._session = ""
@@ -140,8 +161,9 @@ class _Heartbeater:
         self._thread.join()
 
     def _run(self) -> None:
-        identity = self._worker_id + HEARTBEAT_SUFFIX
-        sock = _dealer(self._ctx, identity, self._url, HEARTBEAT_MAX_MESSAGE_BYTES)
+        sock = _dealer(
+            self._ctx, self._identity, self._url, HEARTBEAT_MAX_MESSAGE_BYTES, self._keys
+        )
         try:
             while not self._done.wait(self._interval_s):
                 self._beat(sock)
@@ -174,8 +196,10 @@ class WorkerServer:
         worker_id: str,
         heartbeat_interval_s: float = 0.5,
         stop: threading.Event | None = None,
+        keys: PeerKeys | None = None,
     ) -> None:
         self.engine = engine
+        self.keys = keys
         self.control_url = control_url
         self.worker_id = protocol.check_worker_id(worker_id)
         self.heartbeat_interval_s = _check_interval(heartbeat_interval_s)
@@ -197,9 +221,10 @@ class WorkerServer:
         max_bytes = worker_max_message_bytes(
             info.max_num_seqs, info.max_model_len, len(info.kv_groups)
         )
-        self._sock = _dealer(ctx, self.worker_id, self.control_url, max_bytes)
+        identity = connection_identity(self.worker_id)
+        self._sock = _dealer(ctx, identity, self.control_url, max_bytes, self.keys)
         self._heartbeater = _Heartbeater(
-            ctx, self.control_url, self.worker_id, self.heartbeat_interval_s
+            ctx, self.control_url, self.worker_id, identity, self.heartbeat_interval_s, self.keys
         )
         self._heartbeater.start()
         try:
@@ -366,8 +391,10 @@ def run_worker(
     worker_id: str | None = None,
     heartbeat_interval_s: float = 0.5,
     stop: threading.Event | None = None,
+    keys: PeerKeys | None = None,
 ) -> int:
-    """Load the engine, then serve the control plane at `control_url` until stopped.
+    """Load the engine, then serve the control plane's worker port at `control_url` until
+    stopped, authenticating with `keys` when given.
 
     Returns the process exit code: 0 after `stop`, SIGTERM or SIGINT; 3 when rejected.
     """
@@ -382,7 +409,7 @@ def run_worker(
         if stop.is_set():
             log.info("worker.stopped", worker_id=worker_id, exit_code=EXIT_OK, steps=0)
             return EXIT_OK
-        server = WorkerServer(engine, control_url, worker_id, heartbeat_interval_s, stop)
+        server = WorkerServer(engine, control_url, worker_id, heartbeat_interval_s, stop, keys)
         return server.run()
     finally:
         restore()

@@ -13,7 +13,12 @@ dropped and a retry under the same id never receives them (`tombstones.py`).
 
 from specserve.client.aio import AsyncClient
 from specserve.client.core import CLOSE_LINGER_MS, DEFAULT_TIMEOUT, DEFAULT_URL
-from specserve.client.errors import RequestFailed, RequestTimeout, ServiceError
+from specserve.client.errors import (
+    RequestFailed,
+    RequestTimeout,
+    ServiceError,
+    ServiceUnreachable,
+)
 from specserve.client.state import Completion
 from specserve.client.sync import Client
 from specserve.client.tombstones import TOMBSTONE_TTL_S
@@ -34,6 +39,7 @@ __all__ = [
     "RequestTimeout",
     "SamplingParams",
     "ServiceError",
+    "ServiceUnreachable",
     "build_request",
     "check_reply",
     "parse_reply",

@@ -56,6 +56,8 @@ class ClientCore(ABC, Generic[CompletionT, IdT, OutputsT]):
     def __init__(self, url: str, timeout: float | None) -> None:
         self.url = url
         self.timeout = timeout
+        self._unreachable = False  # the last send found no connection
+        self._heard = False  # whether anything at all came from the control plane
         self._requests: dict[str, RequestState] = {}
         self._tombstones = Tombstones(on_clear=self._wake)
         self._closed = False
@@ -160,7 +162,7 @@ class ClientCore(ABC, Generic[CompletionT, IdT, OutputsT]):
         while not state.inbox:
             if state.deadline.passed(self._now()):
                 yield from self._abandon(request_id)
-                raise state.deadline.timed_out(request_id)
+                raise state.deadline.timed_out(request_id, self._heard)
             yield Wait(request_id, state.deadline.at)
         return self._take(state)
 
@@ -209,6 +211,7 @@ class ClientCore(ABC, Generic[CompletionT, IdT, OutputsT]):
 
     def _file(self, frames: list[bytes]) -> None:
         """File one message from the control plane under its request (or drop it)."""
+        self._heard = True
         reply = parse_reply(frames)
         if reply is None or self._tombstones.swallow(reply):
             return

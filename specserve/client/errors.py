@@ -19,5 +19,20 @@ class RequestTimeout(ServiceError):
     """
 
 
+class ServiceUnreachable(ServiceError):
+    """Nothing could be sent: no connection to the control plane came up within the client's
+    timeout (it is not running, or it requires keys this client does not have)."""
+
+
 class RequestFailed(ServiceError):
     """The control plane refused the request (`ErrorReply`) or it finished with an error."""
+
+
+UNREACHABLE_HINT = (
+    "is it running, and does it require keys (--keys) that this client was not given?"
+)
+
+
+def unreachable_message(url: str, waited_s: float | None) -> str:
+    waited = "" if not waited_s else f" within {waited_s:g} s"
+    return f"no connection to the control plane at {url}{waited}: {UNREACHABLE_HINT}"

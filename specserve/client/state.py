@@ -6,7 +6,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from specserve.client.errors import RequestTimeout, ServiceError
+from specserve.client.errors import UNREACHABLE_HINT, RequestTimeout, ServiceError
 from specserve.client.wire import Reply, ends_request
 from specserve.shared.protocol import GenerateRequest, RequestOutput, SpecStats, TokenLogprobs
 
@@ -73,9 +73,12 @@ class Deadline:
         """`when`, or the deadline if that comes first."""
         return when if self.at is None else min(when, self.at)
 
-    def timed_out(self, request_id: str) -> RequestTimeout:
+    def timed_out(self, request_id: str, heard: bool = True) -> RequestTimeout:
+        """`heard`: whether the control plane ever answered this client; if not, the likelier
+        trouble is the connection, and the message says so."""
+        hint = "" if heard else f", and the control plane never answered: {UNREACHABLE_HINT}"
         return RequestTimeout(
-            f"request {request_id} did not finish within {self.limit or 0.0:g} s", request_id
+            f"request {request_id} did not finish within {self.limit or 0.0:g} s{hint}", request_id
         )
 
     def not_sent(self, request_id: str) -> RequestTimeout:

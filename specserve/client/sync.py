@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Iterator
 from types import TracebackType
@@ -11,9 +12,11 @@ from typing import TypeVar
 import zmq
 
 from specserve.client.core import CLOSE_LINGER_MS, DEFAULT_TIMEOUT, DEFAULT_URL, ClientCore
+from specserve.client.errors import ServiceUnreachable, unreachable_message
 from specserve.client.state import Completion
 from specserve.client.steps import Run, Send, Step, Steps
 from specserve.client.wire import abort_frame
+from specserve.shared.curve import CLIENTS, DEFAULT_CLIENT_KEY, PeerKeys, peer_keys
 from specserve.shared.protocol import GenerateRequest, RequestOutput
 from specserve.shared.socket_limits import CLIENT_MAX_MESSAGE_BYTES, bound_socket
 
@@ -35,6 +38,9 @@ class Client(ClientCore[Completion, str, Iterator[RequestOutput]]):
 
     An inbound message over `max_message_bytes` (default 256 MiB, room for a long non-streaming
     completion with logprobs) drops the connection rather than being buffered.
+
+    `keys` (a `specserve keys generate` directory, or loaded `PeerKeys`) authenticates with
+    CURVE as `clients/<key_name>`; a control plane started with `--keys` needs it.
     """
 
     def __init__(
@@ -43,11 +49,16 @@ class Client(ClientCore[Completion, str, Iterator[RequestOutput]]):
         timeout: float | None = DEFAULT_TIMEOUT,
         *,
         max_message_bytes: int = CLIENT_MAX_MESSAGE_BYTES,
+        keys: PeerKeys | str | os.PathLike | None = None,
+        key_name: str = DEFAULT_CLIENT_KEY,
     ) -> None:
         super().__init__(url, timeout)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
         bound_socket(self._socket, max_message_bytes)
+        curve = peer_keys(keys, CLIENTS, key_name)
+        if curve is not None:
+            curve.apply(self._socket)
         self._socket.connect(url)
 
     def abort(self, request_id: str) -> None:
@@ -114,4 +125,12 @@ class Client(ClientCore[Completion, str, Iterator[RequestOutput]]):
 
     def _send(self, frame: bytes) -> None:
         self._check_open()
-        self._socket.send(frame)
+        # A DEALER blocks on send while it has no connection: wait only as long as the client's
+        # timeout, and once that failed, not again until a send gets through.
+        wait = 0.0 if self._unreachable else self.timeout
+        wait_ms = None if wait is None else int(wait * 1000)
+        if not self._socket.poll(wait_ms, zmq.POLLOUT):
+            self._unreachable = True
+            raise ServiceUnreachable(unreachable_message(self.url, wait))
+        self._unreachable = False
+        self._socket.send(frame, zmq.NOBLOCK)

@@ -52,10 +52,15 @@ class UpPlan:
     worker_flags: list[str] = field(default_factory=list)  # engine flags, for every worker
     log_flags: list[str] = field(default_factory=list)  # global flags for every child
     ready_timeout_s: float = 300.0
+    keys: str | None = None  # the key directory (CURVE on both ports); None: unauthenticated
 
     @property
     def url(self) -> str:
         return f"tcp://127.0.0.1:{self.port}"
+
+    @property
+    def worker_url(self) -> str:
+        return f"tcp://127.0.0.1:{self.port + 1}"
 
     @property
     def namespace(self) -> Namespace:
@@ -131,10 +136,12 @@ class Cluster:
         never in its arguments (readable by every user of the machine); workers never get it.
         """
         plan = self.plan
-        control = ["control", "--bind", plan.url, "--model", plan.model, *plan.control_flags]
+        keys = ["--keys", plan.keys] if plan.keys else []
+        control = ["control", "--bind", plan.url, "--worker-bind", plan.worker_url, *keys]
+        control += ["--model", plan.model, *plan.control_flags]
         self.spawn("control", control, redis_url=self.redis_url)
         for worker_id in plan.worker_ids():
-            worker = ["worker", "--control", plan.url, "--worker-id", worker_id]
+            worker = ["worker", "--control", plan.worker_url, "--worker-id", worker_id, *keys]
             self.spawn(worker_id, [*worker, *plan.worker_flags])
 
     def spawn(self, name: str, argv: list[str], redis_url: str | None = None) -> Child:
@@ -309,6 +316,7 @@ def run_up(plan: UpPlan, on_ready: Callable[[str], int] | None = None) -> int:
     """Start the service, then answer `on_ready(url)` (and stop) or serve until interrupted."""
     plan.namespace  # noqa: B018 - validate the model name etc. before starting anything
     check_port_free(plan.port)
+    check_port_free(plan.port + 1)  # the worker port
     cluster = Cluster(plan)
     with _signals_interrupt():
         try:

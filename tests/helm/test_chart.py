@@ -227,6 +227,7 @@ def test_redis_manifests_are_guarded() -> None:
 
 EXTERNAL_REDIS = ["--set", "redis.enabled=false,redis.url=redis://r:6379/0"]
 THREE_WORKERS = ["--set", "worker.replicas=3"]
+AUTH = ["--set", "auth.secretName=specserve-keys"]  # the chart renders nothing without auth
 
 
 def _helm(*args: str) -> subprocess.CompletedProcess[str]:
@@ -235,7 +236,7 @@ def _helm(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _render(*set_args: str) -> dict[tuple[str, str], dict[str, Any]]:
-    proc = _helm("template", RELEASE, str(CHART), "--namespace", "test", *set_args)
+    proc = _helm("template", RELEASE, str(CHART), "--namespace", "test", *AUTH, *set_args)
     assert proc.returncode == 0, proc.stderr
     docs = [d for d in yaml.safe_load_all(proc.stdout) if d]
     objects = {(d["kind"], d["metadata"]["name"]): d for d in docs}
@@ -256,7 +257,7 @@ def _flag(args: list[str], flag: str) -> str:
 @needs_helm
 @pytest.mark.parametrize("set_args", [[], EXTERNAL_REDIS + THREE_WORKERS], ids=["default", "set"])
 def test_helm_lint(set_args: list[str]) -> None:
-    proc = _helm("lint", "--strict", str(CHART), *set_args)
+    proc = _helm("lint", "--strict", str(CHART), *AUTH, *set_args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -279,6 +280,7 @@ def test_helm_template_defaults() -> None:
     )
     assert {(p["name"], p["port"]) for p in service["spec"]["ports"]} == {
         ("zmq", 5555),
+        ("zmq-workers", 5556),
         ("metrics", 9090),
     }
 
@@ -286,6 +288,9 @@ def test_helm_template_defaults() -> None:
     assert c["image"] == "specserve:0.1.0"
     assert c["command"] == ["specserve", "control"]
     assert _flag(c["args"], "--bind") == "tcp://*:5555"
+    assert _flag(c["args"], "--worker-bind") == "tcp://*:5556"
+    assert _flag(c["args"], "--keys") == "/etc/specserve/keys"
+    assert "--insecure" not in c["args"]
     assert _flag(c["args"], "--redis-url") == f"redis://{FULLNAME}-redis:6379/0"
     assert _flag(c["args"], "--model") == "smollm2-135m"
     assert _flag(c["args"], "--metrics-port") == "9090"
@@ -293,7 +298,12 @@ def test_helm_template_defaults() -> None:
     assert float(_flag(c["args"], "--heartbeat-timeout")) == 3.0
     assert "--log-json" not in c["args"]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"zmq": 5555, "metrics": 9090}
+    assert ports == {"zmq": 5555, "zmq-workers": 5556, "metrics": 9090}
+    (keys,) = control["spec"]["template"]["spec"]["volumes"]
+    assert keys["secret"]["secretName"] == "specserve-keys"
+    assert {i["path"] for i in keys["secret"]["items"]} == {
+        "control.key_secret", "workers/worker.key", "clients/client.key",
+    }  # fmt: skip
     assert c["livenessProbe"]["tcpSocket"]["port"] in ("zmq", 5555)
     assert control["spec"]["replicas"] == 1
     annotations = control["spec"]["template"]["metadata"]["annotations"]
@@ -302,7 +312,12 @@ def test_helm_template_defaults() -> None:
     w = _container(worker)
     assert worker["spec"]["replicas"] == 2
     assert w["command"] == ["specserve", "worker"]
-    assert _flag(w["args"], "--control") == f"tcp://{FULLNAME}-control:5555"
+    assert _flag(w["args"], "--control") == f"tcp://{FULLNAME}-control:5556"
+    assert _flag(w["args"], "--keys") == "/etc/specserve/keys"
+    (keys,) = worker["spec"]["template"]["spec"]["volumes"]
+    assert {i["path"] for i in keys["secret"]["items"]} == {
+        "control.key", "workers/worker.key_secret",
+    }  # fmt: skip
     assert _flag(w["args"], "--worker-id") == "$(POD_NAME)"
     assert _flag(w["args"], "--model") == "smollm2-135m"
     assert _flag(w["args"], "--device") == "cpu"
@@ -324,7 +339,7 @@ def test_helm_template_external_redis_three_workers() -> None:
     worker = objs[("Deployment", f"{FULLNAME}-worker")]
     assert worker["spec"]["replicas"] == 3
     w_args = _container(worker)["args"]
-    assert _flag(w_args, "--control") == f"tcp://{FULLNAME}-control:5555"
+    assert _flag(w_args, "--control") == f"tcp://{FULLNAME}-control:5556"
     c_args = _container(objs[("Deployment", f"{FULLNAME}-control")])["args"]
     assert _flag(c_args, "--redis-url") == "redis://r:6379/0"
 
@@ -356,15 +371,17 @@ def test_helm_template_gpu_spec_decoding_and_pvcs() -> None:
     claims = {
         v["name"]: v["persistentVolumeClaim"]["claimName"]
         for v in worker["spec"]["template"]["spec"]["volumes"]
+        if "persistentVolumeClaim" in v
     }
     assert claims == {"model": "models", "drafter": "drafters"}
-    assert {m["mountPath"] for m in w["volumeMounts"]} == {"/models", "/drafters"}
+    mounts = {m["mountPath"] for m in w["volumeMounts"]}
+    assert mounts == {"/models", "/drafters", "/etc/specserve/keys"}
 
     control = objs[("Deployment", f"{FULLNAME}-control")]
     c = _container(control)
     assert _flag(c["args"], "--model") == "/models/m"
     assert "--log-json" in c["args"]
-    assert [m["mountPath"] for m in c["volumeMounts"]] == ["/models"]
+    assert [m["mountPath"] for m in c["volumeMounts"]] == ["/models", "/etc/specserve/keys"]
 
 
 @needs_helm
@@ -378,6 +395,17 @@ def test_helm_template_gpu_spec_decoding_and_pvcs() -> None:
     ],
 )
 def test_helm_template_refuses_bad_values(set_args: list[str], message: str) -> None:
-    proc = _helm("template", RELEASE, str(CHART), *set_args)
+    proc = _helm("template", RELEASE, str(CHART), *AUTH, *set_args)
     assert proc.returncode != 0
     assert message in proc.stderr
+
+
+@needs_helm
+def test_helm_template_refuses_to_run_without_auth_unless_insecure() -> None:
+    proc = _helm("template", RELEASE, str(CHART))
+    assert proc.returncode != 0
+    assert "set auth.secretName to a Secret made from `specserve keys generate`" in proc.stderr
+    objs = _render("--set", "auth.secretName=,auth.insecure=true")
+    for name in ("control", "worker"):
+        args = _container(objs[("Deployment", f"{FULLNAME}-{name}")])["args"]
+        assert "--insecure" in args and "--keys" not in args

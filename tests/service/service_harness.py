@@ -38,6 +38,9 @@ class Service:
         self.redis_url = redis_url
         self.logdir = logdir
         self.port = free_port()
+        self.worker_port = free_port()
+        self.worker_url = f"tcp://127.0.0.1:{self.worker_port}"
+        self.keys = control.get("keys")  # a key directory: CURVE for the workers too
         if redis_url is not None:
             drop_model_keys(redis_url, model)
         self.url = f"tcp://127.0.0.1:{self.port}"
@@ -52,6 +55,7 @@ class Service:
     def start_control(self) -> ControlPlane:
         args = ControlArgs(
             bind=self.url,
+            worker_bind=self.worker_url,
             redis_url=self.redis_url,
             model=self.model,
             heartbeat_timeout_s=2.0,
@@ -71,15 +75,20 @@ class Service:
 
     # --- workers ----------------------------------------------------------------------------
 
-    def start_worker(self, worker_id: str, **engine: object) -> subprocess.Popen:
+    def start_worker(
+        self, worker_id: str, key_name: str = "worker", **engine: object
+    ) -> subprocess.Popen:
         kwargs = dict(WORKER_ENGINE, model=self.model, **engine)
+        keys = None if self.keys is None else (str(self.keys), "workers", key_name)
         code = (
             "import sys, torch\n"
             "torch.set_num_threads(1)\n"
+            "from specserve.shared.curve import PeerKeys\n"
             "from specserve.worker.engine import EngineArgs\n"
             "from specserve.worker.worker_process import run_worker\n"
-            f"sys.exit(run_worker(EngineArgs(**{kwargs!r}), {self.url!r}, {worker_id!r}, "
-            "heartbeat_interval_s=0.2))\n"
+            f"keys = None if {keys!r} is None else PeerKeys.load(*{keys!r})\n"
+            f"sys.exit(run_worker(EngineArgs(**{kwargs!r}), {self.worker_url!r}, {worker_id!r}, "
+            "heartbeat_interval_s=0.2, keys=keys))\n"
         )
         env = dict(os.environ, SPECSERVE_LOG_LEVEL="warning", OMP_NUM_THREADS="1")
         log = open(self.logdir / f"{worker_id}.log", "ab")  # noqa: SIM115 (lives with the process)

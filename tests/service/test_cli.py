@@ -132,7 +132,7 @@ def test_worker_flags():
         sample_drafts=True,
     )
     defaults = parse("worker")
-    assert (defaults.control, defaults.worker_id) == ("tcp://127.0.0.1:5555", None)
+    assert (defaults.control, defaults.worker_id) == ("tcp://127.0.0.1:5556", None)
     assert worker_engine_args(defaults) == EngineArgs()
 
 
@@ -407,6 +407,15 @@ def test_up_serves_until_sigterm(llama_ckpt, llm_tokens, redis_url, model_keys_d
         streamed = specserve("generate", "--url", url, *request)  # no tokenizer: ids as text
         assert streamed.returncode == 0, streamed.stderr
         assert streamed.stdout.strip() == ",".join(map(str, llm_tokens))
+        # `up` is authenticated: without the client key nothing connects, and the client says so
+        # within its timeout.
+        unkeyed = subprocess.run(
+            [sys.executable, "-m", "specserve.cli", "generate", "--url", url, *request,
+             "--timeout", "2"],
+            capture_output=True, text=True, timeout=60,
+            env={k: v for k, v in os.environ.items() if k != "SPECSERVE_KEYS"},
+        )  # fmt: skip
+        assert_user_error(unkeyed, "does it require keys (--keys)")
         up.send_signal(signal.SIGTERM)
         _, rest = up.communicate(timeout=60)
     finally:

@@ -60,9 +60,11 @@ class RecordingPlane(ControlPlane):
         self.sent.append((identity, msg))
         return True
 
+    _send_worker = _send  # worker connections are named after their worker id here
+
     def register(self, worker_id: str, **fields) -> None:
         info = _info(worker_id, **{"model": self.args.model, **fields})
-        self._on_register(worker_id.encode(), Register(P, info))
+        self._on_register(worker_id.encode(), "", Register(P, info))
 
     def generate(self, request_id: str, prompt: list[int], client: bytes = b"c1", **sampling):
         params = SamplingParams(**{"temperature": 0.0, "ignore_eos": True, **sampling})
@@ -85,14 +87,14 @@ class RecordingPlane(ControlPlane):
             done = new.num_computed_tokens + new.num_scheduled_tokens >= len(new.token_ids)
             results.append(RequestResult(new.handle, [token] if done else []))
         results += [RequestResult(d.handle, [token]) for d in batch.running]
-        self._on_result(worker_id.encode(), StepResult(P, batch.step_id, results))
+        self._on_result(worker_id.encode(), "", StepResult(P, batch.step_id, results))
 
 
 @pytest.fixture
 def plane(llama_ckpt):
     p = RecordingPlane(str(llama_ckpt.path))
     yield p
-    p.sock.close(linger=0)
+    p._close_sockets()
 
 
 def tokens(outputs: list) -> list[int]:
@@ -124,7 +126,7 @@ def test_a_late_result_of_an_earlier_registration_is_ignored(plane: RecordingPla
     plane.generate("A", [1, 2, 3, 4, 5], client=b"alice", max_tokens=4)
     plane._dispatch_all()
     first = plane.batches("w1")[-1]
-    plane._handle(b"alice", AbortRequest(P, "A"))
+    plane._on_frame(b"alice", encode(AbortRequest(P, "A")))
     plane.register("w1")  # the worker registers again (e.g. after a Reregister)
     plane.generate("C", [9, 9, 9, 9, 9, 9, 9], client=b"bob", max_tokens=4)
     plane._dispatch_all()
@@ -139,7 +141,7 @@ def test_a_late_result_of_an_earlier_registration_is_ignored(plane: RecordingPla
 
 def test_reregister_requests_are_rate_limited(plane: RecordingPlane):
     for _ in range(5):
-        plane._on_heartbeat(b"ghost#hb", Heartbeat(P, "ghost", "old-session"))
+        plane._on_heartbeat(b"ghost#hb", "", Heartbeat(P, "ghost", "old-session"))
     asks = [(i, m) for i, m in plane.sent if isinstance(m, Reregister)]
     assert [i for i, _ in asks] == [b"ghost"]
 
@@ -152,7 +154,7 @@ def test_tokens_outside_the_vocabulary_fail_only_their_request(plane: RecordingP
     batch = plane.batches("w0")[-1]
     handle = {n.request_id: n.handle for n in batch.new_requests}
     result = [RequestResult(handle["bad"], [-1]), RequestResult(handle["good"], [9])]
-    plane._on_result(b"w0", StepResult(P, batch.step_id, result))
+    plane._on_result(b"w0", "", StepResult(P, batch.step_id, result))
     (failed,) = plane.outputs()
     assert failed.finished and failed.finish_reason == "error"
     assert "outside the vocabulary" in failed.error
@@ -165,7 +167,7 @@ def test_a_request_the_worker_never_answers_fails_and_frees_its_blocks(plane: Re
     plane.generate("a", [1, 2, 3])
     plane._dispatch_all()
     batch = plane.batches("w0")[-1]
-    plane._on_result(b"w0", StepResult(P, batch.step_id, []))
+    plane._on_result(b"w0", "", StepResult(P, batch.step_id, []))
     (out,) = plane.outputs()
     assert out.finish_reason == "error" and out.error == "the worker returned no result for it"
     assert plane.frontend.requests == {}
@@ -216,7 +218,7 @@ def test_redis_refusing_writes_does_not_stop_serving(llama_ckpt, tmp_path: Path)
         plane._tick(time.monotonic())
         assert plane.index.up and plane.workers["w0"].writer is not None
     finally:
-        plane.sock.close(linger=0)
+        plane._close_sockets()
         redis_server.close()
 
 
@@ -335,8 +337,8 @@ def test_registration_claims_beyond_the_limits_are_rejected_at_once(
 
 
 def test_rejections_never_echo_a_huge_string(plane: RecordingPlane):
-    plane._on_register(b"w" * 100, Register(P, _info("w" * (1 << 20))))
-    plane._on_register(b"w1", Register(P, _info("w1", model="m" * (1 << 20))))
+    plane._on_register(b"w" * 100, "", Register(P, _info("w" * (1 << 20))))
+    plane._on_register(b"w1", "", Register(P, _info("w1", model="m" * (1 << 20))))
     first, second = [m.reason for _, m in plane.sent if isinstance(m, Rejected)]
     assert (
         first == f"worker id '{'w' * 63}... (1048576 characters) must be 1-64 characters from "
@@ -355,7 +357,7 @@ def test_limits_are_the_operators(llama_ckpt):
         p.register("w1", num_blocks=65)
         assert _rejections(p, b"w1") == ["num_blocks must be in [2, 64], got 65"]
     finally:
-        p.sock.close(linger=0)
+        p._close_sockets()
 
 
 def test_the_prompt_limit_is_the_smallest_of_the_service_and_the_workers(llama_ckpt):
@@ -368,7 +370,7 @@ def test_the_prompt_limit_is_the_smallest_of_the_service_and_the_workers(llama_c
         p.generate("c", [1] * 50)
         p.generate("d", [1] * 49)
     finally:
-        p.sock.close(linger=0)
+        p._close_sockets()
     assert [(r.request_id, r.message) for r in p.outputs() if isinstance(r, ErrorReply)] == [
         ("a", "the prompt has 101 tokens; at most 100 prompt tokens are allowed "
               "(--max-prompt-tokens)"),

@@ -202,7 +202,7 @@ def test_fuzzed_frames_leave_the_control_plane_serving_exactly(
     plane = svc.plane
     assert plane is not None and svc._thread is not None
     failures: list[str] = []
-    for name in ("_on_frame", "_handle"):  # the frame as a whole, and the decoded message
+    for name in ("_on_frame", "_on_generate"):  # the frame as a whole, and a decoded request
         monkeypatch.setattr(plane, name, recording(getattr(plane, name), failures))
     worker = plane.workers["w0"]
     expected = hf_greedy(llama_ckpt.hf_model, PROMPT, N)

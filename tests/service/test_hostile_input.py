@@ -4,6 +4,7 @@ client still gets exactly the greedy tokens transformers computes on the same we
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import subprocess
@@ -26,6 +27,7 @@ from specserve.control.limits import ServiceLimits
 from specserve.launch.local_redis import free_port
 from specserve.shared import protocol
 from specserve.shared.config import AttentionType, KVGroupSpec
+from specserve.shared.curve import CLIENTS, PeerKeys
 from specserve.shared.hashing import BlockHasher, extend_block_hashes
 from specserve.shared.protocol import (
     PROTOCOL_VERSION,
@@ -305,7 +307,7 @@ def test_an_oversized_registration_is_refused_fast_and_nothing_is_kept(
     plane = svc.plane
     assert plane is not None
     info = msgspec.structs.replace(plane.workers["w0"].info, worker_id="bloated", **claims)
-    with raw_socket(svc.url, b"bloated") as sock:
+    with raw_socket(svc.worker_url, b"bloated") as sock:
         start = time.monotonic()
         sock.send(protocol.encode(Register(PROTOCOL_VERSION, info)))
         reply = receive(sock)
@@ -352,7 +354,16 @@ def test_specserve_up_shrugs_off_a_hostile_socket(llama_ckpt, redis_url) -> None
         drain = threading.Thread(target=lambda: lines.extend(up.stderr), daemon=True)
         drain.start()
         want = hf_greedy(llama_ckpt.hf_model, [1, 2, 3], 5)
-        with raw_socket(url) as hostile:
+        keys = os.environ["SPECSERVE_KEYS"]  # where `up` made its keys
+        # A socket without a key gets nothing through either port; one with the client key
+        # gets the bounded refusals.
+        for port_url in (url, f"tcp://127.0.0.1:{port + 1}"):
+            with raw_socket(port_url) as stranger:
+                stranger.send(nested_generate("deep", 5000))
+                assert not stranger.poll(1000)
+        with raw_socket(None) as hostile:
+            PeerKeys.load(keys, CLIENTS, "client").apply(hostile)
+            hostile.connect(url)
             hostile.send(nested_generate("deep", 5000))
             reply = receive(hostile)
             assert isinstance(reply, ErrorReply) and reply.request_id == "deep"
@@ -361,11 +372,11 @@ def test_specserve_up_shrugs_off_a_hostile_socket(llama_ckpt, redis_url) -> None
                 hostile.send(bytes([data]) * 40)
             hostile.send(protocol.encode(StepResult(PROTOCOL_VERSION, 1)))
             hostile.send(b"\x90" * ((1 << 20) + 1))  # over --max-message-bytes: dropped
-            with Client(url, timeout=60) as client:
+            with Client(url, timeout=60, keys=keys) as client:
                 out = client.generate([1, 2, 3], greedy(5))
         assert out.token_ids == want
         refused = pytest.raises(RequestFailed, match="at most 255 prompt tokens")
-        with Client(url, timeout=60) as client, refused:
+        with Client(url, timeout=60, keys=keys) as client, refused:
             client.generate([1] * 300, greedy(1))
         assert up.poll() is None, "".join(lines)
         up.terminate()
@@ -413,17 +424,17 @@ def test_no_worker_message_touches_another_workers_index_entries(svc, expected) 
 
         info = worker.info
         coarse = [KVGroupSpec(AttentionType.FULL, 8)]
-        with raw_socket(svc.url, b"intruder") as sock:
-            # w0's own registration replayed, or its id claimed, from another socket.
+        with raw_socket(svc.worker_url, b"intruder") as sock:
+            # w0's own registration replayed, or its id claimed, from another connection.
             for forged in (info, msgspec.structs.replace(info, pid=1)):
                 sock.send(protocol.encode(Register(PROTOCOL_VERSION, forged)))
                 reply = receive(sock)
                 assert isinstance(reply, Rejected)
-                assert reply.reason == "the socket identity must be the worker id"
-            # Names that would reach into index keys or `<worker>@<epoch>` members. (A socket
-            # borrowing a live worker's own identity is another matter: authentication.)
+                assert "registered by a live worker" in reply.reason
+            # Names that would reach into index keys or `<worker>@<epoch>` members. (Keys that
+            # admit only real workers are another matter: test_auth.py.)
             for bad_id in ("w0@" + str(epoch), "w0:live", "w0:1", "w0/../w0"):
-                with raw_socket(svc.url, bad_id.encode()) as other:
+                with raw_socket(svc.worker_url, bad_id.encode()) as other:
                     forged = msgspec.structs.replace(info, worker_id=bad_id)
                     other.send(protocol.encode(Register(PROTOCOL_VERSION, forged)))
                     reply = receive(other)

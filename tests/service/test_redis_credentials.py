@@ -161,7 +161,8 @@ def test_up_gives_its_control_plane_the_password_by_environment_only(secured, ll
         assert f"{REDIS_URL_ENV}={url}".encode() in control_env
         worker_env = Path(f"/proc/{pids['worker-0']}/environ").read_bytes()
         assert PASSWORD.encode() not in worker_env
-        with Client(f"tcp://127.0.0.1:{port}", timeout=60) as client:
+        keys = os.environ["SPECSERVE_KEYS"]  # where `up` made its keys
+        with Client(f"tcp://127.0.0.1:{port}", timeout=60, keys=keys) as client:
             params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
             out = client.generate([1, 2, 3], params)
         assert out.token_ids == hf_greedy(llama_ckpt.hf_model, [1, 2, 3], 5)

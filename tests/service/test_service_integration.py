@@ -326,7 +326,7 @@ def test_a_stuck_worker_is_removed_and_its_request_resumes(llama_ckpt, redis_url
         stuck = ctx.socket(zmq.DEALER)
         stuck.setsockopt(zmq.IDENTITY, b"stuck")
         stuck.setsockopt(zmq.LINGER, 0)
-        stuck.connect(service.url)
+        stuck.connect(service.worker_url)
         stuck.send(protocol.encode(protocol.Register(PROTOCOL_VERSION, info)))
         assert stuck.poll(10_000)
         welcome = protocol.decode(stuck.recv())
@@ -336,7 +336,7 @@ def test_a_stuck_worker_is_removed_and_its_request_resumes(llama_ckpt, redis_url
             hb = ctx.socket(zmq.DEALER)
             hb.setsockopt(zmq.IDENTITY, b"stuck#hb")
             hb.setsockopt(zmq.LINGER, 0)
-            hb.connect(service.url)
+            hb.connect(service.worker_url)
             while not stop.wait(0.2):
                 hb.send(
                     protocol.encode(protocol.Heartbeat(PROTOCOL_VERSION, "stuck", welcome.session))

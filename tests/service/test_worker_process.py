@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -43,7 +44,7 @@ from specserve.worker.engine import EngineArgs
 from specserve.worker.worker_process import run_worker
 
 WORKER_ID = "w-test"
-HB_ID = WORKER_ID + "#hb"
+HB_SUFFIX = b"#hb"
 HEARTBEAT_S = 0.1
 STARTUP_S = 60.0  # interpreter, torch import and model load, on a busy host
 REPLY_S = 10.0
@@ -75,6 +76,9 @@ class FakeControl:
         self.sock.bind("tcp://127.0.0.1:*")
         self.url = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.heartbeats: list[Heartbeat] = []
+        # The worker's connection, `<worker id>#<nonce>` (new in each worker process); its
+        # heartbeat socket is that and "#hb".
+        self.identity = b""
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -82,7 +86,7 @@ class FakeControl:
 
     def send(self, msg: protocol.Message | bytes) -> None:
         frame = msg if isinstance(msg, bytes) else protocol.encode(msg)
-        self.sock.send_multipart([WORKER_ID.encode(), frame])
+        self.sock.send_multipart([self.identity, frame])
 
     def _pump(self, deadline: float) -> protocol.Message | None:
         """Receive one frame; a worker-socket message is returned, a heartbeat is stored."""
@@ -90,11 +94,13 @@ class FakeControl:
             return None
         identity, frame = self.sock.recv_multipart()
         msg = protocol.decode(frame)
-        if identity == HB_ID.encode():
+        if identity.endswith(HB_SUFFIX):
+            assert identity.startswith(WORKER_ID.encode() + b"#"), identity
             assert isinstance(msg, Heartbeat), msg
             self.heartbeats.append(msg)
             return None
-        assert identity == WORKER_ID.encode(), identity
+        assert re.fullmatch(re.escape(WORKER_ID.encode()) + rb"#[0-9a-f]{8}", identity), identity
+        self.identity = identity
         return msg
 
     def recv(self, timeout_s: float = REPLY_S) -> protocol.Message:

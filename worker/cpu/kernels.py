@@ -48,6 +48,8 @@ import structlog
 import torch
 import torch.nn.functional as F
 
+from specserve.shared.paths import cache_root
+
 log = structlog.get_logger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
@@ -125,11 +127,6 @@ DECODE_TABLES: dict[str, tuple[str, ...]] = {
 
 def enabled() -> bool:
     return os.environ.get("SPECSERVE_CPU_KERNELS", "1") != "0"
-
-
-def cache_root() -> Path:
-    """specserve's cache (`$SPECSERVE_CACHE_DIR`, default `~/.cache/specserve`)."""
-    return Path(os.environ.get("SPECSERVE_CACHE_DIR") or Path.home() / ".cache" / "specserve")
 
 
 def kernels_dir() -> Path:

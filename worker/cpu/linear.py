@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.shared.paths import cache_root
 from specserve.worker.cpu import kernels
 
 log = structlog.get_logger(__name__)
@@ -54,7 +55,7 @@ _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # matmuls are too short for the choice to matter, and tests of small models stay deterministic.
 CALIBRATE_MIN_BYTES = 32 * 2**20
 CALIBRATION_ROWS = (1, 2, 4, 8, 16)
-CALIBRATION_FILE = "linear_calibration.json"  # in `kernels.cache_root()`
+CALIBRATION_FILE = "linear_calibration.json"  # in `cache_root()`
 
 
 @dataclass(eq=False)
@@ -186,7 +187,7 @@ def pack_weights(module: nn.Module, calibrate: bool = True) -> list[PackedWeight
 def _cached_min_rows(packed: Sequence[PackedWeight], megabytes: int) -> int:
     """`calibrate_min_rows(packed)`, from the cache when this kind of machine has measured
     these weights before (it takes seconds), else measured and cached."""
-    path = kernels.cache_root() / CALIBRATION_FILE
+    path = cache_root() / CALIBRATION_FILE
     key, described = _calibration_key(packed)
     cache = _read_calibrations(path)
     min_rows = _cached_entry(cache, key)

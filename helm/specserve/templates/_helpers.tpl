@@ -79,7 +79,22 @@ redis.url (required then).
 The control plane's address, as workers dial it.
 */}}
 {{- define "specserve.controlAddress" -}}
-{{- printf "tcp://%s:%d" (include "specserve.controlName" .) (int .Values.control.port) }}
+{{- printf "tcp://%s:%d" (include "specserve.controlName" .) (int .Values.control.workerPort) }}
+{{- end }}
+
+{{/*
+The authentication flags of the control plane and of workers: --keys with the mounted Secret,
+or --insecure when auth.insecure; neither is refused with how to make the Secret.
+*/}}
+{{- define "specserve.authArgs" -}}
+{{- if .Values.auth.secretName -}}
+- --keys
+- /etc/specserve/keys
+{{- else if .Values.auth.insecure -}}
+- --insecure
+{{- else -}}
+{{- fail "set auth.secretName to a Secret made from `specserve keys generate` (see docs/deploy.md), or auth.insecure=true to run without authentication" -}}
+{{- end }}
 {{- end }}
 
 {{/*
