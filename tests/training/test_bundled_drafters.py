@@ -22,6 +22,7 @@ MODEL = "smollm2-135m"
 MAX_TOKENS = 24
 # The drafters never trained on the first 200 ShareGPT chats (`--held-out`, default 200).
 HELD_OUT = 200
+MIN_ACCEPTANCE = {"eagle3": 1.25, "dflash": 1.1}
 ENGINE = dict(dtype="float32", num_blocks=512, block_size=16, max_model_len=1024)
 
 
@@ -40,7 +41,7 @@ def plain(prompts) -> list[list[int]]:
     return [list(o.token_ids) for o in outs]
 
 
-@pytest.mark.parametrize("method", ["eagle3"])
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
 def test_the_bundled_drafter_is_the_default_and_lossless(method, prompts, plain) -> None:
     shipped = BUNDLED_DRAFTERS / f"{MODEL}-{method}"
     assert (shipped / "config.json").is_file() and (shipped / "model.safetensors").is_file()
@@ -57,5 +58,6 @@ def test_the_bundled_drafter_is_the_default_and_lossless(method, prompts, plain)
     assert [list(o.token_ids) for o in outs] == plain
     stats = llm.spec_stats
     assert stats.num_drafts > 0
-    # Trained: well above the ~1.0 of a random drafter (measured values in docs/benchmarks.md).
-    assert stats.mean_acceptance_length > 1.25, stats.mean_acceptance_length
+    # Trained: above the ~1.00 of a random drafter (measured here: EAGLE-3 1.35, DFlash 1.17;
+    # docs/benchmarks.md).
+    assert stats.mean_acceptance_length > MIN_ACCEPTANCE[method], stats.mean_acceptance_length
