@@ -219,6 +219,9 @@ class ControlPlane:
         socket must not keep the loop from dispatching steps and checking heartbeats."""
         self._drain_socket(self.worker_sock, self._on_worker_frame)
         self._drain_socket(self.sock, self._on_frame)
+        # Heartbeats that arrived while client frames were handled count before the heartbeat
+        # check that follows: a slow client frame must not make a live worker look dead.
+        self._drain_socket(self.worker_sock, self._on_worker_frame)
 
     def _drain_socket(self, sock: zmq.Socket, on_frame) -> None:
         for _ in range(FRAMES_PER_PASS):
