@@ -30,6 +30,7 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -223,7 +224,9 @@ class ControlPlane:
         # check that follows: a slow client frame must not make a live worker look dead.
         self._drain_socket(self.worker_sock, self._on_worker_frame)
 
-    def _drain_socket(self, sock: zmq.Socket, on_frame) -> None:
+    def _drain_socket(
+        self, sock: zmq.Socket, on_frame: Callable[[bytes, bytes, str], None]
+    ) -> None:
         for _ in range(FRAMES_PER_PASS):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)

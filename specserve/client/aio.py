@@ -17,10 +17,10 @@ from specserve.client.core import CLOSE_LINGER_MS, DEFAULT_TIMEOUT, DEFAULT_URL,
 from specserve.client.errors import ServiceError, ServiceUnreachable, unreachable_message
 from specserve.client.state import Completion
 from specserve.client.steps import Run, Send, Step, Steps, Wait
-from specserve.client.wire import abort_frame
-from specserve.shared.curve import CLIENTS, DEFAULT_CLIENT_KEY, PeerKeys, peer_keys
+from specserve.client.wire import abort_frame, connect_dealer
+from specserve.shared.curve import DEFAULT_CLIENT_KEY, PeerKeys
 from specserve.shared.protocol import GenerateRequest, RequestOutput
-from specserve.shared.socket_limits import CLIENT_MAX_MESSAGE_BYTES, bound_socket
+from specserve.shared.socket_limits import CLIENT_MAX_MESSAGE_BYTES
 
 log = structlog.get_logger(__name__)
 
@@ -63,11 +63,7 @@ class AsyncClient(
         super().__init__(url, timeout)
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.DEALER)
-        bound_socket(self._socket, max_message_bytes)
-        curve = peer_keys(keys, CLIENTS, key_name)
-        if curve is not None:
-            curve.apply(self._socket)
-        self._socket.connect(url)
+        connect_dealer(self._socket, url, max_message_bytes, keys, key_name)
         # The tasks waiting for news of an id (see `_wake`); an event is dropped once set.
         self._news: dict[str, asyncio.Event] = {}
         self._receiver: asyncio.Task[None] | None = None

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypedDict
 
 import structlog
+import zmq
 
 from specserve.client.errors import RequestFailed
 from specserve.shared import protocol
+from specserve.shared.curve import CLIENTS, PeerKeys, peer_keys
 from specserve.shared.protocol import (
     PROTOCOL_VERSION,
     AbortRequest,
@@ -20,8 +23,26 @@ from specserve.shared.protocol import (
     RequestOutput,
     SamplingParams,
 )
+from specserve.shared.socket_limits import bound_socket
 
 log = structlog.get_logger(__name__)
+
+
+def connect_dealer(
+    sock: zmq.Socket,
+    url: str,
+    max_message_bytes: int,
+    keys: PeerKeys | str | os.PathLike | None,
+    key_name: str,
+) -> None:
+    """Bound the client's DEALER (`max_message_bytes`, see socket_limits), make it a CURVE
+    client as `clients/<key_name>` when `keys` are given, then connect it to `url`."""
+    bound_socket(sock, max_message_bytes)
+    curve = peer_keys(keys, CLIENTS, key_name)
+    if curve is not None:
+        curve.apply(sock)
+    sock.connect(url)
+
 
 Prompt = str | Sequence[int]
 Reply = RequestOutput | ErrorReply

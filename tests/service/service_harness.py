@@ -19,6 +19,30 @@ from specserve.launch.local_redis import free_port
 WORKER_ENGINE = dict(num_blocks=160, block_size=4, max_model_len=256, max_num_seqs=16)
 
 
+def start_up(argv: list[str], timeout_s: float = 240.0) -> tuple[subprocess.Popen, list[str]]:
+    """`specserve up` with `argv`, once it says it is serving. Its stderr lines collect in the
+    returned list (a thread keeps reading them), so the caller can read the log at the end."""
+    up = subprocess.Popen(
+        [sys.executable, "-m", "specserve.cli", *argv],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not any("specserve is serving" in line for line in lines):
+            line = up.stderr.readline()
+            assert line and time.monotonic() < deadline, "".join(lines)
+            lines.append(line)
+    except BaseException:
+        up.kill()
+        up.wait()
+        raise
+    threading.Thread(target=lambda: lines.extend(up.stderr), daemon=True).start()
+    return up, lines
+
+
 def drop_model_keys(redis_url: str, model: str) -> None:
     """Remove every index key of `model` (all block sizes and hashes): the session's Redis is
     shared, and a test that reads the index must see only what its own service wrote."""
@@ -95,6 +119,14 @@ class Service:
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=log, env=env)
         self.workers[worker_id] = proc
         return proc
+
+    def start(self, *worker_ids: str) -> ControlPlane:
+        """The control plane and these workers, once every worker is registered."""
+        plane = self.start_control()
+        for worker_id in worker_ids:
+            self.start_worker(worker_id)
+        self.wait_workers(set(worker_ids))
+        return plane
 
     def wait_workers(self, worker_ids: set[str], timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout

@@ -60,9 +60,7 @@ def svc(llama_ckpt, redis_url: str, keys: Path, tmp_path_factory) -> Iterator[Se
         str(llama_ckpt.path), redis_url, tmp_path_factory.mktemp("auth"), keys=str(keys)
     )
     try:
-        service.start_control()
-        service.start_worker("w0")
-        service.wait_workers({"w0"})
+        service.start("w0")
         yield service
     finally:
         service.close()
@@ -216,9 +214,8 @@ def test_heartbeats_of_another_key_do_not_keep_a_frozen_worker_alive(
 ) -> None:
     service = Service(str(llama_ckpt.path), redis_url, tmp_path, keys=str(keys))
     try:
-        plane = service.start_control()
-        proc = service.start_worker("w1")
-        service.wait_workers({"w1"})
+        plane = service.start("w1")
+        proc = service.workers["w1"]
         token = plane.workers["w1"].token
         rogue = PeerKeys.load(keys, WORKERS, "rogue")
         os.kill(proc.pid, signal.SIGSTOP)
@@ -257,9 +254,7 @@ def test_unauthenticated_ports_still_keep_the_roles_apart(
     client message."""
     service = Service(str(llama_ckpt.path), redis_url, tmp_path)
     try:
-        service.start_control()
-        service.start_worker("w0")
-        service.wait_workers({"w0"})
+        service.start("w0")
         fake = protocol.encode(Register(PROTOCOL_VERSION, worker_info(service, "fake")))
         with dealer(service.url, identity=b"fake") as sock:
             sock.send(fake)

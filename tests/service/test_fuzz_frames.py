@@ -166,9 +166,7 @@ frames = st.one_of(st.binary(max_size=600), mutated(), nested(), forged())
 def svc(llama_ckpt, redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     service = Service(str(llama_ckpt.path), redis_url, tmp_path_factory.mktemp("fuzz"))
     try:
-        service.start_control()
-        service.start_worker("w0")
-        service.wait_workers({"w0"})
+        service.start("w0")
         yield service
     finally:
         service.close()

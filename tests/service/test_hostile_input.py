@@ -8,9 +8,6 @@ import contextlib
 import os
 import random
 import re
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,7 +16,7 @@ import msgspec
 import pytest
 import zmq
 from hf_reference import hf_greedy
-from service_harness import Service
+from service_harness import Service, start_up
 from zmq.utils.monitor import recv_monitor_message
 
 from specserve.cache_index import IndexReader, connect
@@ -66,9 +63,7 @@ def svc(llama_ckpt, redis_url: str, tmp_path_factory: pytest.TempPathFactory) ->
         str(llama_ckpt.path), redis_url, tmp_path_factory.mktemp("hostile"), limits=limits
     )
     try:
-        service.start_control()
-        service.start_worker("w0")
-        service.wait_workers({"w0"})
+        service.start("w0")
         yield service
     finally:
         service.close()
@@ -339,21 +334,8 @@ def test_specserve_up_shrugs_off_a_hostile_socket(llama_ckpt, redis_url) -> None
         "--redis-url", redis_url, "--num-blocks", "64", "--block-size", "4",
         "--max-model-len", "256", "--max-message-bytes", str(1 << 20),
     ]  # fmt: skip
-    up = subprocess.Popen(
-        [sys.executable, "-m", "specserve.cli", *argv],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    lines: list[str] = []
+    up, lines = start_up(argv)
     try:
-        deadline = time.monotonic() + 240
-        while not any("specserve is serving" in line for line in lines):
-            line = up.stderr.readline()
-            assert line and time.monotonic() < deadline, "".join(lines)
-            lines.append(line)
-        drain = threading.Thread(target=lambda: lines.extend(up.stderr), daemon=True)
-        drain.start()
         want = hf_greedy(llama_ckpt.hf_model, [1, 2, 3], 5)
         keys = os.environ["SPECSERVE_KEYS"]  # where `up` made its keys
         # A socket without a key gets nothing through either port; one with the client key

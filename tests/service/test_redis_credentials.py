@@ -9,14 +9,13 @@ import os
 import re
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 from hf_reference import hf_greedy
+from service_harness import start_up
 
 from specserve.cache_index import connect
 from specserve.cache_index.redis_url import REDIS_URL_ENV, redact, resolve_redis_url
@@ -134,21 +133,9 @@ def test_up_gives_its_control_plane_the_password_by_environment_only(secured, ll
         "--redis-url-file", str(path), "--num-blocks", "64", "--block-size", "4",
         "--max-model-len", "256",
     ]  # fmt: skip
-    up = subprocess.Popen(
-        [sys.executable, "-m", "specserve.cli", *argv],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    lines: list[str] = []
+    # Serving means the worker is live in the index: the control plane authenticated.
+    up, lines = start_up(argv)
     try:
-        deadline = time.monotonic() + 240
-        # Serving means the worker is live in the index: the control plane authenticated.
-        while not any("specserve is serving" in line for line in lines):
-            line = up.stderr.readline()
-            assert line and time.monotonic() < deadline, "".join(lines)
-            lines.append(line)
-        threading.Thread(target=lambda: lines.extend(up.stderr), daemon=True).start()
         pids = {
             name: int(pid)
             for name, pid in re.findall(r"started (\S+) \(pid (\d+)\)", "".join(lines))
