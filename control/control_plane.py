@@ -38,7 +38,7 @@ import zmq
 
 from specserve.cache_index import Namespace, connect
 from specserve.cache_index.schema import key_model_name
-from specserve.control.frontend import ClientRequest, Frontend, PromptLimit
+from specserve.control.frontend import ClientRequest, Frontend, Overloaded, PromptLimit
 from specserve.control.index_sync import IndexSync
 from specserve.control.limits import MAX_VOCAB, ServiceLimits, clip
 from specserve.control.metrics import ServiceMetrics
@@ -66,6 +66,8 @@ from specserve.shared.protocol import (
     Register,
     Rejected,
     Reregister,
+    ServiceStatus,
+    StatusRequest,
     StepResult,
     Welcome,
     check_worker_id,
@@ -259,7 +261,7 @@ class ControlPlane:
             return exc
 
     def _on_frame(self, identity: bytes, payload: bytes, key: str = "") -> None:
-        """A frame on the client port: only `generate` and `abort` are accepted there."""
+        """A frame on the client port: only `generate`, `abort` and `status` are accepted there."""
         msg = self._decode(identity, payload)
         if isinstance(msg, ProtocolError):
             self._send(identity, ErrorReply(PROTOCOL_VERSION, str(msg), msg.request_id))
@@ -269,6 +271,8 @@ class ControlPlane:
                 self._on_generate(identity, msg)
             elif isinstance(msg, AbortRequest):
                 self.frontend.abort(identity, msg.request_id)
+            elif isinstance(msg, StatusRequest):
+                self._send(identity, self._status())
             else:
                 reason = f"the client port does not accept {type(msg).__name__} messages"
                 self._send(identity, ErrorReply(PROTOCOL_VERSION, reason))
@@ -476,9 +480,20 @@ class ControlPlane:
                 client, msg, self._vocab_size(), self._eos_token_ids(), self._prompt_limit()
             )
         except ValueError as exc:
-            self.frontend.reject(client, msg.request_id, str(exc))
+            code = "overloaded" if isinstance(exc, Overloaded) else "invalid"
+            self.frontend.reject(client, msg.request_id, str(exc), code)
             return
         self._place(req)
+
+    def _status(self) -> ServiceStatus:
+        lens = [w.info.max_model_len for w in self.workers.values()]
+        return ServiceStatus(
+            PROTOCOL_VERSION,
+            model=self.args.model,
+            live_workers=len(self.workers),
+            max_model_len=min(lens, default=None),
+            requests_in_flight=len(self.frontend.requests),
+        )
 
     def _vocab_size(self) -> int:
         """The served model's vocabulary size; until a worker tells it, the largest allowed."""

@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import jinja2
 import msgspec
 import structlog
 
@@ -16,7 +17,9 @@ from specserve.control.metrics import ServiceMetrics
 from specserve.control.request import SpecDecodingStats
 from specserve.control.scheduler import RequestUpdate
 from specserve.shared.protocol import (
+    CHAT_ROLES,
     PROTOCOL_VERSION,
+    ChatMessage,
     ErrorReply,
     GenerateRequest,
     Message,
@@ -31,6 +34,10 @@ from specserve.shared.tokenizer import DetokenizeOffsets, Tokenizer
 log = structlog.get_logger(__name__)
 
 MAX_REQUEST_ID_LEN = 256
+
+
+class Overloaded(ValueError):
+    """A valid request refused for now: the service is at one of its limits."""
 
 
 @dataclass(eq=False)
@@ -55,6 +62,7 @@ class ClientRequest:
     announced_worker: str | None = None  # the worker id last sent to the client
     sent_first: bool = False
     offsets: DetokenizeOffsets | None = None
+    held_text: str = ""  # decoded but not sent: it could be the start of a stop string
     last_token_time: float | None = None
     num_resumptions: int = 0
 
@@ -117,7 +125,7 @@ class Frontend:
             raise ValueError(f"request id {request_id!r} is already in flight")
         cap = self.max_pending_per_client
         if cap is not None and self.pending[client] >= cap:
-            raise ValueError(
+            raise Overloaded(
                 f"this client already has {self.pending[client]} requests in flight, the most "
                 f"allowed (--max-pending-per-client {cap}); wait for one to finish"
             )
@@ -147,8 +155,11 @@ class Frontend:
         Its length is checked before its ids are range-checked; a text prompt too long for
         `limit` even at the longest token per position is refused before it is tokenized.
         """
-        if (msg.prompt is None) == (msg.prompt_token_ids is None):
-            raise ValueError("give exactly one of prompt (text) and prompt_token_ids")
+        given = [
+            f for f in ("prompt", "prompt_token_ids", "messages") if getattr(msg, f) is not None
+        ]
+        if len(given) != 1:
+            raise ValueError("give exactly one of prompt (text), prompt_token_ids and messages")
         if msg.prompt_token_ids is not None:
             if msg.chat:
                 raise ValueError("chat applies to text prompts only")
@@ -158,25 +169,43 @@ class Frontend:
         else:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: send prompt_token_ids")
-            assert msg.prompt is not None
+            raw = msg.prompt if msg.messages is None else "".join(m.content for m in msg.messages)
+            assert raw is not None
             longest = self.tokenizer.max_token_chars
-            if limit is not None and len(msg.prompt) > limit.tokens * longest:
+            if limit is not None and len(raw) > limit.tokens * longest:
                 raise ValueError(
-                    f"the prompt has {len(msg.prompt)} characters, more than {limit.tokens} "
+                    f"the prompt has {len(raw)} characters, more than {limit.tokens} "
                     f"tokens can hold (the longest token has {longest}); at most "
                     f"{limit.tokens} prompt tokens are allowed ({limit.why})"
                 )
-            if msg.chat:
-                text = self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": msg.prompt}], add_generation_prompt=True
-                )
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
+            if msg.messages is not None:
+                text, special = self._render_chat(msg.messages), False
+            elif msg.chat:
+                text, special = self._render_chat([ChatMessage("user", raw)]), False
             else:
-                ids = self.tokenizer.encode(msg.prompt)
+                text, special = raw, True
+            ids = self.tokenizer.encode(text, add_special_tokens=special)
             _check_prompt_length(len(ids), limit)
         if not ids:
             raise ValueError("the prompt is empty")
         return ids
+
+    def _render_chat(self, messages: list[ChatMessage]) -> str:
+        """A conversation as prompt text, the assistant's turn opened (the template's text
+        already holds its special tokens)."""
+        assert self.tokenizer is not None
+        if not messages:
+            raise ValueError("messages must hold at least one message")
+        for message in messages:
+            if message.role not in CHAT_ROLES:
+                raise ValueError(
+                    f"message role {message.role[:32]!r} is not one of {', '.join(CHAT_ROLES)}"
+                )
+        turns = [{"role": m.role, "content": m.content} for m in messages]
+        try:
+            return self.tokenizer.apply_chat_template(turns, add_generation_prompt=True)
+        except jinja2.TemplateError as exc:  # e.g. the template wants roles to alternate
+            raise ValueError(f"the model's chat template refused these messages: {exc}") from None
 
     @staticmethod
     def check_request_id(request_id: str) -> None:
@@ -193,11 +222,13 @@ class Frontend:
 
     # --- requests refused, aborted or abandoned --------------------------------------------
 
-    def reject(self, client: bytes, request_id: str | None, reason: str) -> None:
+    def reject(
+        self, client: bytes, request_id: str | None, reason: str, code: str = "invalid"
+    ) -> None:
         """Answer a request that will not be served with an ErrorReply naming the reason."""
         self.metrics.rejected.inc()
         log.info("request.rejected", request_id=request_id, reason=reason)
-        self._send(client, ErrorReply(PROTOCOL_VERSION, reason, request_id))
+        self._send(client, ErrorReply(PROTOCOL_VERSION, reason, request_id, code))
 
     def refuse(self, req: ClientRequest, reason: str) -> None:
         """Forget an accepted request that no worker can serve, and tell its client why."""
@@ -237,7 +268,8 @@ class Frontend:
     # --- outputs ------------------------------------------------------------------------------
 
     def deliver(self, updates: list[RequestUpdate]) -> None:
-        """Pass one step's updates on to their clients (buffered for non-streaming requests)."""
+        """Pass one step's updates on to their clients (buffered for non-streaming requests).
+        A stop string in the new text ends its request there, on its worker too."""
         now = time.monotonic()
         for update in updates:
             req = self.requests.get(update.request_id)
@@ -247,11 +279,15 @@ class Frontend:
             if new:
                 self._record_tokens(req, new, now)
             logprobs = [update.logprobs] if update.logprobs is not None else []
-            if update.finished:
-                reason = update.status.finish_reason
-                self.finish(req, new, reason, update.error, logprobs, update.spec_stats)
+            text, stopped = self.text_delta(req, final=update.finished)
+            if stopped and not update.finished:
+                self._withdraw(req)
+                self.finish(req, new, "stop", None, logprobs, update.spec_stats, text)
+            elif update.finished:
+                reason = "stop" if stopped else update.status.finish_reason
+                self.finish(req, new, reason, update.error, logprobs, update.spec_stats, text)
             elif new:
-                self._emit(req, new, logprobs)
+                self._emit(req, new, text, logprobs)
 
     def _record_tokens(self, req: ClientRequest, new: list[int], now: float) -> None:
         if req.last_token_time is None:
@@ -264,8 +300,9 @@ class Frontend:
         req.output_token_ids.extend(new)
         self.metrics.generated_tokens.inc(len(new))
 
-    def _emit(self, req: ClientRequest, new: list[int], logprobs: list[TokenLogprobs]) -> None:
-        text = self.text_delta(req, final=False)
+    def _emit(
+        self, req: ClientRequest, new: list[int], text: str | None, logprobs: list[TokenLogprobs]
+    ) -> None:
         if not req.stream:
             if text:
                 req.text.append(text)
@@ -283,9 +320,11 @@ class Frontend:
         error: str | None,
         logprobs: list[TokenLogprobs] | None = None,
         stats: SpecDecodingStats | None = None,
+        text: str | None = None,
     ) -> None:
         """The request's last output: the rest of its text (all of it without streaming), the
-        finish reason and its speculative decoding statistics."""
+        finish reason and its speculative decoding statistics. `text`: the last text delta
+        when the caller has decoded it already (else it is decoded here)."""
         self._forget(req)
         self.metrics.requests.labels(reason or "unknown").inc()
         spec = None
@@ -297,7 +336,8 @@ class Frontend:
                 stats.num_accepted_tokens,
                 list(stats.accepted_counts),
             )
-        text = self.text_delta(req, final=True)
+        if text is None:
+            text, _ = self.text_delta(req, final=True)
         if req.stream:
             tokens, out_logprobs = new, logprobs
         else:
@@ -311,15 +351,23 @@ class Frontend:
         self._send(req.client, out)
         log.debug("request.finished", request_id=req.request_id, reason=reason, error=error)
 
-    def text_delta(self, req: ClientRequest, final: bool) -> str | None:
-        """Text completed by the newest tokens (held back while a character is incomplete)."""
+    def text_delta(self, req: ClientRequest, final: bool) -> tuple[str | None, bool]:
+        """Text completed by the newest tokens, and whether it holds a stop string.
+
+        Held back while a character is incomplete, and while its end could still grow into one
+        of the request's stop strings; with a stop string, the text up to it (`final` sends
+        everything that is held).
+        """
         if self.tokenizer is None:
-            return None
+            return None, False
         if req.offsets is None:
             req.offsets = self.tokenizer.stream_offsets(req.prompt_token_ids)
         ids = req.prompt_token_ids + req.output_token_ids
         delta, req.offsets = self.tokenizer.decode_incremental(ids, req.offsets, final=final)
-        return delta
+        stops = req.sampling.stop
+        if not stops:
+            return delta, False
+        return _cut_at_stop(req, req.held_text + delta, stops, final)
 
     @staticmethod
     def output(
@@ -351,6 +399,21 @@ class Frontend:
             worker_id=worker,
             spec=spec,
         )
+
+
+def _cut_at_stop(
+    req: ClientRequest, text: str, stops: tuple[str, ...], final: bool
+) -> tuple[str, bool]:
+    """Split `text` (everything not sent yet) at the first stop string; without one, keep back
+    the longest stop string's length less one character (unless `final`)."""
+    hits = [i for i in (text.find(stop) for stop in stops) if i >= 0]
+    if hits:
+        req.held_text = ""
+        return text[: min(hits)], True
+    keep = 0 if final else max(map(len, stops)) - 1
+    cut = max(len(text) - keep, 0)
+    req.held_text = text[cut:]
+    return text[:cut], False
 
 
 def _check_prompt_length(num_tokens: int, limit: PromptLimit | None) -> None:

@@ -6,7 +6,8 @@ Three conversations share it, all through the control plane's one ROUTER socket:
   and `StepResult`. A step batch carries only what changed since the last step: new (or resumed)
   requests in full, running requests as small array-encoded deltas addressed by a per-worker
   integer handle. The worker keeps each request's tokens, block tables and drafts between steps.
-- client <-> control: `GenerateRequest`/`AbortRequest` in, `RequestOutput`/`ErrorReply` out.
+- client <-> control: `GenerateRequest`/`AbortRequest` in, `RequestOutput`/`ErrorReply` out;
+  `StatusRequest` in, `ServiceStatus` out (what an HTTP front end reports as health).
 """
 
 from __future__ import annotations
@@ -105,6 +106,9 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; N: the chosen token's plus the top N
+    # Text that ends the request where it first appears; the text sent stops before it (held
+    # back while it could still be the start of one, so none of it ever reaches a stream).
+    stop: tuple[str, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -123,8 +127,21 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        check_stop_strings(self.stop)
         if vocab_size is not None:
             check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
+
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
+def check_stop_strings(stop: tuple[str, ...]) -> None:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}")
+    for text in stop:
+        if not 0 < len(text) <= MAX_STOP_CHARS:
+            raise ValueError(f"each stop string must have 1-{MAX_STOP_CHARS} characters")
 
 
 class NewRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -247,13 +264,23 @@ class Reregister(msgspec.Struct, frozen=True, tag="reregister", forbid_unknown_f
     reason: str
 
 
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    role: str  # one of CHAT_ROLES
+    content: str
+
+
 class GenerateRequest(msgspec.Struct, frozen=True, tag="generate", forbid_unknown_fields=True):
-    """Client -> control. Exactly one of `prompt` (text) and `prompt_token_ids`."""
+    """Client -> control. Exactly one of `prompt` (text), `prompt_token_ids` and `messages` (a
+    conversation, rendered through the model's chat template with the assistant's turn open)."""
 
     version: int
     request_id: str
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
     sampling: SamplingParams = SamplingParams()
     chat: bool = False  # wrap a text prompt in the model's chat template
     stream: bool = True  # False: one RequestOutput when the request finishes
@@ -290,12 +317,31 @@ class RequestOutput(msgspec.Struct, frozen=True, tag="output", forbid_unknown_fi
     spec: SpecStats | None = None  # on the last output, when speculation ran
 
 
+class StatusRequest(msgspec.Struct, frozen=True, tag="status", forbid_unknown_fields=True):
+    """Client -> control: how is the service? Answered with a `ServiceStatus`."""
+
+    version: int
+
+
+class ServiceStatus(msgspec.Struct, frozen=True, tag="service_status", forbid_unknown_fields=True):
+    """Control -> client: the served model and what can serve it now."""
+
+    version: int
+    model: str
+    live_workers: int
+    max_model_len: int | None  # the smallest of the live workers' (None without workers)
+    requests_in_flight: int
+
+
 class ErrorReply(msgspec.Struct, frozen=True, tag="error", forbid_unknown_fields=True):
     """Control -> client: a message that could not be accepted. Nothing was started for it."""
 
     version: int
     message: str
     request_id: str | None = None
+    # Why, for a program: "invalid" (the request itself; do not retry it as it is) or
+    # "overloaded" (the service is at a limit now; retry later).
+    code: str = "invalid"
 
 
 Message = (
@@ -308,7 +354,9 @@ Message = (
     | Reregister
     | GenerateRequest
     | AbortRequest
+    | StatusRequest
     | RequestOutput
+    | ServiceStatus
     | ErrorReply
 )
 MESSAGE_TYPES = tuple(sorted(cls.__struct_config__.tag for cls in Message.__args__))

@@ -5,11 +5,19 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from specserve.client import AsyncClient, Client
+    from specserve.client import AsyncClient, Client, fetch_status, get_status
     from specserve.llm import LLM
     from specserve.shared.protocol import SamplingParams
 
-__all__ = ["LLM", "AsyncClient", "Client", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "AsyncClient",
+    "Client",
+    "SamplingParams",
+    "__version__",
+    "fetch_status",
+    "get_status",
+]
 
 
 def __getattr__(name: str):
@@ -18,7 +26,7 @@ def __getattr__(name: str):
         from specserve.llm import LLM
 
         return LLM
-    if name in ("Client", "AsyncClient"):
+    if name in ("Client", "AsyncClient", "get_status", "fetch_status"):
         from specserve import client
 
         return getattr(client, name)

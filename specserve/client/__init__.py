@@ -2,7 +2,8 @@
 
 The control plane listens on one ROUTER socket; a client connects a DEALER socket to it and speaks
 the versioned msgspec messages of `specserve.shared.protocol`: `GenerateRequest`/`AbortRequest`
-out, `RequestOutput`/`ErrorReply` back. Outputs of many requests share the socket, so the client
+out, `RequestOutput`/`ErrorReply` back (`get_status`/`fetch_status`: `StatusRequest` out,
+`ServiceStatus` back). Outputs of many requests share the socket, so the client
 demultiplexes them by request id.
 
 One implementation serves both clients (`core.ClientCore`): `Client` (`sync.py`) waits on its
@@ -20,10 +21,11 @@ from specserve.client.errors import (
     ServiceUnreachable,
 )
 from specserve.client.state import Completion
+from specserve.client.status import fetch_status, get_status
 from specserve.client.sync import Client
 from specserve.client.tombstones import TOMBSTONE_TTL_S
 from specserve.client.wire import Prompt, Reply, build_request, check_reply, parse_reply
-from specserve.shared.protocol import SamplingParams
+from specserve.shared.protocol import ChatMessage, SamplingParams, ServiceStatus
 
 __all__ = [
     "CLOSE_LINGER_MS",
@@ -31,6 +33,7 @@ __all__ = [
     "DEFAULT_URL",
     "TOMBSTONE_TTL_S",
     "AsyncClient",
+    "ChatMessage",
     "Client",
     "Completion",
     "Prompt",
@@ -39,8 +42,11 @@ __all__ = [
     "RequestTimeout",
     "SamplingParams",
     "ServiceError",
+    "ServiceStatus",
     "ServiceUnreachable",
     "build_request",
     "check_reply",
+    "fetch_status",
+    "get_status",
     "parse_reply",
 ]

@@ -120,8 +120,8 @@ class AsyncClient(
                 yield output
                 if output.finished:
                     return
-        finally:  # left before the end: free it on the server
-            await self._run(self._release(request.request_id))
+        finally:  # left before the end: free it on the server, even if cancelled again meanwhile
+            await asyncio.shield(self._run(self._release(request.request_id)))
 
     async def _perform(self, step: Step) -> None:
         self._ensure_receiver()

@@ -25,7 +25,15 @@ class ServiceUnreachable(ServiceError):
 
 
 class RequestFailed(ServiceError):
-    """The control plane refused the request (`ErrorReply`) or it finished with an error."""
+    """The control plane refused the request (`ErrorReply`) or it finished with an error.
+
+    `code`: "invalid" (the request as sent cannot be served), "overloaded" (retry later) or
+    "failed" (it was accepted, then failed).
+    """
+
+    def __init__(self, message: str, request_id: str | None = None, code: str = "failed") -> None:
+        super().__init__(message, request_id)
+        self.code = code
 
 
 UNREACHABLE_HINT = (

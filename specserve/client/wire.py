@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypedDict
 
@@ -17,6 +17,7 @@ from specserve.shared.curve import CLIENTS, PeerKeys, peer_keys
 from specserve.shared.protocol import (
     PROTOCOL_VERSION,
     AbortRequest,
+    ChatMessage,
     ErrorReply,
     GenerateRequest,
     ProtocolError,
@@ -44,7 +45,8 @@ def connect_dealer(
     sock.connect(url)
 
 
-Prompt = str | Sequence[int]
+# A text, token ids, or a conversation: `ChatMessage`s or {"role": ..., "content": ...} dicts.
+Prompt = str | Sequence[int] | Sequence[ChatMessage] | Sequence[Mapping[str, str]]
 Reply = RequestOutput | ErrorReply
 
 
@@ -65,12 +67,13 @@ def build_request(
         request_id = uuid.uuid4().hex
     elif not request_id:
         raise ValueError("request_id must not be empty")
-    text, token_ids = _split_prompt(prompt)
+    text, token_ids, messages = _split_prompt(prompt)
     return GenerateRequest(
         version=PROTOCOL_VERSION,
         request_id=request_id,
         prompt=text,
         prompt_token_ids=token_ids,
+        messages=messages,
         sampling=sampling,
         chat=chat,
         stream=stream,
@@ -138,16 +141,29 @@ class RequestArgs:
         )
 
 
-def _split_prompt(prompt: Prompt) -> tuple[str | None, list[int] | None]:
-    """Text goes as `prompt`, token ids as `prompt_token_ids`."""
+def _split_prompt(
+    prompt: Prompt,
+) -> tuple[str | None, list[int] | None, list[ChatMessage] | None]:
+    """Text goes as `prompt`, token ids as `prompt_token_ids`, a conversation as `messages`."""
     if isinstance(prompt, str):
-        return prompt, None
+        return prompt, None, None
     if isinstance(prompt, bytes | bytearray):
-        raise TypeError("prompt must be a str or a sequence of token ids, not bytes")
-    token_ids = [int(t) for t in prompt]
+        raise TypeError("prompt must be a str, token ids or chat messages, not bytes")
+    items = list(prompt)
+    if items and all(isinstance(m, ChatMessage | Mapping) for m in items):
+        return None, None, [_chat_message(m) for m in items]
+    token_ids = [int(t) for t in items]  # type: ignore[arg-type]
     if not token_ids:
         raise ValueError("prompt_token_ids must not be empty")
-    return None, token_ids
+    return None, token_ids, None
+
+
+def _chat_message(message: ChatMessage | Mapping[str, str]) -> ChatMessage:
+    if isinstance(message, ChatMessage):
+        return message
+    if set(message) != {"role", "content"}:
+        raise ValueError(f"a chat message has a role and a content, got keys {sorted(message)}")
+    return ChatMessage(str(message["role"]), str(message["content"]))
 
 
 def abort_frame(request_id: str) -> bytes:
@@ -175,7 +191,7 @@ def check_reply(reply: Reply) -> RequestOutput:
     """The output itself, or RequestFailed when the request was refused or ended in an error."""
     if isinstance(reply, ErrorReply):
         raise RequestFailed(
-            f"request {reply.request_id} refused: {reply.message}", reply.request_id
+            f"request {reply.request_id} refused: {reply.message}", reply.request_id, reply.code
         )
     if reply.finished and reply.finish_reason == "error":
         error = reply.error or "unknown error"

@@ -69,11 +69,52 @@ def test_streamed_text_never_splits_a_character(frontend: Frontend):
     pieces = []
     for token in ids:
         req.output_token_ids.append(token)
-        delta = frontend.text_delta(req, final=False)
-        assert "\ufffd" not in delta
+        delta, stopped = frontend.text_delta(req, final=False)
+        assert "\ufffd" not in delta and not stopped
         pieces.append(delta)
-    pieces.append(frontend.text_delta(req, final=True))
+    pieces.append(frontend.text_delta(req, final=True)[0])
     assert "".join(pieces) == tok.decode(ids)
+
+
+@pytest.mark.parametrize("stop", [(" 日本",), ("zzz", "é 日"), ("🙂 d",)])
+def test_stop_strings_end_the_text_before_them_and_never_leak(frontend: Frontend, stop):
+    """Token by token, no delta ever holds any part of the first stop string, and the text
+    sent is exactly what comes before it."""
+    tok = frontend.tokenizer
+    target = " café 日本語 🙂 done"
+    ids = tok.encode(target, add_special_tokens=False)
+    req = ClientRequest(
+        "r", b"c", tok.encode("Say:"), SamplingParams(stop=stop), True, None, 0, None
+    )
+    sent, stopped_at = "", None
+    for n, token in enumerate(ids):
+        req.output_token_ids.append(token)
+        delta, stopped = frontend.text_delta(req, final=False)
+        sent += delta
+        if stopped:
+            stopped_at = n
+            break
+    full = tok.decode(ids)
+    first = min(full.find(s) for s in stop if s in full)
+    assert sent == full[:first]
+    # it stopped at the token that completed the stop string, not later
+    assert stopped_at is not None
+    assert any(s in tok.decode(ids[: stopped_at + 1]) for s in stop)
+    assert not any(s in tok.decode(ids[:stopped_at]) for s in stop)
+
+
+def test_held_stop_prefix_is_sent_when_the_request_ends_without_it(frontend: Frontend):
+    tok = frontend.tokenizer
+    ids = tok.encode(" one two", add_special_tokens=False)
+    req = ClientRequest(
+        "r", b"c", tok.encode("Say:"), SamplingParams(stop=("two three",)), True, None, 0, None
+    )
+    pieces = []
+    for token in ids:
+        req.output_token_ids.append(token)
+        pieces.append(frontend.text_delta(req, final=False)[0])
+    assert "".join(pieces) == ""  # " one two" is 8 characters: all could begin "two three"
+    assert frontend.text_delta(req, final=True) == (" one two", False)
 
 
 def test_every_eos_id_stops_unless_eos_is_ignored():
