@@ -113,7 +113,13 @@ def _add_engine_args(p: ArgTarget) -> None:
         default="smollm2-135m",
         help="a bundled model name (smollm2-135m) or a Hugging Face checkpoint dir",
     )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and activations; auto: the checkpoint's own (float32 for the bundled "
+        "quantized model; float16 runs as bfloat16 on CPU)",
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument(
         "--attention-backend",
@@ -374,6 +380,54 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     wrk.set_defaults(func=cmd_worker)
 
 
+def _add_api(sub: argparse._SubParsersAction) -> None:
+    api = sub.add_parser(
+        "api",
+        help="serve the OpenAI-compatible HTTP API for a running control plane",
+        description="An OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /health, /metrics) over the client SDK. Stateless: run as many as you like "
+        "beside one control plane.",
+    )
+    api.add_argument(
+        "--control", type=_service_url, default=DEFAULT_SERVICE_URL, help="the control plane"
+    )
+    _add_key_args(api, "client", "needed when the control plane runs with --keys")
+    api.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    api.add_argument("--port", type=_port, default=8000)
+    _add_api_serving_args(api)
+    api.add_argument(
+        "--tokenizer",
+        default=None,
+        help="bundled model or checkpoint directory whose tokenizer names tokens in logprobs "
+        "and echoes token prompts (default: the control plane's model)",
+    )
+    api.add_argument(
+        "--request-timeout", type=float, default=600.0, help="seconds a request may take"
+    )
+    api.set_defaults(func=cmd_api)
+
+
+def _add_api_serving_args(p: ArgTarget) -> None:
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name HTTP clients give (default: the served model's)",
+    )
+    p.add_argument(
+        "--max-concurrent-requests",
+        type=_positive_int,
+        default=256,
+        help="requests the HTTP API serves at once; more get 429",
+    )
+
+
+def api_serving_argv(args: argparse.Namespace) -> list[str]:
+    argv = ["--max-concurrent-requests", str(args.max_concurrent_requests)]
+    if args.served_model_name is not None:
+        argv += ["--served-model-name", args.served_model_name]
+    return argv
+
+
 def _add_up(sub: argparse._SubParsersAction) -> None:
     up = sub.add_parser(
         "up",
@@ -405,6 +459,14 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     up.add_argument(
         "--insecure", action="store_true", help="no authentication (loopback only anyway)"
     )
+    up.add_argument(
+        "--api-port",
+        type=_port,
+        default=8000,
+        help="port of the OpenAI-compatible HTTP API on 127.0.0.1 (started when serving)",
+    )
+    up.add_argument("--no-api", action="store_true", help="serve without the HTTP API")
+    _add_api_serving_args(up)
     up.set_defaults(func=cmd_up, key_name="client")
 
 
@@ -497,8 +559,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_logging_args(parser, None, False)
     sub = parser.add_subparsers(dest="command", required=True)
     commands = (
-        _add_generate, _add_control, _add_worker, _add_up, _add_cache, _add_kernels, _add_keys,
-        train_command,
+        _add_generate, _add_control, _add_worker, _add_up, _add_api, _add_cache, _add_kernels,
+        _add_keys, train_command,
     )  # fmt: skip
     for add in commands:
         add(sub)
@@ -680,6 +742,23 @@ def worker_engine_args(args: argparse.Namespace) -> EngineArgs:
     return EngineArgs(model=args.model, **_engine_kwargs(args))
 
 
+def cmd_api(args: argparse.Namespace) -> int:
+    from specserve.api import ApiSettings, run_api
+
+    settings = ApiSettings(
+        control=args.control,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        tokenizer=args.tokenizer,
+        max_concurrent_requests=args.max_concurrent_requests,
+        request_timeout_s=args.request_timeout,
+        keys=_peer_keys(args, "clients"),
+        key_name=args.key_name,
+    )
+    return run_api(settings)
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     _check_worker_installed()
     from specserve.worker.worker_process import run_worker
@@ -743,6 +822,10 @@ def up_plan(args: argparse.Namespace) -> UpPlan:
         log_flags=_log_argv(args),
         ready_timeout_s=args.ready_timeout,
         keys=args.keys,
+        api_flags=api_serving_argv(args),
+        api_port=None
+        if args.no_api or args.prompt is not None or args.prompt_ids is not None
+        else args.api_port,
     )
 
 

@@ -16,8 +16,7 @@ from specserve.shared import protocol
 from specserve.shared.config import SpecConfig, SpecMethod
 from specserve.worker.attention.selection import select_backend
 from specserve.worker.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
-from specserve.worker.loader import resolve_dtype
-from specserve.worker.model_registry import LoadedModel, load_target
+from specserve.worker.model_registry import LoadedModel, load_target, model_dtype
 from specserve.worker.model_runner import ModelRunner
 from specserve.worker.models import DecoderModel
 from specserve.worker.spec_decode.drafter import draft_kv_bytes_per_block
@@ -36,7 +35,7 @@ log = structlog.get_logger(__name__)
 @dataclass(frozen=True)
 class EngineArgs:
     model: str = "smollm2-135m"
-    dtype: str = "float32"
+    dtype: str = "auto"  # the checkpoint's own (see model_dtype), or a dtype name
     device: str = "cpu"
     block_size: int = 16
     num_blocks: int | None = None  # None: size the KV cache from kv_cache_memory_mb
@@ -62,8 +61,9 @@ class WorkerEngine:
         self.args = args
         SpecConfig(method, args.num_spec_tokens)  # validate before loading anything
         if loaded is None:
-            backend = select_backend(args.attention_backend, args.device, resolve_dtype(args.dtype))
-            loaded = load_target(args.model, args.dtype, args.device, backend)
+            dtype = model_dtype(args.model, args.dtype, args.device)
+            backend = select_backend(args.attention_backend, args.device, dtype)
+            loaded = load_target(args.model, dtype, args.device, backend)
         self.loaded = loaded
         model = loaded.model
         config = model.config

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,26 @@ class LoadedModel:
     name: str
     model: DecoderModel
     tokenizer: Tokenizer | None  # None for a checkpoint shipped without tokenizer.json
+
+
+def model_dtype(name: str, dtype: torch.dtype | str, device: torch.device | str) -> torch.dtype:
+    """`dtype`, or for "auto" the checkpoint's own: its config's `torch_dtype` (float16 becomes
+    bfloat16 on CPU, where float16 math is slow), float32 without one and for the bundled
+    quantized GGUF, whose weights are dequantized."""
+    if dtype != "auto":
+        return resolve_dtype(dtype)
+    if name in BUNDLED_MODELS:
+        return torch.float32
+    config_path = Path(name) / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return torch.float32
+    declared = config.get("torch_dtype") or config.get("dtype") or "float32"
+    chosen = resolve_dtype(str(declared))
+    if chosen == torch.float16 and torch.device(device).type == "cpu":
+        chosen = torch.bfloat16
+    return chosen
 
 
 def load_target(

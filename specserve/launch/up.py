@@ -53,6 +53,8 @@ class UpPlan:
     log_flags: list[str] = field(default_factory=list)  # global flags for every child
     ready_timeout_s: float = 300.0
     keys: str | None = None  # the key directory (CURVE on both ports); None: unauthenticated
+    api_port: int | None = None  # the OpenAI-compatible HTTP API on 127.0.0.1; None: none
+    api_flags: list[str] = field(default_factory=list)  # model name, concurrency
 
     @property
     def url(self) -> str:
@@ -143,6 +145,11 @@ class Cluster:
         for worker_id in plan.worker_ids():
             worker = ["worker", "--control", plan.worker_url, "--worker-id", worker_id, *keys]
             self.spawn(worker_id, [*worker, *plan.worker_flags])
+        if plan.api_port is not None:
+            client_key = [*keys, "--key-name", "client"] if keys else []
+            api = ["api", "--control", plan.url, "--port", str(plan.api_port), *client_key]
+            api += plan.api_flags
+            self.spawn("api", api)
 
     def spawn(self, name: str, argv: list[str], redis_url: str | None = None) -> Child:
         cmd = [sys.executable, "-m", "specserve.cli", *self.plan.log_flags, *argv]
@@ -308,6 +315,8 @@ def _signals_ignored() -> Iterator[None]:
 def _say_serving(plan: UpPlan, redis_url: str) -> None:
     workers = f"{plan.workers} worker{'s' if plan.workers != 1 else ''}"
     line = f"specserve is serving {plan.model} at {plan.url} ({workers}, redis {redact(redis_url)})"
+    if plan.api_port is not None:
+        line += f"; OpenAI API at http://127.0.0.1:{plan.api_port}/v1"
     with _stderr_lock:
         print(line, file=sys.stderr, flush=True)
 
@@ -317,6 +326,8 @@ def run_up(plan: UpPlan, on_ready: Callable[[str], int] | None = None) -> int:
     plan.namespace  # noqa: B018 - validate the model name etc. before starting anything
     check_port_free(plan.port)
     check_port_free(plan.port + 1)  # the worker port
+    if plan.api_port is not None:
+        check_port_free(plan.api_port)
     cluster = Cluster(plan)
     with _signals_interrupt():
         try:

@@ -346,7 +346,8 @@ def test_port_left_in_time_wait_by_a_previous_run_counts_as_free():
 def up_argv(ckpt: Path, *extra: str) -> list[str]:
     return [
         "up", "--workers", "1", "--port", str(free_port()), "--model", str(ckpt),
-        "--num-blocks", "64", "--block-size", "4", "--max-model-len", "256", *extra,
+        "--num-blocks", "64", "--block-size", "4", "--max-model-len", "256",
+        "--api-port", str(free_port()), *extra,
     ]  # fmt: skip
 
 
@@ -424,7 +425,7 @@ def test_up_serves_until_sigterm(llama_ckpt, llm_tokens, redis_url, model_keys_d
             up.communicate()
     assert up.returncode == 0, rest
     pids = started_pids("".join(lines) + rest)
-    assert len(pids) == 2  # control, worker-0: the Redis was given
+    assert len(pids) == 3  # control, worker-0, api: the Redis was given
     assert_gone(pids)
 
 

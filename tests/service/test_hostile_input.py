@@ -333,6 +333,7 @@ def test_specserve_up_shrugs_off_a_hostile_socket(llama_ckpt, redis_url) -> None
         "up", "--workers", "1", "--port", str(port), "--model", str(llama_ckpt.path),
         "--redis-url", redis_url, "--num-blocks", "64", "--block-size", "4",
         "--max-model-len", "256", "--max-message-bytes", str(1 << 20),
+        "--api-port", str(free_port()),
     ]  # fmt: skip
     up, lines = start_up(argv)
     try:

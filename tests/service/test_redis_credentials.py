@@ -132,6 +132,7 @@ def test_up_gives_its_control_plane_the_password_by_environment_only(secured, ll
         "up", "--workers", "1", "--port", str(port), "--model", str(llama_ckpt.path),
         "--redis-url-file", str(path), "--num-blocks", "64", "--block-size", "4",
         "--max-model-len", "256",
+        "--api-port", str(free_port()),
     ]  # fmt: skip
     # Serving means the worker is live in the index: the control plane authenticated.
     up, lines = start_up(argv)
@@ -140,14 +141,14 @@ def test_up_gives_its_control_plane_the_password_by_environment_only(secured, ll
             name: int(pid)
             for name, pid in re.findall(r"started (\S+) \(pid (\d+)\)", "".join(lines))
         }
-        assert set(pids) == {"control", "worker-0"}
+        assert set(pids) == {"control", "worker-0", "api"}
         for name, pid in [*pids.items(), ("up", up.pid)]:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             assert PASSWORD.encode() not in cmdline, name
         control_env = Path(f"/proc/{pids['control']}/environ").read_bytes().split(b"\0")
         assert f"{REDIS_URL_ENV}={url}".encode() in control_env
-        worker_env = Path(f"/proc/{pids['worker-0']}/environ").read_bytes()
-        assert PASSWORD.encode() not in worker_env
+        for child in ("worker-0", "api"):  # only the control plane talks to Redis
+            assert PASSWORD.encode() not in Path(f"/proc/{pids[child]}/environ").read_bytes()
         keys = os.environ["SPECSERVE_KEYS"]  # where `up` made its keys
         with Client(f"tcp://127.0.0.1:{port}", timeout=60, keys=keys) as client:
             params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)

@@ -165,3 +165,23 @@ def test_extra_tensors(llama_ckpt: Checkpoint) -> None:
     weights["model.layers.0.mlp.extra_proj.weight"] = torch.zeros(2)
     with pytest.raises(ValueError, match=r"unexpected tensors: model\.layers\.0\.mlp\.extra_proj"):
         build_model(config, weights, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("declared", "device", "want"),
+    [
+        ({"torch_dtype": "bfloat16"}, "cpu", torch.bfloat16),
+        ({"torch_dtype": "float32"}, "cpu", torch.float32),
+        ({"dtype": "bfloat16"}, "cpu", torch.bfloat16),  # newer configs name it `dtype`
+        ({"torch_dtype": "float16"}, "cpu", torch.bfloat16),  # float16 math is slow on CPU
+        ({"torch_dtype": "float16"}, "cuda", torch.float16),
+        ({}, "cpu", torch.float32),
+    ],
+)
+def test_auto_dtype_is_the_checkpoints_own(tmp_path, declared, device, want) -> None:
+    from specserve.worker.model_registry import model_dtype
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **declared}))
+    assert model_dtype(str(tmp_path), "auto", device) == want
+    assert model_dtype(str(tmp_path), "float16", device) == torch.float16  # given: as given
+    assert model_dtype("smollm2-135m", "auto", device) == torch.float32  # dequantized GGUF

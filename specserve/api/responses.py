@@ -1,0 +1,315 @@
+"""What the OpenAI-compatible endpoints send back: completions, chat completions, their
+streamed chunks, usage and logprobs, from the SDK's `RequestOutput`s."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from specserve.shared.protocol import RequestOutput, SpecStats
+from specserve.shared.tokenizer import Tokenizer
+
+# (token id, its logprob, [(alternative id, its logprob), ...])
+LogprobEntry = tuple[int, float, list[tuple[int, float]]]
+
+
+@dataclass
+class ChoiceState:
+    """One choice as it accumulates: its text, tokens, logprobs and how it ended."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    spec: SpecStats | None = None
+    logprob_entries: list[LogprobEntry] = field(default_factory=list)
+
+    def add(self, output: RequestOutput) -> tuple[str, list[LogprobEntry]]:
+        """Fold in one output; returns its new text and logprob entries."""
+        if output.prompt_token_ids is not None:
+            self.prompt_token_ids = list(output.prompt_token_ids)
+        if output.num_cached_tokens is not None:
+            self.num_cached_tokens = output.num_cached_tokens
+        new_text = output.text or ""
+        self.text += new_text
+        entries = _logprob_entries(output)
+        self.logprob_entries.extend(entries)
+        self.token_ids.extend(output.token_ids)
+        if output.finished:
+            self.finish_reason = openai_finish_reason(output.finish_reason)
+        if output.spec is not None:
+            self.spec = output.spec
+        return new_text, entries
+
+
+def openai_finish_reason(reason: str | None) -> str | None:
+    """OpenAI knows `stop` and `length`; an aborted request is reported as stopped."""
+    return "length" if reason == "length" else ("stop" if reason is not None else None)
+
+
+def _logprob_entries(output: RequestOutput) -> list[LogprobEntry]:
+    """(token id, its logprob, [(alternative id, logprob)...]) for each new token."""
+    if not output.logprobs:
+        return []
+    entries = []
+    k = 0
+    for step in output.logprobs:
+        for j, chosen in enumerate(step.chosen):
+            if k >= len(output.token_ids):
+                break
+            top = list(zip(step.top_ids[j], step.top_logprobs[j], strict=False))
+            entries.append((output.token_ids[k], chosen, top))
+            k += 1
+    return entries
+
+
+def usage(choices: list[ChoiceState]) -> dict[str, Any]:
+    """Usage over every choice: each prompt counted once (its choices share its KV blocks)."""
+    seen: set[tuple[int, ...]] = set()
+    prompt_tokens = cached = 0
+    for c in choices:
+        key = tuple(c.prompt_token_ids)
+        if key not in seen:
+            seen.add(key)
+            prompt_tokens += len(c.prompt_token_ids)
+            cached += c.num_cached_tokens
+    completion = sum(len(c.token_ids) for c in choices)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def spec_decoding(choices: list[ChoiceState]) -> dict[str, Any] | None:
+    """The speculative decoding statistics, summed over the choices (an extension field)."""
+    stats = [c.spec for c in choices if c.spec is not None]
+    if not stats:
+        return None
+    drafts = sum(s.num_drafts for s in stats)
+    draft_tokens = sum(s.num_draft_tokens for s in stats)
+    accepted = sum(s.num_accepted_tokens for s in stats)
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": draft_tokens,
+        "num_accepted_tokens": accepted,
+        "mean_acceptance_length": round(1 + accepted / drafts, 4) if drafts else None,
+    }
+
+
+class Formatter:
+    """Builds the response bodies for one served model name."""
+
+    def __init__(self, model: str, tokenizer: Tokenizer | None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+
+    def token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # --- completions ------------------------------------------------------------------------
+
+    def completion_logprobs(self, entries: list[LogprobEntry], offset: int) -> dict[str, Any]:
+        tokens, offsets = [], []
+        for token_id, _, _ in entries:
+            text = self.token_text(token_id)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [{self.token_text(t): lp for t, lp in top} for _, _, top in entries],
+            "text_offset": offsets,
+        }
+
+    def completion(
+        self, request_id: str, created: int, choices: list[ChoiceState], echo: list[str] | None,
+        logprobs: bool, n: int,
+    ) -> dict[str, Any]:  # fmt: skip
+        body_choices = []
+        for c in choices:
+            prefix = echo[c.index // n] if echo is not None else ""
+            entries = self.completion_logprobs(c.logprob_entries, len(prefix)) if logprobs else None
+            body_choices.append({
+                "index": c.index,
+                "text": prefix + c.text,
+                "logprobs": entries,
+                "finish_reason": c.finish_reason,
+            })  # fmt: skip
+        body = {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": self.model,
+            "choices": body_choices,
+            "usage": usage(choices),
+        }
+        return _with_spec(body, choices)
+
+    def completion_chunk(
+        self, request_id: str, created: int, index: int, text: str,
+        logprobs: dict[str, Any] | None, finish_reason: str | None,
+    ) -> dict[str, Any]:  # fmt: skip
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": self.model,
+            "choices": [
+                {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            ],
+        }
+
+    # --- chat ---------------------------------------------------------------------------------
+
+    def chat_logprobs(self, entries: list[LogprobEntry]) -> dict[str, Any]:
+        content = []
+        for token_id, lp, top in entries:
+            text = self.token_text(token_id)
+            content.append({
+                "token": text,
+                "logprob": lp,
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": (t := self.token_text(i)), "logprob": v, "bytes": list(t.encode())}
+                    for i, v in top
+                ],
+            })  # fmt: skip
+        return {"content": content}
+
+    def chat(
+        self, request_id: str, created: int, choices: list[ChoiceState], logprobs: bool
+    ) -> dict[str, Any]:
+        body = {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": self.model,
+            "choices": [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self.chat_logprobs(c.logprob_entries) if logprobs else None,
+                    "finish_reason": c.finish_reason,
+                }
+                for c in choices
+            ],
+            "usage": usage(choices),
+        }
+        return _with_spec(body, choices)
+
+    def chat_chunk(
+        self, request_id: str, created: int, index: int, delta: dict[str, Any],
+        logprobs: dict[str, Any] | None, finish_reason: str | None,
+    ) -> dict[str, Any]:  # fmt: skip
+        return {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": self.model,
+            "choices": [
+                {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason,
+                }
+            ],
+        }
+
+    def usage_chunk(
+        self, request_id: str, created: int, kind: str, choices: list[ChoiceState]
+    ) -> dict[str, Any]:
+        body = {
+            "id": request_id,
+            "object": kind,
+            "created": created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage(choices),
+        }
+        return _with_spec(body, choices)
+
+
+class Chunks(Protocol):
+    """The streamed chunks of one kind of response."""
+
+    def opening(self, index: int) -> dict[str, Any] | None: ...
+
+    def chunk(
+        self, choice: ChoiceState, text: str, entries: list[LogprobEntry], offset: int
+    ) -> dict[str, Any]: ...
+
+    def usage(self, choices: list[ChoiceState]) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class CompletionChunks:
+    formatter: Formatter
+    request_id: str
+    created: int
+    logprobs: bool
+    echo: list[str] | None  # per prompt
+    n: int
+
+    def opening(self, index: int) -> dict[str, Any] | None:
+        if self.echo is None:
+            return None
+        text = self.echo[index // self.n]
+        return self.formatter.completion_chunk(
+            self.request_id, self.created, index, text, None, None
+        )
+
+    def chunk(
+        self, choice: ChoiceState, text: str, entries: list[LogprobEntry], offset: int
+    ) -> dict[str, Any]:
+        logprobs = self.formatter.completion_logprobs(entries, offset) if self.logprobs else None
+        return self.formatter.completion_chunk(
+            self.request_id, self.created, choice.index, text, logprobs, choice.finish_reason
+        )
+
+    def usage(self, choices: list[ChoiceState]) -> dict[str, Any]:
+        return self.formatter.usage_chunk(self.request_id, self.created, "text_completion", choices)
+
+
+@dataclass(frozen=True)
+class ChatChunks:
+    formatter: Formatter
+    request_id: str
+    created: int
+    logprobs: bool
+
+    def opening(self, index: int) -> dict[str, Any] | None:
+        delta = {"role": "assistant", "content": ""}
+        return self.formatter.chat_chunk(self.request_id, self.created, index, delta, None, None)
+
+    def chunk(
+        self, choice: ChoiceState, text: str, entries: list[LogprobEntry], offset: int
+    ) -> dict[str, Any]:
+        delta = {"content": text} if text else {}
+        logprobs = self.formatter.chat_logprobs(entries) if self.logprobs else None
+        return self.formatter.chat_chunk(
+            self.request_id, self.created, choice.index, delta, logprobs, choice.finish_reason
+        )
+
+    def usage(self, choices: list[ChoiceState]) -> dict[str, Any]:
+        kind = "chat.completion.chunk"
+        return self.formatter.usage_chunk(self.request_id, self.created, kind, choices)
+
+
+def _with_spec(body: dict[str, Any], choices: list[ChoiceState]) -> dict[str, Any]:
+    spec = spec_decoding(choices)
+    if spec is not None:
+        body["spec_decoding"] = spec
+    return body
+
+
+def now() -> int:
+    return int(time.time())

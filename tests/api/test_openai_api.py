@@ -1,0 +1,362 @@
+"""The OpenAI-compatible HTTP API, driven with the real `openai` package and raw HTTP against
+`specserve up` serving the bundled SmolLM2-135M-Instruct, compared with the project's own SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+
+from specserve.api.choices import plan_choices, run_choices
+from specserve.client import AsyncClient, Client, SamplingParams, get_status
+from specserve.launch.local_redis import free_port
+from specserve.shared.tokenizer import load_tokenizer
+from tests.service.service_harness import drop_model_keys, start_up
+
+MODEL = "smollm2-135m"
+BLOCK = 16  # the worker's default block size
+
+
+@dataclass
+class Running:
+    url: str  # the control plane (ZeroMQ)
+    api: str  # http://host:port
+    metrics: str  # the control plane's Prometheus endpoint
+    keys: str
+
+
+def wait_healthy(api: str, timeout_s: float = 120.0, want: int = 200) -> httpx.Response:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            response = httpx.get(f"{api}/health", timeout=2)
+            if response.status_code == want:
+                return response
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"{api}/health never answered {want}"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def served(redis_url: str) -> Iterator[Running]:
+    drop_model_keys(redis_url, MODEL)
+    port, api_port, metrics_port = free_port(), free_port(), free_port()
+    argv = [
+        "up", "--workers", "1", "--port", str(port), "--api-port", str(api_port),
+        "--metrics-port", str(metrics_port), "--redis-url", redis_url, "--num-blocks", "512",
+        "--max-model-len", "4096",
+    ]  # fmt: skip
+    up, _ = start_up(argv)
+    try:
+        api = f"http://127.0.0.1:{api_port}"
+        wait_healthy(api)
+        yield Running(
+            f"tcp://127.0.0.1:{port}", api, f"http://127.0.0.1:{metrics_port}/metrics",
+            os.environ["SPECSERVE_KEYS"],
+        )  # fmt: skip
+    finally:
+        up.terminate()
+        try:
+            up.wait(30)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            up.wait()
+        drop_model_keys(redis_url, MODEL)
+
+
+@pytest.fixture(scope="module")
+def oai(served: Running) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served.api}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def sdk(served: Running) -> Iterator[Client]:
+    with Client(served.url, keys=served.keys) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(MODEL)
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0)
+
+
+def test_models_and_health(served: Running, oai: openai.OpenAI) -> None:
+    assert [m.id for m in oai.models.list().data] == [MODEL]
+    health = httpx.get(f"{served.api}/health").json()
+    assert health == {"status": "ok", "live_workers": 1, "model": MODEL}
+    metrics = httpx.get(f"{served.api}/metrics").text
+    assert 'specserve_api_requests_total{endpoint="/health",status="200"}' in metrics
+
+
+def test_greedy_completion_is_the_sdk_text(oai: openai.OpenAI, sdk: Client) -> None:
+    prompt = "The three primary colors are"
+    want = sdk.generate(prompt, GREEDY)
+    got = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    assert got.choices[0].text == want.text
+    assert got.choices[0].finish_reason == want.finish_reason
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert got.usage.completion_tokens == len(want.token_ids)
+    # lists of prompts, as texts or as token ids: a choice each, in order
+    for prompts in ([prompt, "Red, green and"], [want.prompt_token_ids, [1, 2, 3]]):
+        both = oai.completions.create(model=MODEL, prompt=prompts, max_tokens=24, temperature=0)
+        assert both.choices[0].text == want.text and both.choices[1].text != want.text
+        assert [c.index for c in both.choices] == [0, 1]
+    tokens = oai.completions.create(
+        model=MODEL, prompt=want.prompt_token_ids, max_tokens=24, temperature=0, echo=True
+    )
+    assert tokens.choices[0].text == prompt + want.text
+
+
+def test_chat_second_turn_hits_the_cache_for_the_whole_first_turn(
+    oai: openai.OpenAI, sdk: Client, tokenizer
+) -> None:
+    first = [
+        {"role": "system", "content": "You are a concise assistant for a hardware store."},
+        {"role": "user", "content": "Which screws should I use for a pine bookshelf?"},
+    ]
+    want = sdk.generate(first, GREEDY)
+    turn1 = oai.chat.completions.create(model=MODEL, messages=first, max_tokens=24, temperature=0)
+    answer = turn1.choices[0].message.content
+    assert answer == want.text
+    assert turn1.usage.prompt_tokens == len(want.prompt_token_ids)
+
+    second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "Why?"}]
+    turn2 = oai.chat.completions.create(model=MODEL, messages=second, max_tokens=8, temperature=0)
+    prompt2 = tokenizer.encode(
+        tokenizer.apply_chat_template(second, add_generation_prompt=True), add_special_tokens=False
+    )
+    assert turn2.usage.prompt_tokens == len(prompt2)
+    seen = want.prompt_token_ids + want.token_ids  # what turn 1 computed and cached
+    common = next(
+        (i for i, (a, b) in enumerate(zip(seen, prompt2, strict=False)) if a != b),
+        min(len(seen), len(prompt2)),
+    )
+    cached = turn2.usage.prompt_tokens_details.cached_tokens
+    assert cached == min(common, len(prompt2) - 1) // BLOCK * BLOCK
+    assert cached >= len(want.prompt_token_ids) // BLOCK * BLOCK  # the whole first prompt
+
+
+def test_async_streams_equal_whole_responses(oai: openai.OpenAI, served: Running) -> None:
+    prompts = ["Write a haiku about rain.", "List three fruits.", "What is 7 times 6?"]
+
+    async def run() -> list[tuple[str, str, object]]:
+        aoai = openai.AsyncOpenAI(base_url=f"{served.api}/v1", api_key="none", max_retries=0)
+
+        async def one(text: str) -> tuple[str, str, object]:
+            messages = [{"role": "user", "content": text}]
+            whole = await aoai.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=20, temperature=0
+            )
+            stream = await aoai.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=20, temperature=0, stream=True,
+                stream_options={"include_usage": True},
+            )  # fmt: skip
+            pieces, usage, reasons = [], None, []
+            async for chunk in stream:
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                for choice in chunk.choices:
+                    pieces.append(choice.delta.content or "")
+                    if choice.finish_reason:
+                        reasons.append(choice.finish_reason)
+            assert reasons == [whole.choices[0].finish_reason]
+            assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+            return whole.choices[0].message.content, "".join(pieces), usage
+
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await aoai.close()
+
+    for whole, streamed, _ in asyncio.run(run()):
+        assert streamed == whole and whole
+
+
+def test_stop_strings_end_the_text_and_never_leak_into_a_stream(oai: openai.OpenAI) -> None:
+    prompt = "Count from one to twenty in words: one, two, three,"
+    full = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0)
+    text = full.choices[0].text
+    stop = text[12:17]
+    assert len(stop) == 5 and text.find(stop) >= 0
+    want = text[: text.find(stop)]
+    got = oai.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stop=[stop, "zzzz"]
+    )
+    assert got.choices[0].text == want
+    assert got.choices[0].finish_reason == "stop"
+    assert got.usage.completion_tokens < full.usage.completion_tokens
+    chunks = oai.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stop=stop, stream=True
+    )
+    pieces = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(pieces) == want
+    assert not any(stop in "".join(pieces[: i + 1])[len(want) :] for i in range(len(pieces)))
+
+
+def test_n_choices_are_the_single_requests_with_successive_seeds(oai: openai.OpenAI) -> None:
+    prompt = "Once upon a time"
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=0.9)
+    both = oai.completions.create(**kw, n=2, seed=7)
+    singles = [oai.completions.create(**kw, seed=s).choices[0].text for s in (7, 8)]
+    assert [c.text for c in both.choices] == singles
+    assert both.usage.prompt_tokens == oai.completions.create(**kw, seed=7).usage.prompt_tokens
+    greedy = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, n=3)
+    assert len({c.text for c in greedy.choices}) == 1
+
+
+def test_n_choices_share_the_prompts_kv_blocks(served: Running) -> None:
+    """The second choice starts after the first has computed the prompt: its full blocks are a
+    prefix-cache hit instead of a second prefill."""
+    prompt = "Explain, in one paragraph, how a refrigerator moves heat out of its box. " * 3
+
+    async def run() -> dict[int, int | None]:
+        cached: dict[int, int | None] = {}
+        async with AsyncClient(served.url, keys=served.keys) as client:
+            groups = plan_choices("share", [prompt], 2, SamplingParams(max_tokens=4, seed=1))
+            async for index, output in run_choices(client, groups, 60):
+                if output.num_cached_tokens is not None:
+                    cached[index] = output.num_cached_tokens
+        return cached
+
+    n_prompt = len(load_tokenizer(MODEL).encode(prompt))
+    cached = asyncio.run(run())
+    assert cached[1] == (n_prompt - 1) // BLOCK * BLOCK > 0
+    assert cached[0] < cached[1]
+
+
+def test_logprobs_follow_the_tokens(oai: openai.OpenAI) -> None:
+    got = oai.completions.create(
+        model=MODEL, prompt="Water boils at", max_tokens=10, temperature=0, logprobs=3
+    )
+    lp = got.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == got.usage.completion_tokens
+    assert "".join(lp.tokens) == got.choices[0].text
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 3 and chosen <= 0
+        assert max(top.values()) == pytest.approx(chosen) and top[token] == pytest.approx(chosen)
+    chat = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=6,
+        temperature=0, logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].token == entry.token
+        assert bytes(entry.bytes) == entry.token.encode()
+
+
+# --- errors, over raw HTTP ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+        ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "hi", "n": 1000}, 400, "n"),
+        ({"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({"prompt": "hi", "stop": ["x"] * 100}, 400, "stop"),
+        ({"prompt": []}, 400, "prompt"),
+        ({"max_tokens": 3}, 400, "prompt"),
+        ({"prompt": [10**9]}, 400, None),  # outside the vocabulary: refused by the service
+        ({"prompt": "hi", "model": "gpt-17"}, 404, "model"),
+    ],
+)
+def test_bad_requests_get_openai_errors(served: Running, body, status, param) -> None:
+    response = httpx.post(f"{served.api}/v1/completions", json=body, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == status and error["param"] == param and error["message"]
+
+
+def test_bad_chat_and_malformed_json(served: Running) -> None:
+    bad_role = {"messages": [{"role": "wizard", "content": "hi"}]}
+    response = httpx.post(f"{served.api}/v1/chat/completions", json=bad_role, timeout=30)
+    assert response.status_code == 400 and "wizard" in response.json()["error"]["message"]
+    response = httpx.post(
+        f"{served.api}/v1/chat/completions", content=b"{not json", timeout=30,
+        headers={"content-type": "application/json"},
+    )  # fmt: skip
+    assert response.status_code == 400
+    empty = httpx.post(f"{served.api}/v1/chat/completions", json={"messages": []}, timeout=30)
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"
+
+
+def _metric(served: Running, name: str) -> float:
+    for line in httpx.get(served.metrics, timeout=5).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} in the control plane's metrics")
+
+
+def test_a_dropped_stream_aborts_its_request_and_frees_its_blocks(served: Running) -> None:
+    body = {
+        "prompt": "Tell me everything about the history of bridges.", "max_tokens": 3000,
+        "ignore_eos": True, "temperature": 0, "stream": True,
+    }  # fmt: skip
+    with httpx.stream("POST", f"{served.api}/v1/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        for _ in range(8):
+            next(lines)
+        assert get_status(served.url, keys=served.keys).requests_in_flight == 1
+    # closed after a few tokens: the request must be gone in well under its 3000 tokens' time
+    deadline = time.monotonic() + 15
+    while get_status(served.url, keys=served.keys).requests_in_flight:
+        assert time.monotonic() < deadline, "the dropped stream's request is still running"
+        time.sleep(0.1)
+    while _metric(served, "specserve_running_requests") or _metric(served, "specserve_kv_usage"):
+        assert time.monotonic() < deadline, "the dropped stream's blocks were not freed"
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def api_process(control: str, *extra: str) -> Iterator[str]:
+    port = free_port()
+    argv = ["api", "--control", control, "--port", str(port), *extra]
+    proc = subprocess.Popen([sys.executable, "-m", "specserve.cli", *argv])
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_overload_gets_429_and_no_service_gets_503(served: Running) -> None:
+    keys = ["--keys", served.keys]
+    with api_process(served.url, *keys, "--max-concurrent-requests", "1") as api:
+        wait_healthy(api)
+        long = {"prompt": "Go on:", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{api}/v1/completions", json=long, timeout=30) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()  # kept: a dropped iterator closes the connection
+            opening = next(lines)
+            assert '"finish_reason":null' in opening, opening
+            second = httpx.post(f"{api}/v1/completions", json={"prompt": "hi"}, timeout=30)
+            assert second.status_code == 429, second.text
+            assert second.json()["error"]["type"] == "rate_limit_error"
+    nowhere = f"tcp://127.0.0.1:{free_port()}"
+    with api_process(nowhere, *keys) as api:
+        health = wait_healthy(api, want=503)
+        assert health.json()["status"] == "unavailable"
+        response = httpx.post(f"{api}/v1/completions", json={"prompt": "hi"}, timeout=30)
+        assert response.status_code == 503, response.text
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
