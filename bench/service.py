@@ -3,6 +3,8 @@
 Usage: .venv/bin/python bench/service.py [--workers 2] [--groups 6] [--users 8] [--questions 2]
     [--system-tokens 192] [--rate 2] [--max-tokens 16] [--model smollm2-135m] [--num-blocks N]
     [--redis-url URL] [--seed 0] [--quick] [--index-only] [--json] [--curve [--repeat 3]]
+       .venv/bin/python bench/service.py --http [...]: the HTTP API under guidellm against
+    `vllm serve` and the ZeroMQ SDK (bench/http_api.py)
 
 The workload has the shape of llm-d's precise-prefix-cache benchmark, scaled to a small CPU box:
 G groups of users, each group sharing one long system prompt; each of U users per group asks Q
@@ -820,4 +822,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if "--http" in sys.argv[1:]:  # the HTTP API against vLLM: bench/http_api.py
+        import http_api
+
+        sys.exit(http_api.main([a for a in sys.argv[1:] if a != "--http"]))
     main()

@@ -1,4 +1,5 @@
-"""`specserve up`: a whole local service (Redis, a control plane, N workers) from one command.
+"""`specserve up`: a whole local service (Redis, a control plane, N workers and the HTTP API)
+from one command, kept running: a child that dies is restarted with backoff.
 
 Every part runs as its own process, exactly as it would across machines, so `up` exercises the
 real wire protocol. Children get their own session (Ctrl-C reaches only the launcher, which then
@@ -28,6 +29,12 @@ from specserve.launch.lifetime import child_environment
 from specserve.launch.local_redis import LocalRedis, RedisNotFound
 
 STOP_GRACE_S = 10.0
+# A child that dies is started again after a backoff (doubling from RESTART_BACKOFF_S up to
+# RESTART_BACKOFF_MAX_S); more than RESTARTS_PER_MINUTE restarts of one child in a minute mean
+# something is wrong that restarting will not fix, and `up` stops everything.
+RESTART_BACKOFF_S = 0.5
+RESTART_BACKOFF_MAX_S = 8.0
+RESTARTS_PER_MINUTE = 5
 POLL_INTERVAL_S = 0.2
 PROGRESS_EVERY_S = 15.0
 
@@ -106,6 +113,13 @@ class Child:
     name: str
     proc: subprocess.Popen
     pump: threading.Thread
+    argv: list[str]  # how to start it again
+    redis_url: str | None
+    restarts: list[float] = field(default_factory=list)  # when it was restarted (monotonic)
+    restart_at: float | None = None  # dead, to be started again at this time
+
+    def exit_status(self) -> int | None:
+        return self.proc.poll() if self.restart_at is None else None
 
 
 class Cluster:
@@ -152,6 +166,14 @@ class Cluster:
             self.spawn("api", api)
 
     def spawn(self, name: str, argv: list[str], redis_url: str | None = None) -> Child:
+        proc, pump = self._start(name, argv, redis_url)
+        child = Child(name, proc, pump, argv, redis_url)
+        self.children.append(child)
+        return child
+
+    def _start(
+        self, name: str, argv: list[str], redis_url: str | None
+    ) -> tuple[subprocess.Popen, threading.Thread]:
         cmd = [sys.executable, "-m", "specserve.cli", *self.plan.log_flags, *argv]
         env = child_environment()
         env.pop(REDIS_URL_ENV, None)
@@ -167,10 +189,8 @@ class Cluster:
         )
         pump = threading.Thread(target=_pump, args=(name, proc.stdout), daemon=True)
         pump.start()
-        child = Child(name, proc, pump)
-        self.children.append(child)
         say(f"started {name} (pid {proc.pid})")
-        return child
+        return proc, pump
 
     # --- watching ------------------------------------------------------------------------
 
@@ -225,14 +245,40 @@ class Cluster:
             client.close()
 
     def serve_forever(self) -> int:
-        """Until a signal arrives (KeyboardInterrupt) or a child dies (then 1)."""
+        """Until a signal arrives (KeyboardInterrupt), restarting children that die; 1 when one
+        keeps dying (more than RESTARTS_PER_MINUTE restarts in a minute)."""
         while True:
             try:
-                self.check_children()
+                self.supervise(time.monotonic())
             except LaunchError as exc:
                 print(f"error: {exc}; stopping", file=sys.stderr)
                 return 1
-            time.sleep(0.5)
+            time.sleep(POLL_INTERVAL_S)
+
+    def supervise(self, now: float) -> None:
+        """Schedule a restart for each child that died, and start those whose time has come.
+
+        The control plane moves a dead worker's requests to the others (and takes the new one
+        when it registers); workers and the HTTP API reconnect to a restarted control plane.
+        """
+        for child in self.children:
+            code = child.exit_status()
+            if code is not None:
+                child.restarts = [t for t in child.restarts if now - t < 60.0]
+                if len(child.restarts) >= RESTARTS_PER_MINUTE:
+                    raise LaunchError(
+                        f"{child.name} exited with status {code}, its {len(child.restarts) + 1}"
+                        f"th exit within a minute: not restarting it again; its log is above "
+                        f"(prefixed [{child.name}])"
+                    )
+                delay = min(RESTART_BACKOFF_S * 2 ** len(child.restarts), RESTART_BACKOFF_MAX_S)
+                say(f"{child.name} exited with status {code}; restarting it in {delay:g} s")
+                child.pump.join(timeout=1.0)
+                child.restart_at = now + delay
+            elif child.restart_at is not None and now >= child.restart_at:
+                child.proc, child.pump = self._start(child.name, child.argv, child.redis_url)
+                child.restarts.append(now)
+                child.restart_at = None
 
     # --- stopping ------------------------------------------------------------------------
 

@@ -1,0 +1,357 @@
+"""The HTTP API under load: specserve's OpenAI endpoint and `vllm serve`, driven by guidellm (the
+load generator vLLM's project ships) on ShareGPT prompts, and specserve's ZeroMQ SDK on the same
+prompts, at several concurrencies, in one run.
+
+Usage: .venv/bin/python bench/service.py --http [--concurrency 1,8,32] [--prompts 64]
+    [--max-tokens 64] [--rounds 2] [--no-peer]
+
+Needs `bash scripts/setup_peer.sh` (vLLM's CPU build and guidellm in .venv-peer). Both servers
+load the same weights: the bundled SmolLM2-135M-Instruct, dequantized once into a Hugging Face
+directory (float32), with the same limits (max_model_len 2048, 64 sequences, 2048 batched
+tokens, prefix caching on). Every request is a ShareGPT first user turn as a chat message,
+`max_tokens` output tokens with EOS ignored, temperature 1 (both servers' default).
+
+Per round, each engine runs alone (the other is stopped): specserve serves guidellm over HTTP,
+then the SDK driver over ZeroMQ at each concurrency; then vLLM serves guidellm. Rounds repeat
+the pair, so the machine's drift reaches both; the table shows the median over rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from specserve.client import AsyncClient, SamplingParams
+from specserve.launch.local_redis import free_port
+from specserve.shared.paths import cache_root
+from specserve.shared.tokenizer import Tokenizer
+from specserve.training.corpus import read_sharegpt
+
+ROOT = Path(__file__).resolve().parent.parent
+PEER_BIN = ROOT / ".venv-peer" / "bin"
+LIMITS = {"max-model-len": "2048", "max-num-seqs": "64", "max-num-batched-tokens": "2048"}
+READY_TIMEOUT_S = 600.0
+
+
+def log(msg: str) -> None:
+    print(f"[http-bench] {msg}", file=sys.stderr, flush=True)
+
+
+# --- the workload ----------------------------------------------------------------------------
+
+
+def peer_model_dir() -> Path:
+    """The bundled model as a Hugging Face directory (float32 safetensors + tokenizer), made
+    once: the one format both servers load."""
+    path = cache_root() / "peer-models" / "smollm2-135m-f32"
+    if (path / "model.safetensors").exists():
+        return path
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specserve.shared.gguf_metadata import find_bundled_gguf
+
+    gguf = find_bundled_gguf()
+    log(f"dequantizing {gguf.name} into {path}")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    model.hf_quantizer = None  # the weights are plain float32 tensors now
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = path.with_suffix(".tmp")
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
+    tmp.rename(path)
+    return path
+
+
+def sharegpt_prompts(tokenizer: Tokenizer, count: int, max_prompt_tokens: int) -> list[str]:
+    """First user turns of ShareGPT chats, in file order, whose chat prompt fits."""
+    prompts = []
+    for chat in read_sharegpt():
+        text = next(t for role, t in chat.turns if role == "user")
+        if len(tokenizer.encode_prompt(text, chat=True)) <= max_prompt_tokens:
+            prompts.append(text)
+        if len(prompts) == count:
+            break
+    return prompts
+
+
+@dataclass
+class Result:
+    engine: str
+    concurrency: int
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    output_tokens_per_s: float
+    requests: int
+
+
+# --- servers ---------------------------------------------------------------------------------
+
+
+def wait_ready(url: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} was not ready within {READY_TIMEOUT_S:.0f} s")
+
+
+@contextmanager
+def server(argv: list[str], url: str, env: dict[str, str], log_path: Path) -> Iterator[None]:
+    started = time.monotonic()
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_ready(url, proc)
+        log(f"{argv[0].rsplit('/', 1)[-1]} ready in {time.monotonic() - started:.0f} s")
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def specserve_argv(model: Path, port: int, api_port: int) -> list[str]:
+    limits = [x for k, v in LIMITS.items() for x in (f"--{k}", v)]
+    return [
+        sys.executable, "-m", "specserve.cli", "--log-level", "warning", "up", "--model",
+        str(model), "--port", str(port), "--api-port", str(api_port), "--insecure",
+        "--served-model-name", "smollm2", *limits,
+    ]  # fmt: skip
+
+
+def vllm_argv(model: Path, port: int) -> list[str]:
+    limits = [x for k, v in LIMITS.items() for x in (f"--{k}", v)]
+    return [
+        str(PEER_BIN / "vllm"), "serve", str(model), "--port", str(port), "--dtype", "float32",
+        "--served-model-name", "smollm2", "--enable-prefix-caching", *limits,
+    ]  # fmt: skip
+
+
+def vllm_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-1",
+        OMP_NUM_THREADS="2",
+    )  # fmt: skip
+    return env
+
+
+# --- load --------------------------------------------------------------------------------------
+
+
+def guidellm(url: str, model: Path, data: Path, concurrency: int, requests: int) -> Result:
+    """One guidellm run: `requests` requests, `concurrency` streams, against `url`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "report.json"
+        argv = [
+            str(PEER_BIN / "guidellm"), "run",
+            "--backend", f"kind=openai_http,target={url},model=smollm2",
+            "--profile", f"kind=concurrent,streams={concurrency}",
+            "--data", f"kind=json_file,path={data}",
+            "--constraint", f"kind=max_requests,count={requests}",
+            "--tokenizer", f"kind=huggingface_auto,model={model}",
+            "--output", f"kind=json,path={out}", "--disable-console",
+        ]  # fmt: skip
+        done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp, env=vllm_env())
+        if done.returncode != 0 or not out.exists():
+            raise RuntimeError(f"guidellm failed ({done.returncode}): {done.stderr[-2000:]}")
+        bench = json.loads(out.read_text())["benchmarks"][0]
+    metrics = bench["metrics"]
+
+    def pct(name: str, p: str) -> float:
+        return metrics[name]["successful"]["percentiles"][p]
+
+    tokens = metrics["output_token_count"]["successful"]["total_sum"]
+    count = metrics["request_totals"]["successful"]
+    return Result(
+        "", concurrency, pct("time_to_first_token_ms", "p50"), pct("time_to_first_token_ms", "p99"),
+        pct("inter_token_latency_ms", "p50"), pct("inter_token_latency_ms", "p99"),
+        tokens / bench["duration"], count,
+    )  # fmt: skip
+
+
+async def sdk_load(
+    url: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int
+) -> Result:
+    """The same load through the ZeroMQ SDK: `concurrency` workers, each sending a chat
+    request as soon as its previous one ended, timed the way guidellm times them."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    ttfts: list[float] = []
+    itls: list[float] = []
+    tokens = 0
+    queue = list(range(requests))
+
+    async def worker(client: AsyncClient) -> None:
+        nonlocal tokens
+        while queue:
+            i = queue.pop()
+            messages = [{"role": "user", "content": prompts[i % len(prompts)]}]
+            sent = time.perf_counter()
+            last = None
+            async for out in client.stream(messages, params):
+                now = time.perf_counter()
+                if not out.token_ids:
+                    continue
+                if last is None:
+                    ttfts.append((now - sent) * 1000)
+                else:
+                    itls.extend([(now - last) * 1000 / len(out.token_ids)] * len(out.token_ids))
+                last = now
+                tokens += len(out.token_ids)
+
+    async with AsyncClient(url, timeout=600) as client:
+        started = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        seconds = time.perf_counter() - started
+    return Result(
+        "", concurrency, percentile(ttfts, 50), percentile(ttfts, 99), percentile(itls, 50),
+        percentile(itls, 99), tokens / seconds, requests,
+    )  # fmt: skip
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+
+def requests_at(concurrency: int, prompts: int) -> int:
+    return min(prompts, max(16, 2 * concurrency))
+
+
+def run_round(args: argparse.Namespace, model: Path, data: Path, prompts: list[str], logs: Path):
+    results: list[Result] = []
+    port, api_port = free_port(), free_port()
+    api = f"http://127.0.0.1:{api_port}"
+    log("specserve: starting")
+    with server(specserve_argv(model, port, api_port), api, dict(os.environ), logs / "ss.log"):
+        for c in args.concurrency:
+            n = requests_at(c, args.prompts)
+            guidellm(api, model, data, c, min(8, n))  # warm-up
+            r = guidellm(api, model, data, c, n)
+            r.engine = "specserve http"
+            results.append(r)
+            log(f"specserve http c={c}: {r}")
+            r = asyncio.run(sdk_load(f"tcp://127.0.0.1:{port}", prompts, c, n, args.max_tokens))
+            r.engine = "specserve zmq sdk"
+            results.append(r)
+            log(f"specserve zmq c={c}: {r}")
+    if args.no_peer:
+        return results
+    vport = free_port()
+    url = f"http://127.0.0.1:{vport}"
+    log("vllm: starting (it compiles its model first: a minute or two)")
+    with server(vllm_argv(model, vport), url, vllm_env(), logs / "vllm.log"):
+        for c in args.concurrency:
+            n = requests_at(c, args.prompts)
+            guidellm(url, model, data, c, min(8, n))  # warm-up
+            r = guidellm(url, model, data, c, n)
+            r.engine = "vllm http"
+            results.append(r)
+            log(f"vllm http c={c}: {r}")
+    return results
+
+
+def print_table(rounds: list[list[Result]]) -> None:
+    keys = sorted(
+        {(r.engine, r.concurrency) for rs in rounds for r in rs}, key=lambda k: (k[1], k[0])
+    )
+    fields = ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "output_tokens_per_s"]
+    med: dict[tuple[str, int], dict[str, float]] = {}
+    for key in keys:
+        runs = [r for rs in rounds for r in rs if (r.engine, r.concurrency) == key]
+        med[key] = {f: statistics.median(getattr(r, f) for r in runs) for f in fields}
+    header = ["concurrency", "engine", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"]
+    print("| " + " | ".join([*header, "output tok/s"]) + " |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for c, engine in [(k[1], k[0]) for k in keys]:
+        m = med[(engine, c)]
+        cells = " | ".join(f"{m[f]:.1f}" for f in fields)
+        print(f"| {c} | {engine} | {cells} |")
+    print()
+    for c in sorted({k[1] for k in keys}):
+        http, sdk, peer = (
+            med.get((e, c)) for e in ("specserve http", "specserve zmq sdk", "vllm http")
+        )
+        line = f"c={c}:"
+        if http and sdk:
+            line += (
+                f" HTTP/SDK TTFT p50 {http['ttft_p50_ms'] / sdk['ttft_p50_ms']:.3f}x,"
+                f" ITL p50 {http['itl_p50_ms'] - sdk['itl_p50_ms']:+.2f} ms;"
+            )
+        if http and peer:
+            ttft = http["ttft_p99_ms"] / peer["ttft_p99_ms"]
+            rate = http["output_tokens_per_s"] / peer["output_tokens_per_s"]
+            line += (
+                f" specserve/vLLM TTFT p99 {ttft:.3f}x (lower is better), throughput {rate:.3f}x"
+            )
+        print(line)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32]
+    )
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-prompt-tokens", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--no-peer", action="store_true", help="specserve only (no vLLM)")
+    args = p.parse_args(argv)
+    if not (PEER_BIN / "guidellm").exists():
+        print("error: run `bash scripts/setup_peer.sh` first (vLLM and guidellm)", file=sys.stderr)
+        return 2
+    model = peer_model_dir()
+    tokenizer = Tokenizer.from_hf_dir(model)
+    prompts = sharegpt_prompts(tokenizer, args.prompts, args.max_prompt_tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "sharegpt.jsonl"
+        with open(data, "w") as f:
+            for text in prompts:
+                f.write(json.dumps({"prompt": text, "output_tokens_count": args.max_tokens}) + "\n")
+        logs = Path(tmp)
+        rounds = []
+        for i in range(args.rounds):
+            log(f"round {i + 1}/{args.rounds} (load {os.getloadavg()[0]:.2f})")
+            rounds.append(run_round(args, model, data, prompts, logs))
+    print(f"\nload average at the end: {os.getloadavg()[0]:.2f}; median of {args.rounds} rounds\n")
+    print_table(rounds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

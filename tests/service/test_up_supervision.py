@@ -1,0 +1,105 @@
+"""`specserve up` keeps the service running: a worker killed with -9 under load loses no request
+and is started again; so is the HTTP API."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+from service_harness import drop_model_keys, start_up
+
+from specserve.client import AsyncClient, SamplingParams, get_status
+from specserve.launch.local_redis import free_port
+
+PROMPTS = [[1 + i, 7, 3 + (i * 5) % 50, 11, 2 + i % 9] for i in range(20)]
+PARAMS = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def expected(llama_ckpt) -> list[list[int]]:
+    from specserve.llm import LLM
+
+    llm = LLM(str(llama_ckpt.path), num_blocks=256, block_size=4, max_model_len=256)
+    return [out.token_ids for out in llm.generate(PROMPTS, PARAMS)]
+
+
+def child_pids(lines: list[str]) -> dict[str, int]:
+    """The newest pid `up` reported for each child."""
+    return {n: int(p) for n, p in re.findall(r"started (\S+) \(pid (\d+)\)", "".join(lines))}
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
+def test_a_killed_worker_loses_no_request_and_comes_back(llama_ckpt, redis_url, expected):
+    port, api_port = free_port(), free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    argv = [
+        "up", "--workers", "2", "--port", str(port), "--api-port", str(api_port),
+        "--model", str(llama_ckpt.path), "--redis-url", redis_url, "--num-blocks", "256",
+        "--block-size", "4", "--max-model-len", "256",
+    ]  # fmt: skip
+    keys = os.environ["SPECSERVE_KEYS"]
+    up, lines = start_up(argv)
+    try:
+        first = child_pids(lines)
+
+        async def run() -> list[list[int]]:
+            async with AsyncClient(url, timeout=120, keys=keys) as client:
+                started = asyncio.Event()
+                outputs: list[list[int]] = [[] for _ in PROMPTS]
+
+                async def one(i: int) -> None:
+                    async for out in client.stream(PROMPTS[i], PARAMS):
+                        outputs[i].extend(out.token_ids)
+                        if len(outputs[i]) >= 4:
+                            started.set()
+
+                tasks = [asyncio.ensure_future(one(i)) for i in range(len(PROMPTS))]
+                await started.wait()
+                os.kill(first["worker-0"], signal.SIGKILL)  # mid-stream
+                await asyncio.gather(*tasks)
+                return outputs
+
+        assert asyncio.run(run()) == expected
+        # `up` started worker-0 again, and the control plane took it back
+        wait_for(lambda: child_pids(lines)["worker-0"] != first["worker-0"], 30, "no restart")
+        status = lambda: get_status(url, keys=keys)  # noqa: E731
+        wait_for(lambda: status().live_workers == 2, 90, "worker-0 never came back")
+        assert any("worker-0 exited with status -9; restarting it" in line for line in lines)
+
+        # the HTTP API too
+        api = f"http://127.0.0.1:{api_port}"
+        wait_for(lambda: _healthy(api), 60, "the API never became healthy")
+        os.kill(child_pids(lines)["api"], signal.SIGKILL)
+        wait_for(lambda: child_pids(lines)["api"] != first["api"], 30, "the API was not restarted")
+        wait_for(lambda: _healthy(api), 60, "the restarted API never became healthy")
+        body = {"prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(f"{api}/v1/completions", json=body, timeout=60).json()
+        assert reply["usage"]["completion_tokens"] == len(expected[0])
+        assert up.poll() is None  # still serving
+    finally:
+        up.send_signal(signal.SIGTERM)
+        try:
+            up.wait(60)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            up.wait()
+        drop_model_keys(redis_url, str(llama_ckpt.path))
+
+
+def _healthy(api: str) -> bool:
+    try:
+        return httpx.get(f"{api}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
