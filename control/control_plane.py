@@ -78,6 +78,7 @@ from specserve.shared.tokenizer import load_tokenizer
 log = structlog.get_logger(__name__)
 
 TICK_S = 0.1
+SHUTDOWN_LINGER_MS = 1000  # how long a stopping control plane keeps delivering final outputs
 FRAMES_PER_PASS = 256  # frames handled between two dispatch/tick passes of the loop
 HEARTBEAT_SUFFIX = b"#hb"
 
@@ -192,9 +193,12 @@ class ControlPlane:
                 time.sleep(0.1)
 
     def _close_sockets(self) -> None:
-        for sock in (getattr(self, "sock", None), getattr(self, "worker_sock", None)):
-            if sock is not None:
-                sock.close(linger=0)
+        # The client socket lingers, so the final outputs queued by `fail_all` still reach the
+        # clients; the worker socket has nothing worth waiting for.
+        if getattr(self, "sock", None) is not None:
+            self.sock.close(linger=SHUTDOWN_LINGER_MS)
+        if getattr(self, "worker_sock", None) is not None:
+            self.worker_sock.close(linger=0)
         if self._auth is not None:
             self._auth.stop()
         self.ctx.term()
