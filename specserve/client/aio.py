@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import AsyncIterator, Coroutine
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 import structlog
 import zmq
@@ -17,10 +16,8 @@ from specserve.client.core import CLOSE_LINGER_MS, DEFAULT_TIMEOUT, DEFAULT_URL,
 from specserve.client.errors import ServiceError, ServiceUnreachable, unreachable_message
 from specserve.client.state import Completion
 from specserve.client.steps import Run, Send, Step, Steps, Wait
-from specserve.client.wire import abort_frame, connect_dealer
-from specserve.shared.curve import DEFAULT_CLIENT_KEY, PeerKeys
+from specserve.client.wire import ConnectOptions, abort_frame
 from specserve.shared.protocol import GenerateRequest, RequestOutput
-from specserve.shared.socket_limits import CLIENT_MAX_MESSAGE_BYTES
 
 log = structlog.get_logger(__name__)
 
@@ -51,19 +48,15 @@ class AsyncClient(
     CURVE as `clients/<key_name>`; a control plane started with `--keys` needs it.
     """
 
+    _context_type = zmq.asyncio.Context
+
     def __init__(
         self,
         url: str = DEFAULT_URL,
         timeout: float | None = DEFAULT_TIMEOUT,
-        *,
-        max_message_bytes: int = CLIENT_MAX_MESSAGE_BYTES,
-        keys: PeerKeys | str | os.PathLike | None = None,
-        key_name: str = DEFAULT_CLIENT_KEY,
+        **connect: Unpack[ConnectOptions],
     ) -> None:
-        super().__init__(url, timeout)
-        self._context = zmq.asyncio.Context()
-        self._socket = self._context.socket(zmq.DEALER)
-        connect_dealer(self._socket, url, max_message_bytes, keys, key_name)
+        super().__init__(url, timeout, **connect)
         # The tasks waiting for news of an id (see `_wake`); an event is dropped once set.
         self._news: dict[str, asyncio.Event] = {}
         self._receiver: asyncio.Task[None] | None = None

@@ -1,9 +1,10 @@
 """The one client implementation: the public calls and the state of every request in flight.
 
-`ClientCore` never touches a socket. Its calls are generators of `Send`/`Wait` steps (see
-`steps.py`); `Client` and `AsyncClient` carry those out, and feed every message they receive to
-`_file`. So request building, deadlines, tombstones and the folding of outputs exist once, and the
-state of a request (what was asked, its deadline, what it delivered) lives in one `RequestState`.
+`ClientCore` opens the client's DEALER socket but never uses it. Its calls are generators of
+`Send`/`Wait` steps (see `steps.py`); `Client` and `AsyncClient` carry those out, and feed every
+message they receive to `_file`. So request building, deadlines, tombstones and the folding of
+outputs exist once, and the state of a request (what was asked, its deadline, what it delivered)
+lives in one `RequestState`.
 """
 
 from __future__ import annotations
@@ -12,17 +13,20 @@ from abc import ABC, abstractmethod
 from typing import Any, Generic, TypeVar, Unpack
 
 import structlog
+import zmq
 
 from specserve.client.errors import ServiceError
 from specserve.client.state import Completion, Deadline, RequestState, resolve_timeout
 from specserve.client.steps import Send, Steps, Wait
 from specserve.client.tombstones import Tombstones
 from specserve.client.wire import (
+    ConnectOptions,
     Options,
     Prompt,
     RequestArgs,
     abort_frame,
     check_reply,
+    connect_dealer,
     ends_request,
     parse_reply,
     request_args,
@@ -53,9 +57,19 @@ class ClientCore(ABC, Generic[CompletionT, IdT, OutputsT]):
     request id into each request's inbox until its caller takes them.
     """
 
-    def __init__(self, url: str, timeout: float | None) -> None:
+    _context_type: type[zmq.Context] = zmq.Context  # the subclass's kind of socket
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        **connect: Unpack[ConnectOptions],
+    ) -> None:
         self.url = url
         self.timeout = timeout
+        self._context = self._context_type()
+        self._socket = self._context.socket(zmq.DEALER)
+        connect_dealer(self._socket, url, **connect)
         self._unreachable = False  # the last send found no connection
         self._heard = False  # whether anything at all came from the control plane
         self._requests: dict[str, RequestState] = {}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Iterator
 from types import TracebackType
@@ -11,14 +10,12 @@ from typing import TypeVar
 
 import zmq
 
-from specserve.client.core import CLOSE_LINGER_MS, DEFAULT_TIMEOUT, DEFAULT_URL, ClientCore
+from specserve.client.core import CLOSE_LINGER_MS, ClientCore
 from specserve.client.errors import ServiceUnreachable, unreachable_message
 from specserve.client.state import Completion
 from specserve.client.steps import Run, Send, Step, Steps
-from specserve.client.wire import abort_frame, connect_dealer
-from specserve.shared.curve import DEFAULT_CLIENT_KEY, PeerKeys
+from specserve.client.wire import abort_frame
 from specserve.shared.protocol import GenerateRequest, RequestOutput
-from specserve.shared.socket_limits import CLIENT_MAX_MESSAGE_BYTES
 
 T = TypeVar("T")
 
@@ -43,19 +40,7 @@ class Client(ClientCore[Completion, str, Iterator[RequestOutput]]):
     CURVE as `clients/<key_name>`; a control plane started with `--keys` needs it.
     """
 
-    def __init__(
-        self,
-        url: str = DEFAULT_URL,
-        timeout: float | None = DEFAULT_TIMEOUT,
-        *,
-        max_message_bytes: int = CLIENT_MAX_MESSAGE_BYTES,
-        keys: PeerKeys | str | os.PathLike | None = None,
-        key_name: str = DEFAULT_CLIENT_KEY,
-    ) -> None:
-        super().__init__(url, timeout)
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.DEALER)
-        connect_dealer(self._socket, url, max_message_bytes, keys, key_name)
+    _context_type = zmq.Context
 
     def abort(self, request_id: str) -> None:
         """Ask the control plane to stop a request. A submitted request stays collectable: its

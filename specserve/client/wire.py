@@ -6,14 +6,14 @@ import os
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import TypedDict, Unpack
 
 import structlog
 import zmq
 
 from specserve.client.errors import RequestFailed
 from specserve.shared import protocol
-from specserve.shared.curve import CLIENTS, PeerKeys, peer_keys
+from specserve.shared.curve import CLIENTS, DEFAULT_CLIENT_KEY, PeerKeys, peer_keys
 from specserve.shared.protocol import (
     PROTOCOL_VERSION,
     AbortRequest,
@@ -24,21 +24,26 @@ from specserve.shared.protocol import (
     RequestOutput,
     SamplingParams,
 )
-from specserve.shared.socket_limits import bound_socket
+from specserve.shared.socket_limits import CLIENT_MAX_MESSAGE_BYTES, bound_socket
 
 log = structlog.get_logger(__name__)
 
 
-def connect_dealer(
-    sock: zmq.Socket,
-    url: str,
-    max_message_bytes: int,
-    keys: PeerKeys | str | os.PathLike | None,
-    key_name: str,
-) -> None:
-    """Bound the client's DEALER (`max_message_bytes`, see socket_limits), make it a CURVE
-    client as `clients/<key_name>` when `keys` are given, then connect it to `url`."""
-    bound_socket(sock, max_message_bytes)
+class ConnectOptions(TypedDict, total=False):
+    """How a client connects: `max_message_bytes` bounds an inbound message (default 256 MiB);
+    `keys` (a `specserve keys generate` directory, or loaded `PeerKeys`) with `key_name`
+    (default "client") authenticate with CURVE as `clients/<key_name>`."""
+
+    max_message_bytes: int
+    keys: PeerKeys | str | os.PathLike | None
+    key_name: str
+
+
+def connect_dealer(sock: zmq.Socket, url: str, **options: Unpack[ConnectOptions]) -> None:
+    """Bound the client's DEALER (see socket_limits), make it a CURVE client when keys are
+    given, then connect it to `url`."""
+    bound_socket(sock, options.get("max_message_bytes", CLIENT_MAX_MESSAGE_BYTES))
+    keys, key_name = options.get("keys"), options.get("key_name", DEFAULT_CLIENT_KEY)
     curve = peer_keys(keys, CLIENTS, key_name)
     if curve is not None:
         curve.apply(sock)
