@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,13 +121,15 @@ def wait_ready(url: str, proc: subprocess.Popen) -> None:
 
 
 @contextmanager
-def server(argv: list[str], url: str, env: dict[str, str], log_path: Path) -> Iterator[None]:
+def server(
+    name: str, argv: list[str], url: str, env: dict[str, str], log_path: Path
+) -> Iterator[None]:
     started = time.monotonic()
     with open(log_path, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         wait_ready(url, proc)
-        log(f"{argv[0].rsplit('/', 1)[-1]} ready in {time.monotonic() - started:.0f} s")
+        log(f"{name} ready in {time.monotonic() - started:.0f} s")
         yield
     finally:
         proc.terminate()
@@ -150,7 +152,9 @@ def specserve_argv(model: Path, port: int, api_port: int) -> list[str]:
 def vllm_argv(model: Path, port: int) -> list[str]:
     limits = [x for k, v in LIMITS.items() for x in (f"--{k}", v)]
     return [
-        str(PEER_BIN / "vllm"), "serve", str(model), "--port", str(port), "--dtype", "float32",
+        # (the `vllm` command looks up the "vllm" distribution, which the CPU build is not named)
+        str(PEER_BIN / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model",
+        str(model), "--port", str(port), "--dtype", "float32",
         "--served-model-name", "smollm2", "--enable-prefix-caching", *limits,
     ]  # fmt: skip
 
@@ -198,43 +202,85 @@ def guidellm(url: str, model: Path, data: Path, concurrency: int, requests: int)
     )  # fmt: skip
 
 
-async def sdk_load(
-    url: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int
-) -> Result:
-    """The same load through the ZeroMQ SDK: `concurrency` workers, each sending a chat
-    request as soon as its previous one ended, timed the way guidellm times them."""
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+# A request's token arrivals: (seconds since it was sent, tokens that arrived then).
+Arrivals = AsyncIterator[tuple[float, int]]
+
+
+async def closed_loop(concurrency: int, requests: int, send: Callable[[int], Arrivals]) -> Result:
+    """`concurrency` workers, each sending request `i` as soon as its previous one ended, timed
+    the way guidellm times them: TTFT to the first token, ITL between later arrivals (split
+    evenly over the tokens of one arrival), output tokens per second over the whole run."""
     ttfts: list[float] = []
     itls: list[float] = []
     tokens = 0
     queue = list(range(requests))
 
-    async def worker(client: AsyncClient) -> None:
+    async def worker() -> None:
         nonlocal tokens
         while queue:
-            i = queue.pop()
-            messages = [{"role": "user", "content": prompts[i % len(prompts)]}]
-            sent = time.perf_counter()
             last = None
-            async for out in client.stream(messages, params):
-                now = time.perf_counter()
-                if not out.token_ids:
-                    continue
+            async for at, n in send(queue.pop()):
                 if last is None:
-                    ttfts.append((now - sent) * 1000)
+                    ttfts.append(at * 1000)
                 else:
-                    itls.extend([(now - last) * 1000 / len(out.token_ids)] * len(out.token_ids))
-                last = now
-                tokens += len(out.token_ids)
+                    itls.extend([(at - last) * 1000 / n] * n)
+                last = at
+                tokens += n
 
-    async with AsyncClient(url, timeout=600) as client:
-        started = time.perf_counter()
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-        seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    seconds = time.perf_counter() - started
     return Result(
         "", concurrency, percentile(ttfts, 50), percentile(ttfts, 99), percentile(itls, 50),
         percentile(itls, 99), tokens / seconds, requests,
     )  # fmt: skip
+
+
+async def sdk_load(
+    url: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int
+) -> Result:
+    """The load through the ZeroMQ SDK: each request a chat message, streamed."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    async with AsyncClient(url, timeout=600) as client:
+
+        async def send(i: int) -> Arrivals:
+            messages = [{"role": "user", "content": prompts[i % len(prompts)]}]
+            sent = time.perf_counter()
+            async for out in client.stream(messages, params):
+                if out.token_ids:
+                    yield time.perf_counter() - sent, len(out.token_ids)
+
+        return await closed_loop(concurrency, requests, send)
+
+
+async def http_load(
+    api: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int
+) -> Result:
+    """The same load through the HTTP API with the same driver (httpx, server-sent events), so
+    that what the HTTP layer adds is measured apart from the client that drives it."""
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(base_url=api, timeout=600, limits=limits) as client:
+
+        async def send(i: int) -> Arrivals:
+            body = {
+                "model": "smollm2", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
+            }  # fmt: skip
+            sent = time.perf_counter()
+            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if _has_content(line):
+                        yield time.perf_counter() - sent, 1
+
+        return await closed_loop(concurrency, requests, send)
+
+
+def _has_content(line: str) -> bool:
+    """A chunk with new text (not the opening role chunk, the finish chunk or [DONE])."""
+    if not line.startswith("data: {") or '"content"' not in line:
+        return False
+    choices = json.loads(line[6:])["choices"]
+    return bool(choices and choices[0]["delta"].get("content"))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -257,7 +303,8 @@ def run_round(args: argparse.Namespace, model: Path, data: Path, prompts: list[s
     port, api_port = free_port(), free_port()
     api = f"http://127.0.0.1:{api_port}"
     log("specserve: starting")
-    with server(specserve_argv(model, port, api_port), api, dict(os.environ), logs / "ss.log"):
+    argv = specserve_argv(model, port, api_port)
+    with server("specserve", argv, api, dict(os.environ), logs / "specserve.log"):
         for c in args.concurrency:
             n = requests_at(c, args.prompts)
             guidellm(api, model, data, c, min(8, n))  # warm-up
@@ -269,12 +316,16 @@ def run_round(args: argparse.Namespace, model: Path, data: Path, prompts: list[s
             r.engine = "specserve zmq sdk"
             results.append(r)
             log(f"specserve zmq c={c}: {r}")
+            r = asyncio.run(http_load(api, prompts, c, n, args.max_tokens))
+            r.engine = "specserve http driver"
+            results.append(r)
+            log(f"specserve http driver c={c}: {r}")
     if args.no_peer:
         return results
     vport = free_port()
     url = f"http://127.0.0.1:{vport}"
     log("vllm: starting (it compiles its model first: a minute or two)")
-    with server(vllm_argv(model, vport), url, vllm_env(), logs / "vllm.log"):
+    with server("vllm", vllm_argv(model, vport), url, vllm_env(), logs / "vllm.log"):
         for c in args.concurrency:
             n = requests_at(c, args.prompts)
             guidellm(url, model, data, c, min(8, n))  # warm-up
@@ -303,15 +354,13 @@ def print_table(rounds: list[list[Result]]) -> None:
         print(f"| {c} | {engine} | {cells} |")
     print()
     for c in sorted({k[1] for k in keys}):
-        http, sdk, peer = (
-            med.get((e, c)) for e in ("specserve http", "specserve zmq sdk", "vllm http")
-        )
+        engines = ("specserve http", "specserve zmq sdk", "specserve http driver", "vllm http")
+        http, sdk, driver, peer = (med.get((e, c)) for e in engines)
         line = f"c={c}:"
-        if http and sdk:
-            line += (
-                f" HTTP/SDK TTFT p50 {http['ttft_p50_ms'] / sdk['ttft_p50_ms']:.3f}x,"
-                f" ITL p50 {http['itl_p50_ms'] - sdk['itl_p50_ms']:+.2f} ms;"
-            )
+        if driver and sdk:
+            ttft = driver["ttft_p50_ms"] / sdk["ttft_p50_ms"]
+            itl = driver["itl_p50_ms"] - sdk["itl_p50_ms"]
+            line += f" HTTP/SDK (same driver) TTFT p50 {ttft:.3f}x, ITL p50 {itl:+.2f} ms;"
         if http and peer:
             ttft = http["ttft_p99_ms"] / peer["ttft_p99_ms"]
             rate = http["output_tokens_per_s"] / peer["output_tokens_per_s"]

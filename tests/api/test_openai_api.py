@@ -360,3 +360,24 @@ def test_overload_gets_429_and_no_service_gets_503(served: Running) -> None:
         response = httpx.post(f"{api}/v1/completions", json={"prompt": "hi"}, timeout=30)
         assert response.status_code == 503, response.text
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_control_plane_without_workers_gets_503(served: Running) -> None:
+    port = free_port()
+    control = subprocess.Popen(
+        [sys.executable, "-m", "specserve.cli", "control", "--bind", f"tcp://127.0.0.1:{port}",
+         "--model", MODEL],
+    )  # fmt: skip
+    try:
+        with api_process(f"tcp://127.0.0.1:{port}") as api:
+            deadline = time.monotonic() + 60
+            while (health := wait_healthy(api, want=503).json())["status"] != "no live worker":
+                assert time.monotonic() < deadline, health  # until the first status arrived
+                time.sleep(0.2)
+            assert health["live_workers"] == 0
+            response = httpx.post(f"{api}/v1/completions", json={"prompt": "hi"}, timeout=30)
+            assert response.status_code == 503, response.text
+            assert "no worker is live" in response.json()["error"]["message"]
+    finally:
+        control.terminate()
+        control.wait(30)
