@@ -2,8 +2,8 @@
 load generator vLLM's project ships) on ShareGPT prompts, and specserve's ZeroMQ SDK on the same
 prompts, at several concurrencies, in one run.
 
-Usage: .venv/bin/python bench/service.py --http [--concurrency 1,8,32] [--prompts 64]
-    [--max-tokens 64] [--rounds 2] [--no-peer]
+Usage: .venv/bin/python bench/service.py --http [--concurrency 1,8,32] [--max-tokens 64]
+    [--rounds 2] [--no-peer]
 
 Needs `bash scripts/setup_peer.sh` (vLLM's CPU build and guidellm in .venv-peer). Both servers
 load the same weights: the bundled SmolLM2-135M-Instruct, dequantized once into a Hugging Face
@@ -11,9 +11,11 @@ directory (float32), with the same limits (max_model_len 2048, 64 sequences, 204
 tokens, prefix caching on). Every request is a ShareGPT first user turn as a chat message,
 `max_tokens` output tokens with EOS ignored, temperature 1 (both servers' default).
 
-Per round, each engine runs alone (the other is stopped): specserve serves guidellm over HTTP,
-then the SDK driver over ZeroMQ at each concurrency; then vLLM serves guidellm. Rounds repeat
-the pair, so the machine's drift reaches both; the table shows the median over rounds.
+Every measured request is cold: each concurrency has its own prompts (max(16, 2c) of them),
+and a warm-up on 8 other prompts precedes the runs. Per round, each server runs alone: specserve
+three times, fresh each time (guidellm over HTTP; the SDK over ZeroMQ; the SDK's driver over
+HTTP, which isolates what the HTTP layer costs), then vLLM under guidellm. Rounds repeat all of
+it, so the machine's drift reaches every engine; the table shows the median over rounds.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PEER_BIN = ROOT / ".venv-peer" / "bin"
 LIMITS = {"max-model-len": "2048", "max-num-seqs": "64", "max-num-batched-tokens": "2048"}
 READY_TIMEOUT_S = 600.0
+WARMUP_REQUESTS = 8
 
 
 def log(msg: str) -> None:
@@ -294,42 +297,68 @@ def percentile(values: list[float], q: float) -> float:
 # --- the run ---------------------------------------------------------------------------------
 
 
-def requests_at(concurrency: int, prompts: int) -> int:
-    return min(prompts, max(16, 2 * concurrency))
+def requests_at(concurrency: int) -> int:
+    return max(16, 2 * concurrency)
 
 
-def run_round(args: argparse.Namespace, model: Path, data: Path, prompts: list[str], logs: Path):
+@dataclass(frozen=True)
+class Workload:
+    """Disjoint ShareGPT prompts: a warm-up set and one set per concurrency, so that every
+    measured request arrives cold (its prompt in no cache) on every engine and mode."""
+
+    warmup: list[str]
+    by_concurrency: dict[int, list[str]]
+    files: dict[int | str, Path]  # guidellm's JSONL for each set ("warmup" and each c)
+
+
+def make_workload(prompts: list[str], concurrencies: list[int], max_tokens: int, tmp: Path):
+    warmup, rest = prompts[:WARMUP_REQUESTS], prompts[WARMUP_REQUESTS:]
+    sets: dict[int | str, list[str]] = {"warmup": warmup}
+    for c in concurrencies:
+        n = requests_at(c)
+        if len(rest) < n:
+            raise SystemExit(f"not enough ShareGPT prompts for concurrency {c}")
+        sets[c], rest = rest[:n], rest[n:]
+    files = {}
+    for key, texts in sets.items():
+        files[key] = tmp / f"sharegpt-{key}.jsonl"
+        with open(files[key], "w") as f:
+            for text in texts:
+                f.write(json.dumps({"prompt": text, "output_tokens_count": max_tokens}) + "\n")
+    return Workload(warmup, {c: sets[c] for c in concurrencies}, files)  # type: ignore[misc]
+
+
+def run_round(args: argparse.Namespace, model: Path, work: Workload, logs: Path) -> list[Result]:
+    """specserve in each mode (a fresh server per mode: cold caches), then vLLM."""
     results: list[Result] = []
-    port, api_port = free_port(), free_port()
-    api = f"http://127.0.0.1:{api_port}"
-    log("specserve: starting")
-    argv = specserve_argv(model, port, api_port)
-    with server("specserve", argv, api, dict(os.environ), logs / "specserve.log"):
-        for c in args.concurrency:
-            n = requests_at(c, args.prompts)
-            guidellm(api, model, data, c, min(8, n))  # warm-up
-            r = guidellm(api, model, data, c, n)
-            r.engine = "specserve http"
-            results.append(r)
-            log(f"specserve http c={c}: {r}")
-            r = asyncio.run(sdk_load(f"tcp://127.0.0.1:{port}", prompts, c, n, args.max_tokens))
-            r.engine = "specserve zmq sdk"
-            results.append(r)
-            log(f"specserve zmq c={c}: {r}")
-            r = asyncio.run(http_load(api, prompts, c, n, args.max_tokens))
-            r.engine = "specserve http driver"
-            results.append(r)
-            log(f"specserve http driver c={c}: {r}")
+    modes = ("specserve http", "specserve zmq sdk", "specserve http driver")
+    for mode in modes:
+        port, api_port = free_port(), free_port()
+        api = f"http://127.0.0.1:{api_port}"
+        argv = specserve_argv(model, port, api_port)
+        with server("specserve", argv, api, dict(os.environ), logs / "specserve.log"):
+            asyncio.run(http_load(api, work.warmup, 4, len(work.warmup), args.max_tokens))
+            for c in args.concurrency:
+                prompts, n = work.by_concurrency[c], requests_at(c)
+                if mode == "specserve http":
+                    r = guidellm(api, model, work.files[c], c, n)
+                elif mode == "specserve zmq sdk":
+                    url = f"tcp://127.0.0.1:{port}"
+                    r = asyncio.run(sdk_load(url, prompts, c, n, args.max_tokens))
+                else:
+                    r = asyncio.run(http_load(api, prompts, c, n, args.max_tokens))
+                r.engine = mode
+                results.append(r)
+                log(f"{mode} c={c}: {r}")
     if args.no_peer:
         return results
     vport = free_port()
     url = f"http://127.0.0.1:{vport}"
     log("vllm: starting (it compiles its model first: a minute or two)")
     with server("vllm", vllm_argv(model, vport), url, vllm_env(), logs / "vllm.log"):
+        guidellm(url, model, work.files["warmup"], 4, WARMUP_REQUESTS)
         for c in args.concurrency:
-            n = requests_at(c, args.prompts)
-            guidellm(url, model, data, c, min(8, n))  # warm-up
-            r = guidellm(url, model, data, c, n)
+            r = guidellm(url, model, work.files[c], c, requests_at(c))
             r.engine = "vllm http"
             results.append(r)
             log(f"vllm http c={c}: {r}")
@@ -375,7 +404,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32]
     )
-    p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-prompt-tokens", type=int, default=512)
     p.add_argument("--rounds", type=int, default=2)
@@ -386,17 +414,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     model = peer_model_dir()
     tokenizer = Tokenizer.from_hf_dir(model)
-    prompts = sharegpt_prompts(tokenizer, args.prompts, args.max_prompt_tokens)
+    needed = WARMUP_REQUESTS + sum(requests_at(c) for c in args.concurrency)
+    prompts = sharegpt_prompts(tokenizer, needed, args.max_prompt_tokens)
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "sharegpt.jsonl"
-        with open(data, "w") as f:
-            for text in prompts:
-                f.write(json.dumps({"prompt": text, "output_tokens_count": args.max_tokens}) + "\n")
-        logs = Path(tmp)
+        work = make_workload(prompts, args.concurrency, args.max_tokens, Path(tmp))
         rounds = []
         for i in range(args.rounds):
             log(f"round {i + 1}/{args.rounds} (load {os.getloadavg()[0]:.2f})")
-            rounds.append(run_round(args, model, data, prompts, logs))
+            rounds.append(run_round(args, model, work, Path(tmp)))
     print(f"\nload average at the end: {os.getloadavg()[0]:.2f}; median of {args.rounds} rounds\n")
     print_table(rounds)
     return 0
