@@ -341,6 +341,7 @@ class Generation:
         self.started = time.monotonic()
         self.choices = {c.index: ChoiceState(c.index) for g in groups for c in g}
         self._first_seen = False
+        self._finished = False
 
     def _outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         assert self.state.client is not None
@@ -390,8 +391,7 @@ class Generation:
         except StopAsyncIteration:
             first = None
         except BaseException as exc:
-            await outputs.aclose()
-            self._leave()
+            await self._finish(outputs)
             if isinstance(exc, ApiError | asyncio.CancelledError):
                 raise
             raise from_service_error(exc) from None  # type: ignore[arg-type]
@@ -421,10 +421,19 @@ class Generation:
                 yield _sse(error_body(str(err), err.kind, err.param, err.status))
                 yield "data: [DONE]\n\n"
             finally:
-                self._leave()
-                self.state.metrics.duration.observe(time.monotonic() - self.started)
+                await self._finish(outputs)
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return _ClosingStream(events(), lambda: self._finish(outputs))
+
+    async def _finish(self, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> None:
+        """Abort what still runs and free this request's place, once, however the response
+        ended (finished, failed, or its client gone, even before it started)."""
+        if self._finished:
+            return
+        self._finished = True
+        await outputs.aclose()  # type: ignore[attr-defined]
+        self._leave()
+        self.state.metrics.duration.observe(time.monotonic() - self.started)
 
     def _enter(self) -> None:
         self.state.active += 1
@@ -433,6 +442,26 @@ class Generation:
     def _leave(self) -> None:
         self.state.active -= 1
         self.state.metrics.in_flight.set(self.state.active)
+
+
+class _ClosingStream(StreamingResponse):
+    """A streaming response that always runs `on_close` when it is done with the client.
+
+    Starlette leaves the body iterator suspended when the client goes away mid-stream (and
+    never starts it when the client is gone before the first byte), so its cleanup would wait
+    for garbage collection; here it runs at once: the choices are aborted and their KV freed.
+    """
+
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await self._on_close()
 
 
 async def _chain(first: list, rest: AsyncIterator) -> AsyncIterator:

@@ -326,6 +326,9 @@ def test_a_dropped_stream_aborts_its_request_and_frees_its_blocks(served: Runnin
     while _metric(served, "specserve_running_requests") or _metric(served, "specserve_kv_usage"):
         assert time.monotonic() < deadline, "the dropped stream's blocks were not freed"
         time.sleep(0.2)
+    # and the API no longer counts it against --max-concurrent-requests
+    api_metrics = httpx.get(f"{served.api}/metrics", timeout=5).text
+    assert "specserve_api_requests_in_flight 0.0" in api_metrics
 
 
 @contextlib.contextmanager
