@@ -276,6 +276,8 @@ class Frontend:
             if req is None:
                 continue  # aborted, or its client is gone
             new = update.new_token_ids
+            if not new and not update.finished:
+                continue  # e.g. a prefill chunk: nothing to send, no text to decode
             if new:
                 self._record_tokens(req, new, now)
             logprobs = [update.logprobs] if update.logprobs is not None else []
@@ -286,7 +288,7 @@ class Frontend:
             elif update.finished:
                 reason = "stop" if stopped else update.status.finish_reason
                 self.finish(req, new, reason, update.error, logprobs, update.spec_stats, text)
-            elif new:
+            else:
                 self._emit(req, new, text, logprobs)
 
     def _record_tokens(self, req: ClientRequest, new: list[int], now: float) -> None:

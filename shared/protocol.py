@@ -137,11 +137,12 @@ MAX_STOP_CHARS = 256
 
 
 def check_stop_strings(stop: tuple[str, ...]) -> None:
+    """Messages start with the parameter's name, as every sampling check's do."""
     if len(stop) > MAX_STOP_STRINGS:
-        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}")
+        raise ValueError(f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
     for text in stop:
         if not 0 < len(text) <= MAX_STOP_CHARS:
-            raise ValueError(f"each stop string must have 1-{MAX_STOP_CHARS} characters")
+            raise ValueError(f"stop strings must each have 1-{MAX_STOP_CHARS} characters")
 
 
 class NewRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

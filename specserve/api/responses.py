@@ -143,29 +143,19 @@ class Formatter:
                 "logprobs": entries,
                 "finish_reason": c.finish_reason,
             })  # fmt: skip
-        body = {
-            "id": request_id,
-            "object": "text_completion",
-            "created": created,
-            "model": self.model,
-            "choices": body_choices,
-            "usage": usage(choices),
-        }
-        return _with_spec(body, choices)
+        return self.body(request_id, created, "text_completion", body_choices, choices)
 
     def completion_chunk(
         self, request_id: str, created: int, index: int, text: str,
         logprobs: dict[str, Any] | None, finish_reason: str | None,
     ) -> dict[str, Any]:  # fmt: skip
-        return {
-            "id": request_id,
-            "object": "text_completion",
-            "created": created,
-            "model": self.model,
-            "choices": [
-                {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-            ],
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
         }
+        return self.body(request_id, created, "text_completion", [choice])
 
     # --- chat ---------------------------------------------------------------------------------
 
@@ -187,55 +177,53 @@ class Formatter:
     def chat(
         self, request_id: str, created: int, choices: list[ChoiceState], logprobs: bool
     ) -> dict[str, Any]:
-        body = {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": self.model,
-            "choices": [
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self.chat_logprobs(c.logprob_entries) if logprobs else None,
-                    "finish_reason": c.finish_reason,
-                }
-                for c in choices
-            ],
-            "usage": usage(choices),
-        }
-        return _with_spec(body, choices)
+        body_choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": self.chat_logprobs(c.logprob_entries) if logprobs else None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ]
+        return self.body(request_id, created, "chat.completion", body_choices, choices)
 
     def chat_chunk(
         self, request_id: str, created: int, index: int, delta: dict[str, Any],
         logprobs: dict[str, Any] | None, finish_reason: str | None,
     ) -> dict[str, Any]:  # fmt: skip
-        return {
-            "id": request_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": self.model,
-            "choices": [
-                {
-                    "index": index,
-                    "delta": delta,
-                    "logprobs": logprobs,
-                    "finish_reason": finish_reason,
-                }
-            ],
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
         }
+        return self.body(request_id, created, "chat.completion.chunk", [choice])
 
     def usage_chunk(
         self, request_id: str, created: int, kind: str, choices: list[ChoiceState]
     ) -> dict[str, Any]:
+        return self.body(request_id, created, kind, [], choices)
+
+    def body(
+        self, request_id: str, created: int, kind: str, body_choices: list[dict[str, Any]],
+        totals: list[ChoiceState] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Every response and chunk: the envelope around its choices; with `totals`, the usage
+        (and speculation statistics) of those choices."""
         body = {
             "id": request_id,
             "object": kind,
             "created": created,
             "model": self.model,
-            "choices": [],
-            "usage": usage(choices),
+            "choices": body_choices,
         }
-        return _with_spec(body, choices)
+        if totals is not None:
+            body["usage"] = usage(totals)
+            spec = spec_decoding(totals)
+            if spec is not None:
+                body["spec_decoding"] = spec
+        return body
 
 
 class Chunks(Protocol):
@@ -302,13 +290,6 @@ class ChatChunks:
     def usage(self, choices: list[ChoiceState]) -> dict[str, Any]:
         kind = "chat.completion.chunk"
         return self.formatter.usage_chunk(self.request_id, self.created, kind, choices)
-
-
-def _with_spec(body: dict[str, Any], choices: list[ChoiceState]) -> dict[str, Any]:
-    spec = spec_decoding(choices)
-    if spec is not None:
-        body["spec_decoding"] = spec
-    return body
 
 
 def now() -> int:

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specserve.shared.protocol import MAX_STOP_STRINGS, SamplingParams
+from specserve.shared.protocol import SamplingParams
 
 MAX_N = 16
 
@@ -61,8 +61,6 @@ class _Sampling(BaseModel):
                 "repetition_penalty is not supported (give 1)", "repetition_penalty"
             )
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        if len(stop) > MAX_STOP_STRINGS:
-            raise ParameterError(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
         top_k = self.top_k if self.top_k is not None else 0
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -140,6 +138,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 def _named_param(message: str) -> str | None:
+    """The parameter a `SamplingParams.validate` message names: its first word."""
     first = message.split(" ", 1)[0]
     return first if first.isidentifier() else None
 

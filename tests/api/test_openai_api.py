@@ -273,6 +273,7 @@ def test_logprobs_follow_the_tokens(oai: openai.OpenAI) -> None:
         ({"prompt": "hi", "n": 1000}, 400, "n"),
         ({"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
         ({"prompt": "hi", "stop": ["x"] * 100}, 400, "stop"),
+        ({"prompt": "hi", "stop": [""]}, 400, "stop"),
         ({"prompt": []}, 400, "prompt"),
         ({"max_tokens": 3}, 400, "prompt"),
         ({"prompt": [10**9]}, 400, None),  # outside the vocabulary: refused by the service
