@@ -419,10 +419,17 @@ def _add_api_serving_args(p: ArgTarget) -> None:
         default=256,
         help="requests the HTTP API serves at once; more get 429",
     )
+    p.add_argument(
+        "--max-body-bytes",
+        type=_positive_int,
+        default=32 << 20,
+        help="the largest HTTP request body the API reads; a larger one gets 413",
+    )
 
 
 def api_serving_argv(args: argparse.Namespace) -> list[str]:
     argv = ["--max-concurrent-requests", str(args.max_concurrent_requests)]
+    argv += ["--max-body-bytes", str(args.max_body_bytes)]
     if args.served_model_name is not None:
         argv += ["--served-model-name", args.served_model_name]
     return argv
@@ -752,6 +759,7 @@ def cmd_api(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         tokenizer=args.tokenizer,
         max_concurrent_requests=args.max_concurrent_requests,
+        max_body_bytes=args.max_body_bytes,
         request_timeout_s=args.request_timeout,
         keys=_peer_keys(args, "clients"),
         key_name=args.key_name,

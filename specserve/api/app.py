@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.api.choices import plan_choices, run_choices
 from specserve.api.responses import (
@@ -58,6 +59,7 @@ class ApiSettings:
     served_model_name: str | None = None  # default: the control plane's model
     tokenizer: str | None = None  # a bundled model or checkpoint dir; default: the served model
     max_concurrent_requests: int = 256
+    max_body_bytes: int = 32 << 20  # a larger request body is refused (413) while it arrives
     request_timeout_s: float = 600.0
     keys: str | os.PathLike | None = None
     key_name: str = DEFAULT_CLIENT_KEY
@@ -93,6 +95,48 @@ def from_service_error(exc: Exception) -> ApiError:
     if isinstance(exc, ParameterError):
         return ApiError(400, str(exc), param=exc.param)
     return ApiError(500, f"internal error ({type(exc).__name__}): {exc}", "internal_error")
+
+
+class BodyLimit:
+    """ASGI middleware: refuse (413) a request body over `max_bytes`, by its Content-Length or,
+    for a chunked body, as soon as it grows past it, so no body is ever held whole beyond it."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        seen = 0
+
+        async def bounded() -> dict[str, Any]:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, bounded, send)
+        except _TooLarge:
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope: Any, receive: Any, send: Any) -> None:
+        message = f"the request body is over {self.max_bytes} bytes (--max-body-bytes)"
+        await ApiError(413, message).response()(scope, receive, send)
+
+
+class _TooLarge(BaseException):
+    """Not an Exception: FastAPI turns any Exception raised while it reads a body into its
+    own 400, and this one must reach `BodyLimit`."""
 
 
 class ApiMetrics:
@@ -181,11 +225,19 @@ def create_app(settings: ApiSettings) -> FastAPI:
             await state.client.close()
 
     app = FastAPI(title="specserve", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.state.api = state
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """FastAPI's own refusals (a body that is not JSON, an unknown path, a wrong method),
+        in OpenAI's shape too."""
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return ApiError(exc.status_code, str(exc.detail), kind).response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

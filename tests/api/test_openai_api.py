@@ -297,6 +297,15 @@ def test_bad_chat_and_malformed_json(served: Running) -> None:
         headers={"content-type": "application/json"},
     )  # fmt: skip
     assert response.status_code == 400
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    nested = b'{"prompt": ' + b"[" * 20000  # neither JSON nor a stack overflow
+    response = httpx.post(
+        f"{served.api}/v1/completions", content=nested, timeout=30,
+        headers={"content-type": "application/json"},
+    )  # fmt: skip
+    assert response.status_code == 400 and response.json()["error"]["code"] == 400
+    unknown = httpx.get(f"{served.api}/v1/engines", timeout=30)
+    assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
     empty = httpx.post(f"{served.api}/v1/chat/completions", json={"messages": []}, timeout=30)
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"
 
@@ -342,6 +351,29 @@ def api_process(control: str, *extra: str) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_body_over_the_limit_gets_413_before_it_is_read_whole(served: Running) -> None:
+    with api_process(served.url, "--keys", served.keys, "--max-body-bytes", "4096") as api:
+        wait_healthy(api)
+        big = {"prompt": "x" * 8192}
+        declared = httpx.post(f"{api}/v1/completions", json=big, timeout=30)
+        assert declared.status_code == 413, declared.text
+        assert "--max-body-bytes" in declared.json()["error"]["message"]
+
+        def chunked():  # no Content-Length: counted as it arrives
+            yield b'{"prompt": "'
+            for _ in range(64):
+                yield b"y" * 1024
+            yield b'"}'
+
+        streamed = httpx.post(
+            f"{api}/v1/completions", content=chunked(), timeout=30,
+            headers={"content-type": "application/json"},
+        )  # fmt: skip
+        assert streamed.status_code == 413, streamed.text
+        small = httpx.post(f"{api}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert small.status_code == 200, small.text
 
 
 def test_overload_gets_429_and_no_service_gets_503(served: Running) -> None:
