@@ -38,7 +38,13 @@ import zmq
 
 from specserve.cache_index import Namespace, connect
 from specserve.cache_index.schema import key_model_name
-from specserve.control.frontend import ClientRequest, Frontend, Overloaded, PromptLimit
+from specserve.control.frontend import (
+    AlreadyResumed,
+    ClientRequest,
+    Frontend,
+    Overloaded,
+    PromptLimit,
+)
 from specserve.control.index_sync import IndexSync
 from specserve.control.limits import MAX_VOCAB, ServiceLimits, clip
 from specserve.control.metrics import ServiceMetrics
@@ -272,7 +278,7 @@ class ControlPlane:
             return
         try:
             if isinstance(msg, GenerateRequest):
-                self._on_generate(identity, msg)
+                self._on_generate(identity, msg, key)
             elif isinstance(msg, AbortRequest):
                 self.frontend.abort(identity, msg.request_id)
             elif isinstance(msg, StatusRequest):
@@ -478,11 +484,14 @@ class ControlPlane:
 
     # --- clients ----------------------------------------------------------------------------
 
-    def _on_generate(self, client: bytes, msg: GenerateRequest) -> None:
+    def _on_generate(self, client: bytes, msg: GenerateRequest, key: str = "") -> None:
         try:
             req = self.frontend.accept(
-                client, msg, self._vocab_size(), self._eos_token_ids(), self._prompt_limit()
+                client, msg, self._vocab_size(), self._eos_token_ids(), self._prompt_limit(), key
             )
+        except AlreadyResumed:
+            log.debug("request.resent", request_id=msg.request_id)
+            return
         except ValueError as exc:
             code = "overloaded" if isinstance(exc, Overloaded) else "invalid"
             self.frontend.reject(client, msg.request_id, str(exc), code)

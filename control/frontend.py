@@ -40,6 +40,11 @@ class Overloaded(ValueError):
     """A valid request refused for now: the service is at one of its limits."""
 
 
+class AlreadyResumed(Exception):
+    """A resume of a request this same connection already resumed (a client resends what it
+    could not know arrived): the request in flight is the one it asked for, so nothing is done."""
+
+
 @dataclass(eq=False)
 class ClientRequest:
     """One accepted request as the control plane tracks it, across workers and resumptions
@@ -64,7 +69,8 @@ class ClientRequest:
     offsets: DetokenizeOffsets | None = None
     held_text: str = ""  # decoded but not sent: it could be the start of a stop string
     last_token_time: float | None = None
-    num_resumptions: int = 0
+    num_resumptions: int = 0  # moves to another worker on this control plane
+    client_key: str = ""  # the client's authenticated CURVE key ("" without authentication)
 
 
 Send = Callable[[bytes, Message], bool]  # False when the peer is gone
@@ -111,6 +117,7 @@ class Frontend:
         vocab_size: int,
         worker_eos_token_ids: tuple[int, ...],
         prompt_limit: PromptLimit | None = None,
+        client_key: str = "",
     ) -> ClientRequest:
         """Validate and tokenize a new request, the one time it is checked, and track it;
         ValueError naming what is wrong with it.
@@ -118,11 +125,12 @@ class Frontend:
         Token ids (the prompt's and the stop ids) must lie below `vocab_size`, and the prompt
         within `prompt_limit`; placement and the scheduler take what is accepted here as valid.
         The cheap checks (ids, counts, lengths) come before the ones that cost per token.
+        A resumed request goes on from the output its client already has (`_resume`).
         """
         request_id = msg.request_id
         self.check_request_id(request_id)
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in flight")
+            self._take_over(self.requests[request_id], client, client_key, msg)
         cap = self.max_pending_per_client
         if cap is not None and self.pending[client] >= cap:
             raise Overloaded(
@@ -135,6 +143,7 @@ class Frontend:
         req = ClientRequest(
             request_id=request_id,
             client=client,
+            client_key=client_key,
             prompt_token_ids=prompt,
             sampling=self.with_stop_ids(msg.sampling, eos),
             stream=msg.stream,
@@ -142,10 +151,56 @@ class Frontend:
             priority=msg.priority,
             eos_token_id=eos[0] if eos else None,
         )
+        if msg.resume is not None:
+            self._resume(req, msg, vocab_size)
         self.requests[request_id] = req
         self.pending[client] += 1
         log.debug("request.accepted", request_id=request_id, prompt_tokens=len(prompt))
         return req
+
+    def _take_over(self, old: ClientRequest, client: bytes, key: str, msg: GenerateRequest) -> None:
+        """A request id already in flight: a resume from the same client on a new connection
+        replaces the old request (that connection is gone, and nothing more it sends will be
+        read); anything else is refused."""
+        if msg.resume is None or old.client_key != key:
+            raise ValueError(f"request id {msg.request_id!r} is already in flight")
+        if old.client == client:
+            raise AlreadyResumed(msg.request_id)
+        log.info("request.taken_over", request_id=msg.request_id)
+        self._withdraw(old)
+        self._forget(old)
+
+    def _resume(self, req: ClientRequest, msg: GenerateRequest, vocab_size: int) -> None:
+        """Set `req` to go on from what its client already has: its output tokens (checked like
+        a prompt's) and as much of their text as it was sent; the rest of that text, held back
+        when the request moved, is sent before new text."""
+        assert msg.resume is not None
+        resume = msg.resume
+        done = list(resume.output_token_ids)
+        if done and not req.stream:
+            raise ValueError("resume: a request that is not streamed has no output to resume from")
+        if done and msg.prompt_token_ids is None:
+            raise ValueError("resume: with output tokens, the prompt must be prompt_token_ids")
+        check_token_ids(done, vocab_size, "resume output token ids")
+        max_tokens = req.sampling.max_tokens
+        if len(done) >= max_tokens:
+            raise ValueError(f"resume: {len(done)} output tokens already, max_tokens {max_tokens}")
+        req.output_token_ids = done
+        req.sent_first = True  # the client has the first output's metadata, or asked for none
+        req.last_token_time = req.arrival
+        self.metrics.resumed.inc()
+        if self.tokenizer is None or not done:
+            return
+        # Decoded up to the last whole character (a character's bytes may span a few tokens);
+        # the rest is decoded with the tokens that complete it, as on the plane it came from.
+        ids = req.prompt_token_ids + done
+        start = self.tokenizer.stream_offsets(req.prompt_token_ids)
+        text, req.offsets = "", start
+        for end in range(len(ids), max(len(ids) - 8, len(req.prompt_token_ids)), -1):
+            text, req.offsets = self.tokenizer.decode_incremental(ids[:end], start)
+            if text:
+                break
+        req.held_text = text[max(resume.num_text_chars, 0) :]
 
     def prompt_token_ids(
         self, msg: GenerateRequest, vocab_size: int, limit: PromptLimit | None = None
@@ -255,7 +310,7 @@ class Frontend:
     def fail_all(self, error: str) -> None:
         """A final error output for every request in flight (the control plane is stopping)."""
         for req in list(self.requests.values()):
-            self.finish(req, [], "error", error)
+            self.finish(req, [], "error", error, resumable=True)
 
     def _client_gone(self, client: bytes) -> None:
         gone = [r for r in self.requests.values() if r.client == client]
@@ -323,10 +378,12 @@ class Frontend:
         logprobs: list[TokenLogprobs] | None = None,
         stats: SpecDecodingStats | None = None,
         text: str | None = None,
+        resumable: bool = False,
     ) -> None:
         """The request's last output: the rest of its text (all of it without streaming), the
         finish reason and its speculative decoding statistics. `text`: the last text delta
-        when the caller has decoded it already (else it is decoded here)."""
+        when the caller has decoded it already (else it is decoded here). `resumable`: the
+        error is the control plane's, and the client may resume the request elsewhere."""
         self._forget(req)
         self.metrics.requests.labels(reason or "unknown").inc()
         spec = None
@@ -348,7 +405,7 @@ class Frontend:
             text = "".join(req.text) + (text or "") if text is not None else None
         out = self.output(
             req, tokens, text, finished=True, finish_reason=reason, error=error,
-            logprobs=out_logprobs or None, spec=spec,
+            logprobs=out_logprobs or None, spec=spec, resumable=resumable,
         )  # fmt: skip
         self._send(req.client, out)
         log.debug("request.finished", request_id=req.request_id, reason=reason, error=error)
@@ -368,6 +425,7 @@ class Frontend:
         delta, req.offsets = self.tokenizer.decode_incremental(ids, req.offsets, final=final)
         stops = req.sampling.stop
         if not stops:
+            delta, req.held_text = req.held_text + delta, ""
             return delta, False
         return _cut_at_stop(req, req.held_text + delta, stops, final)
 
@@ -382,6 +440,7 @@ class Frontend:
         error: str | None = None,
         logprobs: list[TokenLogprobs] | None = None,
         spec: SpecStats | None = None,
+        resumable: bool = False,
     ) -> RequestOutput:
         first = not req.sent_first
         req.sent_first = True
@@ -400,6 +459,7 @@ class Frontend:
             num_cached_tokens=req.num_cached_tokens if first else None,
             worker_id=worker,
             spec=spec,
+            resumable=resumable,
         )
 
 

@@ -23,7 +23,8 @@ class ServiceMetrics:
         )
         self.resumed = Counter(
             "specserve_requests_resumed",
-            "Requests moved to another worker after theirs failed",
+            "Requests moved to another worker after theirs failed, or resumed by their client "
+            "after its control plane went away",
             registry=r,
         )
         self.prompt_tokens = Counter(

@@ -273,9 +273,23 @@ class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     content: str
 
 
+class Resume(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a client already holds of a request it sends again because the control plane that
+    served it went away: the request goes on from there, at the same sampling positions, so the
+    client's stream continues without a token lost or repeated."""
+
+    output_token_ids: list[int]  # every output token the client received
+    num_text_chars: int = 0  # how much of their text it received (the rest was held back)
+
+
 class GenerateRequest(msgspec.Struct, frozen=True, tag="generate", forbid_unknown_fields=True):
     """Client -> control. Exactly one of `prompt` (text), `prompt_token_ids` and `messages` (a
-    conversation, rendered through the model's chat template with the assistant's turn open)."""
+    conversation, rendered through the model's chat template with the assistant's turn open).
+
+    With `resume`, the request is one a client sent before to a control plane that went away:
+    with output tokens to resume from, the prompt must be the `prompt_token_ids` the first output
+    reported. A resume of an id still in flight replaces that request (its client lost it).
+    """
 
     version: int
     request_id: str
@@ -287,6 +301,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag="generate", forbid_unknow
     stream: bool = True  # False: one RequestOutput when the request finishes
     cache_salt: str | None = None  # tenant isolation: prefixes are shared only within a salt
     priority: int = 0
+    resume: Resume | None = None
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag="abort", forbid_unknown_fields=True):
@@ -316,6 +331,9 @@ class RequestOutput(msgspec.Struct, frozen=True, tag="output", forbid_unknown_fi
     num_cached_tokens: int | None = None  # prefix-cache hit at admission (first output only)
     worker_id: str | None = None  # the worker serving it (first output, and after a resume)
     spec: SpecStats | None = None  # on the last output, when speculation ran
+    # The error is the control plane's, not the request's (it is shutting down): a client may
+    # send the request again, with `resume`, to the plane that replaces it.
+    resumable: bool = False
 
 
 class StatusRequest(msgspec.Struct, frozen=True, tag="status", forbid_unknown_fields=True):

@@ -72,6 +72,11 @@ def _service_url(text: str) -> str:
     return text
 
 
+def _service_urls(text: str) -> tuple[str, ...]:
+    """One control plane address, or several separated by commas (tried in turn)."""
+    return tuple(_service_url(part.strip()) for part in text.split(","))
+
+
 def _worker_id(text: str) -> str:
     from specserve.shared.protocol import check_worker_id
 
@@ -389,7 +394,11 @@ def _add_api(sub: argparse._SubParsersAction) -> None:
         "beside one control plane.",
     )
     api.add_argument(
-        "--control", type=_service_url, default=DEFAULT_SERVICE_URL, help="the control plane"
+        "--control",
+        type=_service_urls,
+        default=(DEFAULT_SERVICE_URL,),
+        help="the control plane; several, separated by commas, are tried in turn when the one "
+        "in use goes away (requests in flight resume there)",
     )
     _add_key_args(api, "client", "needed when the control plane runs with --keys")
     api.add_argument("--host", default="127.0.0.1", help="address to listen on")

@@ -53,7 +53,7 @@ DEFAULT_MAX_TOKENS = 4096  # when neither the request nor a live worker bounds i
 
 @dataclass(frozen=True)
 class ApiSettings:
-    control: str = DEFAULT_URL
+    control: tuple[str, ...] = (DEFAULT_URL,)  # the client moves on to the next when one goes
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None  # default: the control plane's model
@@ -172,9 +172,10 @@ class ApiState:
 
     async def refresh_status(self) -> None:
         s = self.settings
+        url = s.control[0] if self.client is None else self.client.url  # the one in use
         try:
             self.status = await fetch_status(
-                s.control, timeout=max(s.status_interval_s, 1.0), keys=s.keys, key_name=s.key_name
+                url, timeout=max(s.status_interval_s, 1.0), keys=s.keys, key_name=s.key_name
             )
             self.status_error = None
         except Exception as exc:  # unreachable, refused: /health says so

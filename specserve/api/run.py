@@ -18,7 +18,7 @@ def run_api(settings: ApiSettings, log_level: str = "warning") -> int:
     )
     server = uvicorn.Server(config)
     print(
-        f"specserve api: http://{settings.host}:{settings.port}/v1 -> {settings.control}",
+        f"specserve api: http://{settings.host}:{settings.port}/v1 -> {','.join(settings.control)}",
         flush=True,
     )
     server.run()

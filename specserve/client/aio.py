@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Coroutine
+import time
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from types import TracebackType
 from typing import Any, TypeVar, Unpack
 
@@ -12,11 +13,11 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from specserve.client.core import CLOSE_LINGER_MS, DEFAULT_TIMEOUT, DEFAULT_URL, ClientCore
+from specserve.client.core import DEFAULT_TIMEOUT, DEFAULT_URL, ClientCore
 from specserve.client.errors import ServiceError, ServiceUnreachable, unreachable_message
 from specserve.client.state import Completion
 from specserve.client.steps import Run, Send, Step, Steps, Wait
-from specserve.client.wire import ConnectOptions, abort_frame
+from specserve.client.wire import ConnectOptions, abort_frame, connection_event
 from specserve.shared.protocol import GenerateRequest, RequestOutput
 
 log = structlog.get_logger(__name__)
@@ -52,11 +53,13 @@ class AsyncClient(
 
     def __init__(
         self,
-        url: str = DEFAULT_URL,
+        url: str | Sequence[str] = DEFAULT_URL,
         timeout: float | None = DEFAULT_TIMEOUT,
+        *,
+        resume: bool = True,
         **connect: Unpack[ConnectOptions],
     ) -> None:
-        super().__init__(url, timeout, **connect)
+        super().__init__(url, timeout, resume=resume, **connect)
         # The tasks waiting for news of an id (see `_wake`); an event is dropped once set.
         self._news: dict[str, asyncio.Event] = {}
         self._receiver: asyncio.Task[None] | None = None
@@ -77,8 +80,7 @@ class AsyncClient(
             self._receiver.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._receiver
-        self._socket.close(linger=CLOSE_LINGER_MS)
-        self._context.term()
+        self._close_sockets()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -140,15 +142,46 @@ class AsyncClient(
             self._receiver = asyncio.get_running_loop().create_task(self._receive_loop())
 
     async def _receive_loop(self) -> None:
-        """File every message under its request, for as long as the client is open."""
+        """File every message under its request, and act on every change of the connection
+        (see `ClientCore._on_connection_events`), for as long as the client is open."""
+        poller = zmq.asyncio.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         try:
             while True:
-                self._file(await self._socket.recv_multipart())
+                failover_at = self._failover_at()
+                wait_ms = None if failover_at is None else (failover_at - time.monotonic()) * 1e3
+                ready = dict(await poller.poll(None if wait_ms is None else max(wait_ms, 1)))
+                await self._file_waiting()
+                if self._monitor in ready:
+                    await self._send_all(await self._connection_news())
+                await self._send_all(self._failover())
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the socket is unusable: nothing more will arrive
             log.error("client.receive.failed", error=repr(exc))
             self._fail_all(ServiceError(f"receiving from {self.url} failed: {exc!r}"))
+
+    async def _file_waiting(self) -> None:
+        while True:
+            try:
+                self._file(await self._socket.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+
+    async def _connection_news(self) -> list[bytes]:
+        events = []
+        while True:
+            try:
+                events.append(connection_event(await self._monitor.recv_multipart(zmq.NOBLOCK)))
+            except zmq.Again:
+                break
+        await self._file_waiting()  # what arrived before the connection dropped comes first
+        return self._on_connection_events(events)
+
+    async def _send_all(self, frames: list[bytes]) -> None:
+        for frame in frames:
+            await self._send(frame)
 
     async def _send(self, frame: bytes) -> None:
         self._check_open()

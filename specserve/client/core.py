@@ -9,7 +9,9 @@ lives in one `RequestState`.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any, Generic, TypeVar, Unpack
 
 import structlog
@@ -30,6 +32,7 @@ from specserve.client.wire import (
     ends_request,
     parse_reply,
     request_args,
+    watch_connection,
 )
 from specserve.shared import protocol
 from specserve.shared.protocol import GenerateRequest, RequestOutput, SamplingParams
@@ -40,6 +43,10 @@ DEFAULT_URL = "tcp://127.0.0.1:5555"
 DEFAULT_TIMEOUT = 120.0
 # On close, queued messages (the aborts of unfinished requests) get this long to leave.
 CLOSE_LINGER_MS = 500
+# A request is sent again at most this many times after losing its control plane.
+MAX_RESUMPTIONS = 8
+# With several control planes: how long one may stay unreachable before the client tries the next.
+FAILOVER_S = 2.0
 
 # What the public calls return: the values themselves (`Client`), or coroutines and an async
 # iterator (`AsyncClient`).
@@ -61,15 +68,24 @@ class ClientCore(ABC, Generic[CompletionT, IdT, OutputsT]):
 
     def __init__(
         self,
-        url: str = DEFAULT_URL,
+        url: str | Sequence[str] = DEFAULT_URL,
         timeout: float | None = DEFAULT_TIMEOUT,
+        *,
+        resume: bool = True,
         **connect: Unpack[ConnectOptions],
     ) -> None:
-        self.url = url
+        self.urls = [url] if isinstance(url, str) else list(url)
+        if not self.urls:
+            raise ValueError("give at least one control plane URL")
+        self.url = self.urls[0]  # the control plane in use
         self.timeout = timeout
+        self.resume = resume
         self._context = self._context_type()
         self._socket = self._context.socket(zmq.DEALER)
-        connect_dealer(self._socket, url, **connect)
+        # Watched before it connects, so that no change of the connection goes unseen.
+        self._monitor = watch_connection(self._socket)
+        connect_dealer(self._socket, self.url, **connect)
+        self._lost_at: float | None = time.monotonic()  # None while a control plane answers
         self._unreachable = False  # the last send found no connection
         self._heard = False  # whether anything at all came from the control plane
         self._requests: dict[str, RequestState] = {}
@@ -233,8 +249,82 @@ class ClientCore(ABC, Generic[CompletionT, IdT, OutputsT]):
         if state is None:  # e.g. the tail of an aborted request whose tombstone expired
             log.debug("client.reply.unclaimed", request_id=reply.request_id)
             return
+        if self.resume and isinstance(reply, RequestOutput) and reply.resumable:
+            # Its control plane is stopping: the request is sent again when the connection drops.
+            log.info("client.request.interrupted", request_id=reply.request_id, url=self.url)
+            return
         state.file(reply)
         self._wake(state.request_id)
+
+    # -- losing a control plane --
+
+    def _on_connection_events(self, events: list[int]) -> list[bytes]:
+        """News of the connection (from its monitor; the replies that arrived before it must be
+        filed first): the frames to send because of it."""
+        lost = False
+        for event in events:
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._lost_at = None
+                log.info("client.connected", url=self.url)
+            elif event == zmq.EVENT_DISCONNECTED and self._lost_at is None:
+                # (while down, a disconnect is a failed attempt, e.g. a refused handshake)
+                lost = True
+                self._lost_at = time.monotonic()
+        return self._connection_lost() if lost else []
+
+    def _connection_lost(self) -> list[bytes]:
+        """The control plane went away, and with it every request it held: send each again,
+        resumed from what arrived (they wait in the socket until a control plane answers: the
+        same one restarted, or with several given, the next)."""
+        log.warning("client.connection_lost", url=self.url, in_flight=len(self._requests))
+        self._tombstones.clear_all()  # the aborts they await will never be confirmed
+        if len(self.urls) > 1:
+            self._switch_control_plane()
+        return self._resume_all(count=True)
+
+    def _failover_at(self) -> float | None:
+        """When, on `time.monotonic()`, to try the next control plane (None: no need)."""
+        if self._lost_at is None or len(self.urls) < 2 or self._closed:
+            return None
+        return self._lost_at + FAILOVER_S
+
+    def _failover(self) -> list[bytes]:
+        """With several control planes, once none answered for FAILOVER_S: try the next one,
+        sending it every request in flight (what was sent to the last one is dropped)."""
+        at = self._failover_at()
+        if at is None or time.monotonic() < at:
+            return []
+        self._lost_at = time.monotonic()
+        self._switch_control_plane()
+        return self._resume_all(count=False)
+
+    def _switch_control_plane(self) -> None:
+        old = self.url
+        self.url = self.urls[(self.urls.index(old) + 1) % len(self.urls)]
+        self._socket.disconnect(old)
+        self._socket.connect(self.url)
+        log.warning("client.failover", left=old, to=self.url)
+
+    def _resume_all(self, count: bool) -> list[bytes]:
+        """The frames that send every request in flight again (resumed), or, with resumption
+        off or its limit reached, the failure of those requests. `count`: a new loss."""
+        frames = []
+        for request_id, state in self._requests.items():
+            if not state.resumable:
+                continue
+            reason = None
+            if not self.resume:
+                reason = "resumption is off"
+            elif count and state.resumptions >= MAX_RESUMPTIONS:
+                reason = f"it was already resumed {MAX_RESUMPTIONS} times"
+            if reason is not None:
+                message = f"request {request_id} lost its control plane ({self.url}), and {reason}"
+                state.file(ServiceError(message, request_id))
+                self._wake(request_id)
+                continue
+            state.resumptions += count
+            frames.append(protocol.encode(state.resume_request()))
+        return frames
 
     def _take(self, state: RequestState) -> RequestOutput:
         """The request's oldest reply, checked, and folded into what it delivered."""
@@ -264,6 +354,13 @@ class ClientCore(ABC, Generic[CompletionT, IdT, OutputsT]):
         self._fail_all(ServiceError("the client is closed"))  # wakes their waiters
         self._requests.clear()
         self._tombstones.clear_all()  # wakes the requests waiting to reuse those ids
+
+    def _close_sockets(self) -> None:
+        """Last of all: queued messages get CLOSE_LINGER_MS to leave."""
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
+        self._socket.close(linger=CLOSE_LINGER_MS)
+        self._context.term()
 
     def _check_open(self) -> None:
         if self._closed:

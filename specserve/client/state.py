@@ -6,9 +6,17 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
+
 from specserve.client.errors import UNREACHABLE_HINT, RequestTimeout, ServiceError
 from specserve.client.wire import Reply, ends_request
-from specserve.shared.protocol import GenerateRequest, RequestOutput, SpecStats, TokenLogprobs
+from specserve.shared.protocol import (
+    GenerateRequest,
+    RequestOutput,
+    Resume,
+    SpecStats,
+    TokenLogprobs,
+)
 
 
 @dataclass
@@ -101,6 +109,7 @@ class RequestState:
     inbox: deque[Reply | ServiceError] = field(default_factory=deque)
     ended: bool = False  # its last reply has arrived (it may still be in the inbox)
     delivered: Completion = field(init=False)
+    resumptions: int = 0  # times it was sent again after losing its control plane
 
     def __post_init__(self) -> None:
         self.delivered = Completion(self.request.request_id)
@@ -113,3 +122,33 @@ class RequestState:
         self.inbox.append(item)
         if not isinstance(item, ServiceError) and ends_request(item):
             self.ended = True
+
+    @property
+    def resumable(self) -> bool:
+        """Whether it can be sent again: it has not ended, and has not failed on this side."""
+        return not self.ended and not any(isinstance(i, ServiceError) for i in self.inbox)
+
+    def resume_request(self) -> GenerateRequest:
+        """The request to send again after its control plane went away, going on from every
+        output that arrived (taken or not): the prompt as the token ids the first output
+        reported, and the tokens and text received since. With nothing received yet, the
+        request as it was first sent."""
+        outputs = [i for i in self.inbox if isinstance(i, RequestOutput)]
+        tokens = list(self.delivered.token_ids)
+        num_chars = len(self.delivered.text or "")
+        prompt = self.delivered.prompt_token_ids or None
+        for output in outputs:
+            tokens.extend(output.token_ids)
+            num_chars += len(output.text or "")
+            prompt = prompt or output.prompt_token_ids
+        resume = Resume(tokens, num_chars)
+        if prompt is None:
+            return msgspec.structs.replace(self.request, resume=resume)
+        return msgspec.structs.replace(
+            self.request,
+            prompt=None,
+            messages=None,
+            chat=False,
+            prompt_token_ids=list(prompt),
+            resume=resume,
+        )

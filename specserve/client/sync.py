@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from types import TracebackType
-from typing import TypeVar
+from typing import TypeVar, Unpack
 
 import zmq
 
-from specserve.client.core import CLOSE_LINGER_MS, ClientCore
+from specserve.client.core import DEFAULT_TIMEOUT, DEFAULT_URL, ClientCore
 from specserve.client.errors import ServiceUnreachable, unreachable_message
 from specserve.client.state import Completion
 from specserve.client.steps import Run, Send, Step, Steps
-from specserve.client.wire import abort_frame
+from specserve.client.wire import ConnectOptions, abort_frame, connection_event
 from specserve.shared.protocol import GenerateRequest, RequestOutput
 
 T = TypeVar("T")
@@ -42,6 +42,19 @@ class Client(ClientCore[Completion, str, Iterator[RequestOutput]]):
 
     _context_type = zmq.Context
 
+    def __init__(
+        self,
+        url: str | Sequence[str] = DEFAULT_URL,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        *,
+        resume: bool = True,
+        **connect: Unpack[ConnectOptions],
+    ) -> None:
+        super().__init__(url, timeout, resume=resume, **connect)
+        self._poller = zmq.Poller()
+        self._poller.register(self._socket, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+
     def abort(self, request_id: str) -> None:
         """Ask the control plane to stop a request. A submitted request stays collectable: its
         last output (finish_reason "abort", unless it had already finished) ends `result`."""
@@ -54,8 +67,7 @@ class Client(ClientCore[Completion, str, Iterator[RequestOutput]]):
         for frame in self._aborts_on_close():
             self._send(frame)
         self._mark_closed()
-        self._socket.close(linger=CLOSE_LINGER_MS)
-        self._context.term()
+        self._close_sockets()
 
     def __enter__(self) -> Client:
         return self
@@ -98,11 +110,39 @@ class Client(ClientCore[Completion, str, Iterator[RequestOutput]]):
             self._receive(step.until)
 
     def _receive(self, until: float | None) -> None:
-        """Wait until `until` at most for one message, of any request, and file it."""
+        """Wait until `until` at most for messages, of any request, and file them; act on
+        every change of the connection (see `ClientCore._on_connection_events`)."""
         self._check_open()
+        failover_at = self._failover_at()
+        if failover_at is not None:
+            until = failover_at if until is None else min(until, failover_at)
         timeout_ms = None if until is None else max(1, math.ceil((until - self._now()) * 1000))
-        if self._socket.poll(timeout_ms, zmq.POLLIN):
-            self._file(self._socket.recv_multipart())
+        ready = dict(self._poller.poll(timeout_ms))
+        self._file_waiting()
+        if self._monitor in ready:
+            self._send_all(self._connection_news())
+        self._send_all(self._failover())
+
+    def _file_waiting(self) -> None:
+        while True:
+            try:
+                self._file(self._socket.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+
+    def _connection_news(self) -> list[bytes]:
+        events = []
+        while True:
+            try:
+                events.append(connection_event(self._monitor.recv_multipart(zmq.NOBLOCK)))
+            except zmq.Again:
+                break
+        self._file_waiting()  # what arrived before the connection dropped comes first
+        return self._on_connection_events(events)
+
+    def _send_all(self, frames: list[bytes]) -> None:
+        for frame in frames:
+            self._send(frame)
 
     def _send(self, frame: bytes) -> None:
         self._check_open()

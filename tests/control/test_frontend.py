@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.control.frontend import ClientRequest, Frontend, PromptLimit
+from specserve.control.frontend import AlreadyResumed, ClientRequest, Frontend, PromptLimit
 from specserve.control.metrics import ServiceMetrics
-from specserve.shared.protocol import PROTOCOL_VERSION, GenerateRequest, SamplingParams
+from specserve.shared.protocol import PROTOCOL_VERSION, GenerateRequest, Resume, SamplingParams
 from specserve.shared.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -188,3 +188,93 @@ def test_requests_in_flight_are_capped_per_client():
     frontend._client_gone(b"a")
     assert dict(frontend.pending) == {b"b": 1}
     assert list(frontend.requests) == ["b1"]
+
+
+# --- resumed requests: a client that lost its control plane sends what it already has --------
+
+
+def stream_text(frontend: Frontend, req: ClientRequest, ids: list[int]) -> list[str]:
+    """The text deltas `req` sends as `ids` arrive one by one (stopping at a stop string)."""
+    pieces = []
+    for token in ids:
+        req.output_token_ids.append(token)
+        delta, stopped = frontend.text_delta(req, final=False)
+        pieces.append(delta)
+        if stopped:
+            return pieces
+    pieces.append(frontend.text_delta(req, final=True)[0])
+    return pieces
+
+
+@pytest.mark.parametrize("stop", [(), ("本語 🙂 x",), ("zzz", "🙂 d")])
+def test_a_resumed_stream_goes_on_with_the_text_it_had_not_sent(stop):
+    """Cut the stream after every token: the text sent before the cut, then the text the
+    resumed request sends, is exactly the uninterrupted text (held-back text included)."""
+    frontend = make_frontend(load_tokenizer("smollm2-135m"))
+    tok = frontend.tokenizer
+    prompt = tok.encode("Say:")
+    ids = tok.encode(" café 日本語 🙂 done", add_special_tokens=False)
+    params = SamplingParams(stop=stop, max_tokens=64)
+
+    def fresh() -> ClientRequest:
+        return ClientRequest("r", b"c", prompt, params, True, None, 0, None)
+
+    whole = "".join(stream_text(frontend, fresh(), ids))
+    for cut in range(1, len(ids)):
+        before = fresh()
+        sent = "".join(stream_text(frontend, before, ids[:cut])[:cut])  # no final flush
+        resume = Resume(ids[:cut], len(sent))
+        msg = request(prompt_token_ids=prompt, sampling=params, resume=resume)
+        after = frontend.accept(b"c2", msg, 49152, ())
+        rest = "".join(stream_text(frontend, after, ids[cut:]))
+        frontend.finish(after, [], "length", None)
+        assert sent + rest == whole, cut
+
+
+def test_a_resume_takes_over_the_lost_request_and_only_its_own():
+    withdrawn: list[str] = []
+    frontend = Frontend(
+        None, ServiceMetrics(), send=lambda *_: True, withdraw=lambda r: withdrawn.append(r.client)
+    )
+    params = SamplingParams(max_tokens=8)
+
+    def accept(client: bytes, key: str = "", resume: Resume | None = None) -> ClientRequest:
+        msg = request(prompt_token_ids=[1, 2], sampling=params, resume=resume)
+        return frontend.accept(client, msg, 10, (), None, key)
+
+    first = accept(b"old", key="k")
+    with pytest.raises(ValueError, match="'r' is already in flight"):
+        accept(b"new", key="k")  # not a resume
+    with pytest.raises(ValueError, match="'r' is already in flight"):
+        accept(b"new", key="other", resume=Resume([3]))  # another client's key
+    taken = accept(b"new", key="k", resume=Resume([3, 4]))
+    assert withdrawn == [b"old"] and frontend.requests["r"] is taken is not first
+    assert taken.output_token_ids == [3, 4] and taken.sent_first
+    assert dict(frontend.pending) == {b"new": 1}
+    with pytest.raises(AlreadyResumed):
+        accept(b"new", key="k", resume=Resume([3, 4]))  # sent again on the same connection
+    assert frontend.requests["r"] is taken
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"prompt": "hi", "resume": Resume([5])}, "the prompt must be prompt_token_ids"),
+        ({"prompt_token_ids": [1], "resume": Resume([5] * 8)}, "8 output tokens already"),
+        ({"prompt_token_ids": [1], "stream": False, "resume": Resume([5])}, "not streamed"),
+        ({"prompt_token_ids": [1], "resume": Resume([49152])}, "resume output token ids"),
+    ],
+)
+def test_a_resume_that_cannot_go_on_is_refused(frontend: Frontend, fields: dict, message: str):
+    msg = request(sampling=SamplingParams(max_tokens=8), **fields)
+    with pytest.raises(ValueError, match=message):
+        frontend.accept(b"c", msg, 49152, ())
+    assert "r" not in frontend.requests
+
+
+def test_a_resume_with_nothing_received_is_the_request_again(frontend: Frontend):
+    msg = request(prompt="Hello there", resume=Resume([]))
+    req = frontend.accept(b"c", msg, 49152, ())
+    assert req.prompt_token_ids == frontend.tokenizer.encode("Hello there")
+    assert req.output_token_ids == [] and req.sent_first
+    frontend.finish(req, [], "abort", None)

@@ -1,0 +1,202 @@
+"""Streams that outlive their control plane: kill -9 of a control plane process while 64 streams
+run, then a restarted plane on the same port, or a second live plane the client was given. Every
+stream must complete exactly as an uninterrupted run would (half greedy, half seeded sampling),
+with no token lost or repeated. Real processes, sockets and Redis throughout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from service_harness import WORKER_ENGINE, Service
+
+from specserve.client import AsyncClient, Client, RequestFailed, ServiceUnreachable, get_status
+from specserve.launch.local_redis import free_port
+from specserve.llm import LLM
+from specserve.shared.protocol import SamplingParams
+
+NUM_STREAMS = 64
+MAX_TOKENS = 40
+
+
+def prompts_and_params() -> tuple[list[list[int]], list[SamplingParams]]:
+    """Distinct prompts; even requests greedy, odd ones seeded sampling."""
+    prompts = [[(37 * i + 11 * j) % 250 + 1 for j in range(6 + i % 7)] for i in range(NUM_STREAMS)]
+    params = [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        if i % 2 == 0
+        else SamplingParams(max_tokens=MAX_TOKENS, seed=1000 + i, ignore_eos=True)
+        for i in range(NUM_STREAMS)
+    ]
+    return prompts, params
+
+
+class ControlProcess:
+    """`specserve control` as its own process, so it can be killed like a real one."""
+
+    def __init__(self, model: str, redis_url: str, logdir: Path, name: str) -> None:
+        self.model, self.redis_url = model, redis_url
+        self.port, self.worker_port = free_port(), free_port()
+        self.url = f"tcp://127.0.0.1:{self.port}"
+        self.worker_url = f"tcp://127.0.0.1:{self.worker_port}"
+        self.log = logdir / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        argv = [
+            sys.executable, "-m", "specserve.cli", "control", "--bind", self.url,
+            "--worker-bind", self.worker_url, "--redis-url", self.redis_url,
+            "--model", self.model, "--heartbeat-timeout", "2",
+        ]  # fmt: skip
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=log)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        assert self.proc.wait(timeout=10) == -signal.SIGKILL
+
+    def wait_workers(self, count: int, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None and self.proc.poll() is None, self.log.read_text()
+            try:
+                if get_status(self.url, timeout=1.0).live_workers == count:
+                    return
+            except ServiceUnreachable:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"{count} workers did not register:\n{self.log.read_text()[-3000:]}")
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def workers_for(plane: ControlProcess, model: str, logdir: Path, *ids: str) -> Service:
+    """Worker processes registered with `plane` (the harness's, pointed at its worker port)."""
+    workers = Service(model, None, logdir)
+    workers.worker_url = plane.worker_url
+    for worker_id in ids:
+        workers.start_worker(worker_id)
+    return workers
+
+
+async def stream_all(
+    urls: list[str], prompts: list[list[int]], params: list[SamplingParams], on_tokens
+) -> dict[int, list[int]]:
+    """Every prompt streamed on one client; `on_tokens(total)` after each output."""
+    streamed: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    total = [0]
+
+    async def consume(client: AsyncClient, i: int) -> None:
+        async for out in client.stream(prompts[i], params[i]):
+            streamed[i].extend(out.token_ids)
+            total[0] += len(out.token_ids)
+            on_tokens(total[0])
+
+    async with AsyncClient(urls, timeout=120) as client:
+        await asyncio.gather(*(consume(client, i) for i in range(len(prompts))))
+    return streamed
+
+
+@pytest.fixture
+def planes(llama_ckpt, redis_url, tmp_path):
+    made: list[ControlProcess] = []
+    services: list[Service] = []
+
+    def make(name: str, *worker_ids: str) -> ControlProcess:
+        plane = ControlProcess(str(llama_ckpt.path), redis_url, tmp_path, name)
+        plane.start()
+        services.append(workers_for(plane, str(llama_ckpt.path), tmp_path, *worker_ids))
+        plane.wait_workers(len(worker_ids))
+        made.append(plane)
+        return plane
+
+    try:
+        yield make
+    finally:
+        for plane in made:
+            plane.close()
+        for service in services:
+            service.close()
+
+
+def uninterrupted(llama_ckpt, prompts, params) -> list[list[int]]:
+    outs = LLM(str(llama_ckpt.path), **WORKER_ENGINE).generate(prompts, params)
+    return [out.token_ids for out in outs]
+
+
+def test_kill_9_of_the_control_plane_resumes_every_stream_on_its_restart(planes, llama_ckpt):
+    plane = planes("control", "w0", "w1")
+    prompts, params = prompts_and_params()
+    killed_at: list[float] = []
+    resumed_after: list[float] = []
+
+    def on_tokens(total: int) -> None:
+        if not killed_at and total >= 300:
+            plane.kill()
+            killed_at.append(time.monotonic())
+            plane.start()  # same ports: the workers and the client reconnect to it
+        elif killed_at and not resumed_after and total > 300 + 16 * 4:
+            resumed_after.append(time.monotonic() - killed_at[0])
+
+    streamed = asyncio.run(stream_all([plane.url], prompts, params, on_tokens))
+    assert killed_at, "the streams ended before the kill"
+    expected = uninterrupted(llama_ckpt, prompts, params)
+    for i in range(NUM_STREAMS):
+        assert streamed[i] == expected[i], i
+    plane.wait_workers(2)  # both workers came back to the restarted plane
+
+
+def test_kill_9_of_the_control_plane_resumes_on_the_next_one_given(planes, llama_ckpt):
+    first = planes("first", "a0")
+    second = planes("second", "b0")
+    prompts, params = prompts_and_params()
+    killed: list[bool] = []
+
+    def on_tokens(total: int) -> None:
+        if not killed and total >= 300:
+            first.kill()
+            killed.append(True)
+
+    streamed = asyncio.run(stream_all([first.url, second.url], prompts, params, on_tokens))
+    assert killed
+    expected = uninterrupted(llama_ckpt, prompts, params)
+    for i in range(NUM_STREAMS):
+        assert streamed[i] == expected[i], i
+
+
+def test_a_stopping_control_plane_hands_its_streams_over_or_fails_them(planes, llama_ckpt):
+    """SIGTERM: the plane tells its clients it is stopping. A resuming client (the default)
+    goes on with the plane that replaces it; one that does not resume fails at once."""
+    plane = planes("control", "w0")
+    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    prompt = [5, 6, 7, 8]
+    with Client(plane.url, timeout=60) as client:
+        stream = client.stream(prompt, params)
+        tokens = list(next(stream).token_ids)
+        assert plane.proc is not None
+        plane.proc.send_signal(signal.SIGTERM)
+        assert plane.proc.wait(timeout=15) == 0
+        plane.start()
+        for out in stream:
+            tokens.extend(out.token_ids)
+    assert tokens == uninterrupted(llama_ckpt, [prompt], [params])[0]
+
+    plane.wait_workers(1)
+    with Client(plane.url, timeout=60, resume=False) as client:
+        stream = client.stream(prompt, params)
+        next(stream)
+        started = time.monotonic()
+        plane.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(RequestFailed, match="the control plane is shutting down"):
+            list(stream)
+        assert time.monotonic() - started < 15
