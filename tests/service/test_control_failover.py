@@ -200,3 +200,28 @@ def test_a_stopping_control_plane_hands_its_streams_over_or_fails_them(planes, l
         with pytest.raises(RequestFailed, match="the control plane is shutting down"):
             list(stream)
         assert time.monotonic() - started < 15
+
+
+def test_a_control_plane_that_stops_answering_is_left_within_seconds(planes, llama_ckpt):
+    """SIGSTOP: the connection stays open but nothing answers; missed heartbeats drop it after
+    3 s, and the client resumes on the next plane long before its 120 s request timeout."""
+    first = planes("first", "a0")
+    second = planes("second", "b0")
+    prompts, params = prompts_and_params()
+    stopped_at: list[float] = []
+
+    def on_tokens(total: int) -> None:
+        if not stopped_at and total >= 300:
+            assert first.proc is not None
+            first.proc.send_signal(signal.SIGSTOP)
+            stopped_at.append(time.monotonic())
+
+    try:
+        streamed = asyncio.run(stream_all([first.url, second.url], prompts, params, on_tokens))
+        assert stopped_at and time.monotonic() - stopped_at[0] < 30
+    finally:
+        if first.proc is not None:
+            first.proc.send_signal(signal.SIGCONT)
+    expected = uninterrupted(llama_ckpt, prompts, params)
+    for i in range(NUM_STREAMS):
+        assert streamed[i] == expected[i], i
