@@ -68,9 +68,11 @@ from specserve.shared.protocol import (
     ErrorReply,
     GenerateRequest,
     Heartbeat,
+    Leaving,
     ProtocolError,
     Register,
     Rejected,
+    Released,
     Reregister,
     ServiceStatus,
     StatusRequest,
@@ -300,7 +302,7 @@ class ControlPlane:
                 self._send(identity, ErrorReply(PROTOCOL_VERSION, reason, msg.request_id))
 
     def _on_worker_frame(self, identity: bytes, payload: bytes, key: str = "") -> None:
-        """A frame on the worker port: registrations, heartbeats and step results."""
+        """A frame on the worker port: registrations, heartbeats, step results and leaving."""
         msg = self._decode(identity, payload)
         if isinstance(msg, ProtocolError):
             return  # never answered: a worker's bad frame is a bug the worker logs can't fix
@@ -308,6 +310,8 @@ class ControlPlane:
             self._on_register(identity, key, msg)
         elif isinstance(msg, Heartbeat):
             self._on_heartbeat(identity, key, msg)
+        elif isinstance(msg, Leaving):
+            self._on_leaving(identity, key)
         elif isinstance(msg, StepResult):
             worker = self._by_identity.get(identity)
             try:
@@ -415,6 +419,19 @@ class ControlPlane:
         self._reregistered[identity] = now
         self._send_worker(identity, Reregister(PROTOCOL_VERSION, "unknown session; register again"))
 
+    def _on_leaving(self, identity: bytes, key: str) -> None:
+        """A worker is stopping: its requests move to other workers once its step in flight
+        has come back (so they resume from every token it made), then it is released."""
+        worker = self._by_identity.get(identity)
+        if worker is None or worker.key != key:
+            self._send_worker(identity, Released(PROTOCOL_VERSION))  # nothing of it is here
+            return
+        log.info("worker.leaving", worker=worker.worker_id, requests=len(worker.scheduler.requests))
+        worker.leaving = True
+        worker.failed = "it is stopping"
+        if worker.outstanding is None:
+            self._remove_worker(worker, worker.failed)
+
     def _on_result(self, identity: bytes, key: str, msg: StepResult) -> None:
         worker = self._by_identity.get(identity)
         if worker is None or worker.key != key:
@@ -481,6 +498,8 @@ class ControlPlane:
             req.num_resumptions += 1
             self.metrics.resumed.inc()
             self._place(req)
+        if worker.leaving:
+            self._send_worker(worker.identity, Released(PROTOCOL_VERSION))
 
     # --- clients ----------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ class WorkerHandle:
     epoch: int = -1
     outstanding: ScheduledStep | None = None
     failed: str | None = None  # why it is about to be removed (removal waits for a safe point)
+    leaving: bool = False  # it asked to leave (`Leaving`): told `Released` once removed
     sent_at: float = 0.0  # when `outstanding` left
     result_at: float | None = None
     last_index_heartbeat: float = 0.0

@@ -265,6 +265,20 @@ class Reregister(msgspec.Struct, frozen=True, tag="reregister", forbid_unknown_f
     reason: str
 
 
+class Leaving(msgspec.Struct, frozen=True, tag="leaving", forbid_unknown_fields=True):
+    """Worker -> control: I am stopping (SIGTERM): send me no new work and move my requests to
+    other workers; answered with `Released` once they have moved."""
+
+    version: int
+    worker_id: str
+
+
+class Released(msgspec.Struct, frozen=True, tag="released", forbid_unknown_fields=True):
+    """Control -> worker: nothing of yours is left here; you may exit."""
+
+    version: int
+
+
 CHAT_ROLES = ("system", "user", "assistant")
 
 
@@ -371,6 +385,8 @@ Message = (
     | Rejected
     | Heartbeat
     | Reregister
+    | Leaving
+    | Released
     | GenerateRequest
     | AbortRequest
     | StatusRequest

@@ -381,6 +381,13 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     _add_key_args(wrk, "worker", "needed when the control plane runs with --keys")
     wrk.add_argument("--worker-id", type=_worker_id, default=None, help="default: host and pid")
     wrk.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds")
+    wrk.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM the control plane moves this worker's requests to others, then lets it "
+        "exit; it exits after this many seconds at most (a second SIGTERM stops it at once)",
+    )
     _add_engine_args(wrk)
     wrk.set_defaults(func=cmd_worker)
 
@@ -786,6 +793,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         worker_id=args.worker_id,
         heartbeat_interval_s=args.heartbeat_interval,
         keys=_peer_keys(args, "workers"),
+        drain_timeout_s=args.drain_timeout,
     )
 
 

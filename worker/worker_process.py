@@ -45,6 +45,7 @@ log = structlog.get_logger(__name__)
 EXIT_OK = 0
 EXIT_REJECTED = 3
 REGISTER_RETRY_S = 2.0  # re-send Register this often until the control plane answers
+DEFAULT_DRAIN_TIMEOUT_S = 30.0  # after SIGTERM, wait this long at most to be released
 POLL_MS = 100  # how often the main loop looks at `stop`
 HEARTBEAT_SUFFIX = "#hb"  # '#' cannot appear in a worker id, so the identities never collide
 HEARTBEAT_MAX_MESSAGE_BYTES = 1 << 20  # only short error replies ever reach that socket
@@ -197,6 +198,8 @@ class WorkerServer:
         heartbeat_interval_s: float = 0.5,
         stop: threading.Event | None = None,
         keys: PeerKeys | None = None,
+        drain: threading.Event | None = None,
+        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
     ) -> None:
         self.engine = engine
         self.keys = keys
@@ -204,6 +207,10 @@ class WorkerServer:
         self.worker_id = protocol.check_worker_id(worker_id)
         self.heartbeat_interval_s = _check_interval(heartbeat_interval_s)
         self.stop = stop if stop is not None else threading.Event()
+        # Set (SIGTERM): leave gracefully, once the control plane has moved our requests away.
+        self.drain = drain if drain is not None else threading.Event()
+        self.drain_timeout_s = drain_timeout_s
+        self._leaving_since: float | None = None  # when `Leaving` was sent
         self.info = engine.info(worker_id)
         self.stats = WorkerStats()
         self.session = ""  # the control-plane session of the last Welcome
@@ -250,6 +257,8 @@ class WorkerServer:
 
     def _loop(self, sock: zmq.Socket) -> int:
         while not self.stop.is_set():
+            if self.drain.is_set() and self._done_leaving(sock):
+                return EXIT_OK
             self._maybe_register(sock)
             if not sock.poll(POLL_MS, zmq.POLLIN):
                 continue
@@ -257,6 +266,24 @@ class WorkerServer:
             if code is not None:
                 return code
         return EXIT_OK
+
+    def _done_leaving(self, sock: zmq.Socket) -> bool:
+        """Draining: ask the control plane once to move our requests away (`Leaving`), and go on
+        serving steps until it answers `Released`. True when there is nothing to wait for: never
+        registered, or no answer within the drain timeout."""
+        now = time.monotonic()
+        if self._leaving_since is None:
+            if not self._registered:
+                log.info("worker.leaving", worker_id=self.worker_id, registered=False)
+                return True
+            _try_send(sock, protocol.Leaving(PROTOCOL_VERSION, self.worker_id))
+            self._leaving_since = now
+            log.info("worker.leaving", worker_id=self.worker_id, registered=True)
+            return False
+        if now - self._leaving_since > self.drain_timeout_s:
+            log.warning("worker.drain_timeout", worker_id=self.worker_id, s=self.drain_timeout_s)
+            return True
+        return False
 
     def _maybe_register(self, sock: zmq.Socket) -> None:
         """Until welcomed, (re)send Register every REGISTER_RETRY_S; while the connection is not
@@ -285,6 +312,9 @@ class WorkerServer:
                 self._welcome(msg)
             case protocol.Reregister():
                 self._reregister(msg)
+            case protocol.Released():
+                log.info("worker.released", worker_id=self.worker_id)
+                return EXIT_OK
             case protocol.Rejected():
                 log.error("worker.rejected", worker_id=self.worker_id, reason=msg.reason)
                 return EXIT_REJECTED
@@ -368,13 +398,17 @@ def failed_result(batch: protocol.StepBatch, error: str) -> protocol.StepResult:
     return protocol.StepResult(PROTOCOL_VERSION, batch.step_id, results)
 
 
-def _install_signal_handlers(stop: threading.Event) -> Callable[[], None]:
-    """SIGTERM/SIGINT set `stop` (only the main thread may install handlers); returns undo."""
+def _install_signal_handlers(stop: threading.Event, drain: threading.Event) -> Callable[[], None]:
+    """SIGTERM sets `drain` (a second one, or SIGINT, sets `stop`); only the main thread may
+    install handlers. Returns the undo."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
+        if signum == signal.SIGTERM and not drain.is_set():
+            drain.set()
+        else:
+            stop.set()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
 
@@ -392,24 +426,32 @@ def run_worker(
     heartbeat_interval_s: float = 0.5,
     stop: threading.Event | None = None,
     keys: PeerKeys | None = None,
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
 ) -> int:
     """Load the engine, then serve the control plane's worker port at `control_url` until
     stopped, authenticating with `keys` when given.
 
-    Returns the process exit code: 0 after `stop`, SIGTERM or SIGINT; 3 when rejected.
+    SIGTERM drains: the control plane moves this worker's requests to others (they go on from
+    every token made here), then releases it; at most `drain_timeout_s` later it exits anyway.
+    A second SIGTERM, or SIGINT, stops at once. Returns the process exit code: 0 when stopped
+    or released; 3 when rejected.
     """
     worker_id = protocol.check_worker_id(
         worker_id if worker_id is not None else default_worker_id()
     )
     _check_interval(heartbeat_interval_s)  # fail before the slow load, not after
     stop = stop if stop is not None else threading.Event()
-    restore = _install_signal_handlers(stop)
+    drain = threading.Event()
+    restore = _install_signal_handlers(stop, drain)
     try:
         engine = _load_engine(engine_args, worker_id)
-        if stop.is_set():
+        if stop.is_set() or drain.is_set():
             log.info("worker.stopped", worker_id=worker_id, exit_code=EXIT_OK, steps=0)
             return EXIT_OK
-        server = WorkerServer(engine, control_url, worker_id, heartbeat_interval_s, stop, keys)
+        server = WorkerServer(
+            engine, control_url, worker_id, heartbeat_interval_s, stop, keys, drain,
+            drain_timeout_s,
+        )  # fmt: skip
         return server.run()
     finally:
         restore()

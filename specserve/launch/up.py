@@ -283,10 +283,13 @@ class Cluster:
     # --- stopping ------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """SIGTERM every child (workers first), SIGKILL what is left after 10 s, stop Redis."""
+        """Stop every child (workers first), SIGKILL what is left after 10 s, stop Redis.
+        Workers get SIGINT, which stops them at once: SIGTERM would drain them, handing their
+        requests to a control plane that is stopping too."""
         for child in reversed(self.children):
             if child.proc.poll() is None:
-                child.proc.terminate()
+                is_worker = child.argv[0] == "worker"
+                child.proc.send_signal(signal.SIGINT if is_worker else signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
         for child in reversed(self.children):
             try:

@@ -158,6 +158,49 @@ def test_kill_9_worker_mid_stream_loses_and_repeats_nothing(service: Service, ll
     assert not records["w1"].live and records["w0"].live
 
 
+def test_sigterm_drains_a_worker_under_load_and_loses_nothing(service: Service, llama_ckpt):
+    """SIGTERM: the worker asks to leave, the control plane moves its requests (after its step
+    in flight came back) to the other worker, releases it, and it exits 0 at once; every stream
+    completes exactly as an uninterrupted run."""
+    plane = service.start_control()
+    service.start_worker("w0", max_num_seqs=4)
+    leaving = service.start_worker("w1", max_num_seqs=4)
+    service.wait_workers({"w0", "w1"})
+    prompts = shared_prefix_prompts(groups=4, per_group=6, prefix_len=12)
+    params = [
+        greedy(40) if i % 2 == 0 else SamplingParams(max_tokens=40, seed=7 + i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    streamed: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    workers_seen: dict[int, list[str]] = {i: [] for i in range(len(prompts))}
+    signalled: list[float] = []
+
+    async def consume(client: AsyncClient, i: int) -> None:
+        async for out in client.stream(prompts[i], params[i]):
+            streamed[i].extend(out.token_ids)
+            if out.worker_id:
+                workers_seen[i].append(out.worker_id)
+            if not signalled and len(streamed[i]) >= 8 and workers_seen[i][0] == "w1":
+                leaving.send_signal(signal.SIGTERM)
+                signalled.append(time.monotonic())
+
+    async def run() -> None:
+        async with AsyncClient(service.url, timeout=120) as client:
+            await asyncio.gather(*(consume(client, i) for i in range(len(prompts))))
+
+    asyncio.run(run())
+    assert signalled, "w1 never produced a token"
+    assert leaving.wait(timeout=20) == 0
+    assert time.monotonic() - signalled[0] < 20  # released, not the 30 s drain timeout
+    assert set(plane.workers) == {"w0"}
+    assert "worker.released" in (service.logdir / "w1.log").read_text()
+    moved = [i for i, seen in workers_seen.items() if seen == ["w1", "w0"]]
+    assert moved
+    uninterrupted = LLM(str(llama_ckpt.path), **WORKER_ENGINE).generate(prompts, params)
+    for i in range(len(prompts)):
+        assert streamed[i] == uninterrupted[i].token_ids, i
+
+
 def test_joining_worker_gets_load_and_control_restart_reregisters(
     service: Service, llama_ckpt
 ) -> None:

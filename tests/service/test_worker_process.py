@@ -31,8 +31,10 @@ from specserve.shared.config import AttentionType, KVGroupSpec
 from specserve.shared.protocol import (
     PROTOCOL_VERSION,
     Heartbeat,
+    Leaving,
     NewRequest,
     Register,
+    Released,
     RequestResult,
     RunningDelta,
     SamplingParams,
@@ -395,17 +397,53 @@ def test_rejected_exits_with_code_3(llama_ckpt, control, tmp_path):
         worker.kill()
 
 
-def test_sigterm_exits_0_promptly(llama_ckpt, control, tmp_path):
+def test_sigterm_drains_then_exits_0_once_released(llama_ckpt, control, tmp_path):
+    """SIGTERM: the worker asks to leave and keeps serving until the control plane releases it;
+    then it exits 0 at once."""
     worker, sent = _spawn(llama_ckpt.path, control, tmp_path / "worker.log")
     try:
         assert isinstance(sent[0], Register)
         control.send(Welcome(PROTOCOL_VERSION, WORKER_ID, "s", 0))
         control.wait_heartbeats(1)  # both threads are up
+        worker.proc.send_signal(signal.SIGTERM)
+        assert control.recv() == Leaving(PROTOCOL_VERSION, WORKER_ID)
+        time.sleep(0.5)
+        assert worker.proc.poll() is None  # still serving: not released yet
+        start = time.monotonic()
+        control.send(Released(PROTOCOL_VERSION))
+        assert worker.proc.wait(5.0) == 0
+        assert time.monotonic() - start < 5.0
+        assert "worker.released" in worker.log() and "worker.stopped" in worker.log()
+    finally:
+        worker.kill()
+
+
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT])
+def test_a_second_sigterm_or_sigint_stops_a_draining_worker_at_once(
+    llama_ckpt, control, tmp_path, second
+):
+    worker, _ = _spawn(llama_ckpt.path, control, tmp_path / "worker.log")
+    try:
+        control.send(Welcome(PROTOCOL_VERSION, WORKER_ID, "s", 0))
+        control.wait_heartbeats(1)
+        worker.proc.send_signal(signal.SIGTERM)
+        assert isinstance(control.recv(), Leaving)  # never answered
+        start = time.monotonic()
+        worker.proc.send_signal(second)
+        assert worker.proc.wait(5.0) == 0
+        assert time.monotonic() - start < 5.0
+    finally:
+        worker.kill()
+
+
+def test_sigterm_before_registration_exits_0_promptly(llama_ckpt, control, tmp_path):
+    worker, sent = _spawn(llama_ckpt.path, control, tmp_path / "worker.log")
+    try:
+        assert isinstance(sent[0], Register)  # never welcomed: nothing to hand over
         start = time.monotonic()
         worker.proc.send_signal(signal.SIGTERM)
         assert worker.proc.wait(5.0) == 0
         assert time.monotonic() - start < 5.0
-        assert "worker.stopped" in worker.log()
     finally:
         worker.kill()
 
