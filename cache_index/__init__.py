@@ -30,6 +30,7 @@ from specserve.cache_index.registry import (
     expire_stale_workers,
     heartbeat,
     list_workers,
+    live_owner,
     mark_dead,
     register_worker,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "expire_stale_workers",
     "heartbeat",
     "list_workers",
+    "live_owner",
     "lookup_prompt_blocks",
     "mark_dead",
     "register_worker",

@@ -99,6 +99,19 @@ def expire_stale_workers(client: Redis, ns: Namespace, max_age_ms: int) -> list[
     return expired
 
 
+def live_owner(client: Redis, ns: Namespace, worker_id: str) -> str | None:
+    """The `session` that registered the worker's live epoch (the control plane that owns it
+    now), or None when it is not live or no session was recorded."""
+    with unavailable_as_index_error("live_owner"):
+        pipe = client.pipeline(transaction=False)
+        pipe.hget(ns.live_key, worker_id).hmget(ns.worker_key(worker_id), "epoch", "info")
+        live, (epoch, info) = pipe.execute()
+    if live is None or live != epoch or info is None:
+        return None
+    session = msgspec.json.decode(info).get("session")
+    return session if isinstance(session, str) else None
+
+
 def _int(record: dict[bytes, bytes], field: bytes) -> int | None:
     value = record.get(field)
     return None if value is None else int(value)

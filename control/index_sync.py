@@ -23,6 +23,7 @@ from specserve.cache_index import (
     cleanup_fenced,
     expire_stale_workers,
     heartbeat,
+    live_owner,
     mark_dead,
     register_worker,
 )
@@ -122,6 +123,17 @@ class IndexSync:
         """Stop a removed worker's entries from counting (the janitor deletes them later)."""
         self.call("mark_dead", mark_dead, self.client, ns, worker_id, epoch=epoch)
 
+    def _on_fenced(self, worker: WorkerHandle) -> None:
+        """The worker's epoch was fenced by someone else: another control plane registered the
+        worker (it moved there), so this one lets it go; otherwise (e.g. Redis lost its data)
+        it is registered again. Never a tug of war: only the plane it moved to registers it."""
+        owner = self.call("live_owner", live_owner, self.client, worker.namespace, worker.worker_id)
+        if owner is not None and owner != self.session:
+            log.warning("index.worker_taken_over", worker=worker.worker_id, owner=owner)
+            worker.failed = "it registered with another control plane"
+            return
+        self.register(worker)
+
     def write(self, worker: WorkerHandle) -> None:
         """One step's block events for the worker, in one round trip."""
         events = worker.scheduler.take_kv_events()
@@ -162,8 +174,8 @@ class IndexSync:
                 "heartbeat", heartbeat, self.client, worker.namespace, worker.worker_id,
                 worker.epoch,
             )  # fmt: skip
-            if alive is False:  # fenced behind our back (e.g. Redis restarted): start over
-                self.register(worker)
+            if alive is False:  # fenced behind our back
+                self._on_fenced(worker)
         if now - self.last_janitor >= JANITOR_S:
             self.last_janitor = now
             for ns in list(self.namespaces):

@@ -374,9 +374,10 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     wrk = sub.add_parser("worker", help="run one GPU/CPU worker for a control plane")
     wrk.add_argument(
         "--control",
-        type=_service_url,
-        default=DEFAULT_WORKER_URL,
-        help="the control plane's worker port (its --bind port + 1 unless --worker-bind)",
+        type=_service_urls,
+        default=(DEFAULT_WORKER_URL,),
+        help="the control plane's worker port (its --bind port + 1 unless --worker-bind); "
+        "several, separated by commas: serve one, and move to the next when it goes",
     )
     _add_key_args(wrk, "worker", "needed when the control plane runs with --keys")
     wrk.add_argument("--worker-id", type=_worker_id, default=None, help="default: host and pid")

@@ -5,6 +5,12 @@ The main thread owns the engine and a DEALER socket: it registers (re-sending `R
 replies with its `StepResult` at once. A second thread with its own DEALER socket sends
 heartbeats, so a long forward pass never looks like a dead worker. zmq sockets are not
 thread-safe, so the two threads share only the session string, under a lock.
+
+Given several control planes (active-active, sharing one Redis index), a worker serves one at a
+time: when its connection to that one drops (the process died, or it stopped answering ZeroMQ
+heartbeats), or none welcomed it within SWITCH_S, it moves to the next with fresh sockets (so
+nothing queued for or from the old one survives) and registers there; that plane's Welcome
+resets the engine, as after any registration.
 """
 
 from __future__ import annotations
@@ -17,12 +23,13 @@ import secrets
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import FrameType
 
 import structlog
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from specserve.shared import protocol
 from specserve.shared.curve import PeerKeys
@@ -49,6 +56,10 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0  # after SIGTERM, wait this long at most to be re
 POLL_MS = 100  # how often the main loop looks at `stop`
 HEARTBEAT_SUFFIX = "#hb"  # '#' cannot appear in a worker id, so the identities never collide
 HEARTBEAT_MAX_MESSAGE_BYTES = 1 << 20  # only short error replies ever reach that socket
+SWITCH_S = 5.0  # with several control planes: how long to wait for a Welcome before the next
+# ZeroMQ heartbeats on the main socket: a control plane that stops answering them is left.
+ZMQ_HEARTBEAT_IVL_MS = 1000
+ZMQ_HEARTBEAT_TIMEOUT_MS = 3000
 
 _NOT_ID_CHAR = re.compile(f"[^{protocol.WORKER_ID_CHARS}]")
 
@@ -87,7 +98,12 @@ class WorkerStats:
 
 
 def _dealer(
-    ctx: zmq.Context, identity: str, url: str, max_message_bytes: int, keys: PeerKeys | None
+    ctx: zmq.Context,
+    identity: str,
+    url: str,
+    max_message_bytes: int,
+    keys: PeerKeys | None,
+    connect: bool = True,
 ) -> zmq.Socket:
     """A DEALER that queues nothing until its connection is up (IMMEDIATE), so a control plane
     that starts late is not flooded with stale Registers and heartbeats, and that drops a
@@ -100,7 +116,8 @@ def _dealer(
     bound_socket(sock, max_message_bytes)
     if keys is not None:
         keys.apply(sock)
-    sock.connect(url)
+    if connect:
+        sock.connect(url)
     return sock
 
 
@@ -193,7 +210,7 @@ class WorkerServer:
     def __init__(
         self,
         engine: WorkerEngine,
-        control_url: str,
+        control_url: str | Sequence[str],
         worker_id: str,
         heartbeat_interval_s: float = 0.5,
         stop: threading.Event | None = None,
@@ -203,7 +220,10 @@ class WorkerServer:
     ) -> None:
         self.engine = engine
         self.keys = keys
-        self.control_url = control_url
+        self.control_urls = [control_url] if isinstance(control_url, str) else list(control_url)
+        if not self.control_urls:
+            raise ValueError("give at least one control plane URL")
+        self.control_url = self.control_urls[0]  # the control plane in use
         self.worker_id = protocol.check_worker_id(worker_id)
         self.heartbeat_interval_s = _check_interval(heartbeat_interval_s)
         self.stop = stop if stop is not None else threading.Event()
@@ -218,30 +238,83 @@ class WorkerServer:
         self._last_register = -math.inf  # when Register last left the socket
         self._result_sent_at: float | None = None
         self._sock: zmq.Socket | None = None
+        self._monitor: zmq.Socket | None = None
+        self._poller = zmq.Poller()
+        self._connected = False  # a handshake with the control plane in use succeeded
+        self._connected_at = 0.0  # when the sockets to the control plane in use were made
         self._heartbeater: _Heartbeater | None = None
+        self._ctx: zmq.Context | None = None
+        self._identity = connection_identity(self.worker_id)
 
     def run(self) -> int:
         """Serve until `stop` is set (exit code 0) or the control plane rejects us (3)."""
-        log.info("worker.connecting", worker_id=self.worker_id, url=self.control_url)
-        ctx = zmq.Context()
+        self._ctx = zmq.Context()
+        self._connect(self.control_urls[0])
+        try:
+            code = self._loop()
+        finally:
+            self._disconnect()
+            self._ctx.term()
+        log.info("worker.stopped", worker_id=self.worker_id, exit_code=code, **self._summary())
+        return code
+
+    def _connect(self, url: str) -> None:
+        """Sockets (and the heartbeat thread) to the control plane at `url`; register anew."""
+        assert self._ctx is not None
+        log.info("worker.connecting", worker_id=self.worker_id, url=url)
         info = self.info
         max_bytes = worker_max_message_bytes(
             info.max_num_seqs, info.max_model_len, len(info.kv_groups)
         )
-        identity = connection_identity(self.worker_id)
-        self._sock = _dealer(ctx, identity, self.control_url, max_bytes, self.keys)
+        self.control_url = url
+        self._sock = _dealer(self._ctx, self._identity, url, max_bytes, self.keys, connect=False)
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, ZMQ_HEARTBEAT_IVL_MS)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMQ_HEARTBEAT_TIMEOUT_MS)
+        self._monitor = self._sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        )
+        self._sock.connect(url)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
+        self._connected, self._connected_at = False, time.monotonic()
+        self._registered, self._last_register = False, -math.inf
         self._heartbeater = _Heartbeater(
-            ctx, self.control_url, self.worker_id, identity, self.heartbeat_interval_s, self.keys
+            self._ctx, url, self.worker_id, self._identity, self.heartbeat_interval_s, self.keys
         )
         self._heartbeater.start()
-        try:
-            code = self._loop(self._sock)
-        finally:
+
+    def _disconnect(self) -> None:
+        """Close the sockets to the control plane in use: nothing queued either way survives."""
+        if self._heartbeater is not None:
             self._heartbeater.close()
+        if self._sock is not None:
+            self._sock.disable_monitor()
             self._sock.close(linger=0)
-            ctx.term()
-        log.info("worker.stopped", worker_id=self.worker_id, exit_code=code, **self._summary())
-        return code
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+
+    def _switch(self, reason: str) -> None:
+        """Move to the next control plane given."""
+        old = self.control_url
+        new = self.control_urls[(self.control_urls.index(old) + 1) % len(self.control_urls)]
+        log.warning("worker.switching", worker_id=self.worker_id, left=old, to=new, reason=reason)
+        self._disconnect()
+        self._connect(new)
+
+    def _connection_lost(self) -> bool:
+        """Read the monitor: True when an established connection to the control plane dropped."""
+        assert self._monitor is not None
+        lost = False
+        while True:
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
+            except zmq.Again:
+                return lost
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._connected = True
+            elif event == zmq.EVENT_DISCONNECTED and self._connected:
+                self._connected, lost = False, True
 
     def _summary(self) -> dict[str, object]:
         s = self.stats
@@ -255,14 +328,24 @@ class WorkerServer:
             "idle_s": round(s.idle_s, 3),
         }
 
-    def _loop(self, sock: zmq.Socket) -> int:
+    def _loop(self) -> int:
+        several = len(self.control_urls) > 1
         while not self.stop.is_set():
-            if self.drain.is_set() and self._done_leaving(sock):
+            assert self._sock is not None
+            if self.drain.is_set() and self._done_leaving(self._sock):
                 return EXIT_OK
-            self._maybe_register(sock)
-            if not sock.poll(POLL_MS, zmq.POLLIN):
+            unwelcomed_s = time.monotonic() - self._connected_at
+            if several and not self._registered and unwelcomed_s > SWITCH_S:
+                self._switch(f"no Welcome within {SWITCH_S:g} s")
                 continue
-            code = self._handle(sock.recv_multipart())
+            self._maybe_register(self._sock)
+            ready = dict(self._poller.poll(POLL_MS))
+            if self._monitor in ready and self._connection_lost() and several:
+                self._switch("the connection dropped")
+                continue
+            if self._sock not in ready:
+                continue
+            code = self._handle(self._sock.recv_multipart())
             if code is not None:
                 return code
         return EXIT_OK
@@ -306,6 +389,9 @@ class WorkerServer:
             self._bad_frame(str(exc))
             return None
         match msg:
+            case protocol.StepBatch() if not self._registered:
+                # (only before a Welcome: e.g. a batch the last plane sent before we moved on)
+                self._bad_frame("a step batch before this control plane welcomed us")
             case protocol.StepBatch():
                 self._step(msg)
             case protocol.Welcome():
@@ -421,15 +507,16 @@ def _install_signal_handlers(stop: threading.Event, drain: threading.Event) -> C
 
 def run_worker(
     engine_args: EngineArgs,
-    control_url: str,
+    control_url: str | Sequence[str],
     worker_id: str | None = None,
     heartbeat_interval_s: float = 0.5,
     stop: threading.Event | None = None,
     keys: PeerKeys | None = None,
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
 ) -> int:
-    """Load the engine, then serve the control plane's worker port at `control_url` until
-    stopped, authenticating with `keys` when given.
+    """Load the engine, then serve the control plane's worker port at `control_url` (or the
+    first of several that answers, moving on when it goes) until stopped, authenticating with
+    `keys` when given.
 
     SIGTERM drains: the control plane moves this worker's requests to others (they go on from
     every token made here), then releases it; at most `drain_timeout_s` later it exits anyway.

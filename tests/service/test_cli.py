@@ -116,7 +116,7 @@ def test_worker_flags():
         "--num-spec-tokens", "3", "--no-prefix-caching", "--sample-drafts",
     )  # fmt: skip
     assert (args.control, args.worker_id, args.heartbeat_interval) == (
-        "tcp://10.0.0.1:5555", "gpu-3", 0.2,
+        ("tcp://10.0.0.1:5555",), "gpu-3", 0.2,
     )  # fmt: skip
     assert worker_engine_args(args) == EngineArgs(
         model="/ckpt/qwen3",
@@ -132,8 +132,10 @@ def test_worker_flags():
         sample_drafts=True,
     )
     defaults = parse("worker")
-    assert (defaults.control, defaults.worker_id) == ("tcp://127.0.0.1:5556", None)
+    assert (defaults.control, defaults.worker_id) == (("tcp://127.0.0.1:5556",), None)
     assert worker_engine_args(defaults) == EngineArgs()
+    several = parse("worker", "--control", "tcp://a:5556, tcp://b:5556", "--drain-timeout", "9")
+    assert (several.control, several.drain_timeout) == (("tcp://a:5556", "tcp://b:5556"), 9.0)
 
 
 @pytest.mark.parametrize(

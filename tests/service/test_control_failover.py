@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 from service_harness import WORKER_ENGINE, Service
 
+from specserve.cache_index import Namespace, connect, list_workers
+from specserve.cache_index.schema import key_model_name
 from specserve.client import AsyncClient, Client, RequestFailed, ServiceUnreachable, get_status
 from specserve.launch.local_redis import free_port
 from specserve.llm import LLM
@@ -225,3 +227,49 @@ def test_a_control_plane_that_stops_answering_is_left_within_seconds(planes, lla
     expected = uninterrupted(llama_ckpt, prompts, params)
     for i in range(NUM_STREAMS):
         assert streamed[i] == expected[i], i
+
+
+def test_a_live_plane_adopts_the_workers_of_a_dead_one(llama_ckpt, redis_url, tmp_path):
+    """Active-active: two planes on one Redis index, the first plane's workers told of both.
+    kill -9 of the first during 64 streams: its workers move to the second, which serves the
+    resumed streams with all three workers, each stream exactly as uninterrupted; in the index
+    every live worker is owned by the second plane."""
+    model = str(llama_ckpt.path)
+    first = ControlProcess(model, redis_url, tmp_path, "first")
+    second = ControlProcess(model, redis_url, tmp_path, "second")
+    services = []
+    try:
+        first.start()
+        second.start()
+        both = Service(model, None, tmp_path)
+        both.worker_url = [first.worker_url, second.worker_url]  # type: ignore[assignment]
+        services.append(both)
+        both.start_worker("x0")
+        both.start_worker("x1")
+        services.append(workers_for(second, model, tmp_path, "y0"))
+        first.wait_workers(2)
+        second.wait_workers(1)
+        prompts, params = prompts_and_params()
+        killed: list[bool] = []
+
+        def on_tokens(total: int) -> None:
+            if not killed and total >= 300:
+                first.kill()
+                killed.append(True)
+
+        streamed = asyncio.run(stream_all([first.url, second.url], prompts, params, on_tokens))
+        assert killed
+        expected = uninterrupted(llama_ckpt, prompts, params)
+        for i in range(NUM_STREAMS):
+            assert streamed[i] == expected[i], i
+        second.wait_workers(3)
+        client = connect(redis_url)
+        ns = Namespace(key_model_name(model), WORKER_ENGINE["block_size"])
+        owners = {r.worker_id: r.info.get("session") for r in list_workers(client, ns) if r.live}
+        mine = {w: owners.get(w) for w in ("x0", "x1", "y0")}
+        assert None not in mine.values() and len(set(mine.values())) == 1, owners
+    finally:
+        for plane in (first, second):
+            plane.close()
+        for service in services:
+            service.close()
