@@ -461,7 +461,17 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
         "--prompt it answers that prompt, stops everything and exits.",
     )
     up.add_argument("--workers", type=_positive_int, default=1)
-    up.add_argument("--port", type=_port, default=5555, help="control plane port on 127.0.0.1")
+    up.add_argument(
+        "--control-planes",
+        type=_positive_int,
+        default=1,
+        help="active-active control planes sharing the Redis index; plane i takes ports "
+        "--port + 2i (clients) and + 2i + 1 (workers); workers and the API move to a live one "
+        "when theirs goes, and requests in flight resume there",
+    )
+    up.add_argument(
+        "--port", type=_port, default=5555, help="control plane port on 127.0.0.1 (clients)"
+    )
     _add_redis_args(up, "use this Redis instead of a private one")
     up.add_argument(
         "--ready-timeout", type=float, default=300.0, help="seconds to wait for the workers"
@@ -841,6 +851,7 @@ def up_plan(args: argparse.Namespace) -> UpPlan:
         block_size=args.block_size,
         hash_algo=args.hash_algo,
         workers=args.workers,
+        control_planes=args.control_planes,
         port=args.port,
         redis_url=redis_url(args),
         control_flags=control,

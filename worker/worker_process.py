@@ -10,7 +10,10 @@ Given several control planes (active-active, sharing one Redis index), a worker 
 time: when its connection to that one drops (the process died, or it stopped answering ZeroMQ
 heartbeats), or none welcomed it within SWITCH_S, it moves to the next with fresh sockets (so
 nothing queued for or from the old one survives) and registers there; that plane's Welcome
-resets the engine, as after any registration.
+resets the engine, as after any registration. The first plane given is its home: while away, it
+checks every HOME_CHECK_S whether home answers again, and then goes back the way a draining
+worker leaves (its requests move to the away plane's other workers first), so a restarted
+plane gets its workers back.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ POLL_MS = 100  # how often the main loop looks at `stop`
 HEARTBEAT_SUFFIX = "#hb"  # '#' cannot appear in a worker id, so the identities never collide
 HEARTBEAT_MAX_MESSAGE_BYTES = 1 << 20  # only short error replies ever reach that socket
 SWITCH_S = 5.0  # with several control planes: how long to wait for a Welcome before the next
+HOME_CHECK_S = 2.0  # while away from the first control plane given: how often to look for it
 # ZeroMQ heartbeats on the main socket: a control plane that stops answering them is left.
 ZMQ_HEARTBEAT_IVL_MS = 1000
 ZMQ_HEARTBEAT_TIMEOUT_MS = 3000
@@ -231,6 +235,10 @@ class WorkerServer:
         self.drain = drain if drain is not None else threading.Event()
         self.drain_timeout_s = drain_timeout_s
         self._leaving_since: float | None = None  # when `Leaving` was sent
+        self._released = False  # the control plane answered `Leaving` with `Released`
+        self._homecoming = False  # leaving the plane in use to go back to the first one
+        self._probe: zmq.Socket | None = None  # a connection attempt home, while away
+        self._probe_at = 0.0
         self.info = engine.info(worker_id)
         self.stats = WorkerStats()
         self.session = ""  # the control-plane session of the last Welcome
@@ -286,6 +294,7 @@ class WorkerServer:
 
     def _disconnect(self) -> None:
         """Close the sockets to the control plane in use: nothing queued either way survives."""
+        self._close_probe()
         if self._heartbeater is not None:
             self._heartbeater.close()
         if self._sock is not None:
@@ -294,13 +303,45 @@ class WorkerServer:
         if self._monitor is not None:
             self._monitor.close(linger=0)
 
-    def _switch(self, reason: str) -> None:
-        """Move to the next control plane given."""
+    def _switch(self, reason: str, to: str | None = None) -> None:
+        """Move to control plane `to` (default: the next one given)."""
         old = self.control_url
-        new = self.control_urls[(self.control_urls.index(old) + 1) % len(self.control_urls)]
+        new = to or self.control_urls[(self.control_urls.index(old) + 1) % len(self.control_urls)]
         log.warning("worker.switching", worker_id=self.worker_id, left=old, to=new, reason=reason)
         self._disconnect()
+        self._close_probe()
+        self._leaving_since, self._released, self._homecoming = None, False, False
         self._connect(new)
+
+    def _home_is_back(self) -> bool:
+        """While registered away from home: whether the home control plane answers again (a
+        probe connection completes; IMMEDIATE makes it writable only then)."""
+        home = self.control_urls[0]
+        if self.control_url == home or not self._registered:
+            self._close_probe()
+            return False
+        now = time.monotonic()
+        if self._probe is None:
+            if now - self._probe_at >= HOME_CHECK_S:
+                assert self._ctx is not None
+                self._probe = _dealer(
+                    self._ctx,
+                    self._identity + "#probe",
+                    home,
+                    HEARTBEAT_MAX_MESSAGE_BYTES,
+                    self.keys,
+                )
+                self._probe_at = now
+            return False
+        if self._probe.poll(0, zmq.POLLOUT):
+            self._close_probe()
+            return True
+        return False
+
+    def _close_probe(self) -> None:
+        if self._probe is not None:
+            self._probe.close(linger=0)
+            self._probe = None
 
     def _connection_lost(self) -> bool:
         """Read the monitor: True when an established connection to the control plane dropped."""
@@ -332,8 +373,16 @@ class WorkerServer:
         several = len(self.control_urls) > 1
         while not self.stop.is_set():
             assert self._sock is not None
-            if self.drain.is_set() and self._done_leaving(self._sock):
-                return EXIT_OK
+            leaving = self.drain.is_set() or self._homecoming
+            if leaving and (self._released or self._done_leaving(self._sock)):
+                if self.drain.is_set():
+                    return EXIT_OK
+                self._switch("going home", to=self.control_urls[0])
+                continue
+            if several and not self._homecoming and self._home_is_back():
+                log.info("worker.home_is_back", worker_id=self.worker_id, home=self.control_urls[0])
+                self._homecoming = True
+                continue
             unwelcomed_s = time.monotonic() - self._connected_at
             if several and not self._registered and unwelcomed_s > SWITCH_S:
                 self._switch(f"no Welcome within {SWITCH_S:g} s")
@@ -400,7 +449,7 @@ class WorkerServer:
                 self._reregister(msg)
             case protocol.Released():
                 log.info("worker.released", worker_id=self.worker_id)
-                return EXIT_OK
+                self._released = True
             case protocol.Rejected():
                 log.error("worker.rejected", worker_id=self.worker_id, reason=msg.reason)
                 return EXIT_REJECTED

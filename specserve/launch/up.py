@@ -1,5 +1,5 @@
-"""`specserve up`: a whole local service (Redis, a control plane, N workers and the HTTP API)
-from one command, kept running: a child that dies is restarted with backoff.
+"""`specserve up`: a whole local service (Redis, one or more control planes, N workers and the
+HTTP API) from one command, kept running: a child that dies is restarted with backoff.
 
 Every part runs as its own process, exactly as it would across machines, so `up` exercises the
 real wire protocol. Children get their own session (Ctrl-C reaches only the launcher, which then
@@ -62,14 +62,33 @@ class UpPlan:
     keys: str | None = None  # the key directory (CURVE on both ports); None: unauthenticated
     api_port: int | None = None  # the OpenAI-compatible HTTP API on 127.0.0.1; None: none
     api_flags: list[str] = field(default_factory=list)  # model name, concurrency
+    # Active-active control planes on one Redis index: plane i listens on port + 2i (clients)
+    # and port + 2i + 1 (workers); workers and the API know them all and move when one goes.
+    control_planes: int = 1
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"tcp://127.0.0.1:{self.port + 2 * i}" for i in range(self.control_planes)]
+
+    @property
+    def worker_urls(self) -> list[str]:
+        return [f"tcp://127.0.0.1:{self.port + 2 * i + 1}" for i in range(self.control_planes)]
 
     @property
     def url(self) -> str:
-        return f"tcp://127.0.0.1:{self.port}"
+        return self.urls[0]
 
     @property
     def worker_url(self) -> str:
-        return f"tcp://127.0.0.1:{self.port + 1}"
+        return self.worker_urls[0]
+
+    def control_names(self) -> list[str]:
+        return ["control"] + [f"control-{i}" for i in range(1, self.control_planes)]
+
+    def ports(self) -> list[int]:
+        """Every port `up` listens on."""
+        api = [] if self.api_port is None else [self.api_port]
+        return [self.port + i for i in range(2 * self.control_planes)] + api
 
     @property
     def namespace(self) -> Namespace:
@@ -153,16 +172,21 @@ class Cluster:
         """
         plan = self.plan
         keys = ["--keys", plan.keys] if plan.keys else []
-        control = ["control", "--bind", plan.url, "--worker-bind", plan.worker_url, *keys]
-        control += ["--model", plan.model, *plan.control_flags]
-        self.spawn("control", control, redis_url=self.redis_url)
-        for worker_id in plan.worker_ids():
-            worker = ["worker", "--control", plan.worker_url, "--worker-id", worker_id, *keys]
+        for name, url, worker_url in zip(
+            plan.control_names(), plan.urls, plan.worker_urls, strict=True
+        ):
+            control = ["control", "--bind", url, "--worker-bind", worker_url, *keys]
+            control += ["--model", plan.model, *plan.control_flags]
+            self.spawn(name, control, redis_url=self.redis_url)
+        for i, worker_id in enumerate(plan.worker_ids()):
+            first = i % plan.control_planes  # spread the workers over the planes
+            planes = ",".join(plan.worker_urls[first:] + plan.worker_urls[:first])
+            worker = ["worker", "--control", planes, "--worker-id", worker_id, *keys]
             self.spawn(worker_id, [*worker, *plan.worker_flags])
         if plan.api_port is not None:
             client_key = [*keys, "--key-name", "client"] if keys else []
-            api = ["api", "--control", plan.url, "--port", str(plan.api_port), *client_key]
-            api += plan.api_flags
+            api = ["api", "--control", ",".join(plan.urls), "--port", str(plan.api_port)]
+            api += [*client_key, *plan.api_flags]
             self.spawn("api", api)
 
     def spawn(self, name: str, argv: list[str], redis_url: str | None = None) -> Child:
@@ -363,7 +387,8 @@ def _signals_ignored() -> Iterator[None]:
 
 def _say_serving(plan: UpPlan, redis_url: str) -> None:
     workers = f"{plan.workers} worker{'s' if plan.workers != 1 else ''}"
-    line = f"specserve is serving {plan.model} at {plan.url} ({workers}, redis {redact(redis_url)})"
+    at = ", ".join(plan.urls)
+    line = f"specserve is serving {plan.model} at {at} ({workers}, redis {redact(redis_url)})"
     if plan.api_port is not None:
         line += f"; OpenAI API at http://127.0.0.1:{plan.api_port}/v1"
     with _stderr_lock:
@@ -373,10 +398,8 @@ def _say_serving(plan: UpPlan, redis_url: str) -> None:
 def run_up(plan: UpPlan, on_ready: Callable[[str], int] | None = None) -> int:
     """Start the service, then answer `on_ready(url)` (and stop) or serve until interrupted."""
     plan.namespace  # noqa: B018 - validate the model name etc. before starting anything
-    check_port_free(plan.port)
-    check_port_free(plan.port + 1)  # the worker port
-    if plan.api_port is not None:
-        check_port_free(plan.api_port)
+    for port in plan.ports():
+        check_port_free(port)
     cluster = Cluster(plan)
     with _signals_interrupt():
         try:

@@ -103,3 +103,64 @@ def _healthy(api: str) -> bool:
         return httpx.get(f"{api}/health", timeout=2).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_up_with_two_control_planes_survives_kill_9_of_one(llama_ckpt, redis_url, expected):
+    """`up --control-planes 2`: kill -9 of the first plane mid-stream; the SDK's streams resume
+    on the second (every one exact), the first plane's worker moves there, `up` restarts the
+    dead plane, the worker goes back home to it, and the HTTP API still answers."""
+    port, api_port = free_port(), free_port()
+    while free_port() in (port + 1, port + 2, port + 3):  # crude: hope the neighbours are free
+        port = free_port()
+    urls = [f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 2}"]
+    argv = [
+        "up", "--workers", "2", "--control-planes", "2", "--port", str(port),
+        "--api-port", str(api_port), "--model", str(llama_ckpt.path), "--redis-url", redis_url,
+        "--num-blocks", "256", "--block-size", "4", "--max-model-len", "256",
+    ]  # fmt: skip
+    keys = os.environ["SPECSERVE_KEYS"]
+    up, lines = start_up(argv)
+    try:
+        first = child_pids(lines)
+        assert {"control", "control-1", "worker-0", "worker-1", "api"} <= set(first)
+
+        async def run() -> list[list[int]]:
+            async with AsyncClient(urls, timeout=120, keys=keys) as client:
+                started = asyncio.Event()
+                outputs: list[list[int]] = [[] for _ in PROMPTS]
+
+                async def one(i: int) -> None:
+                    async for out in client.stream(PROMPTS[i], PARAMS):
+                        outputs[i].extend(out.token_ids)
+                        if len(outputs[i]) >= 4:
+                            started.set()
+
+                tasks = [asyncio.ensure_future(one(i)) for i in range(len(PROMPTS))]
+                await started.wait()
+                os.kill(first["control"], signal.SIGKILL)  # mid-stream
+                await asyncio.gather(*tasks)
+                return outputs
+
+        assert asyncio.run(run()) == expected
+        wait_for(lambda: child_pids(lines)["control"] != first["control"], 30, "no restart")
+
+        def live() -> list[int]:
+            return [get_status(url, keys=keys).live_workers for url in urls]
+
+        # worker-0 went to the second plane, then back home to the restarted first one
+        wait_for(lambda: live() == [1, 1], 60, "the workers did not settle on their planes")
+        assert any("control exited with status -9; restarting it" in line for line in lines)
+        api = f"http://127.0.0.1:{api_port}"
+        wait_for(lambda: _healthy(api), 60, "the API is not healthy")
+        body = {"prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        reply = httpx.post(f"{api}/v1/completions", json=body, timeout=60).json()
+        assert reply["usage"]["completion_tokens"] == len(expected[0])
+        assert up.poll() is None
+    finally:
+        up.send_signal(signal.SIGTERM)
+        try:
+            up.wait(60)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            up.wait()
+        drop_model_keys(redis_url, str(llama_ckpt.path))
