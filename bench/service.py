@@ -5,6 +5,8 @@ Usage: .venv/bin/python bench/service.py [--workers 2] [--groups 6] [--users 8] 
     [--redis-url URL] [--seed 0] [--quick] [--index-only] [--json] [--curve [--repeat 3]]
        .venv/bin/python bench/service.py --http [...]: the HTTP API under guidellm against
     `vllm serve` and the ZeroMQ SDK (bench/http_api.py)
+       .venv/bin/python bench/service.py --failover [...]: kill -9 of a control plane under
+    load, time to the first resumed token and the throughput dip (bench/failover.py)
 
 The workload has the shape of llm-d's precise-prefix-cache benchmark, scaled to a small CPU box:
 G groups of users, each group sharing one long system prompt; each of U users per group asks Q
@@ -826,4 +828,8 @@ if __name__ == "__main__":
         import http_api
 
         sys.exit(http_api.main([a for a in sys.argv[1:] if a != "--http"]))
+    if "--failover" in sys.argv[1:]:  # kill -9 of a control plane under load: bench/failover.py
+        import failover
+
+        sys.exit(failover.main([a for a in sys.argv[1:] if a != "--failover"]))
     main()

@@ -60,7 +60,9 @@ POLL_MS = 100  # how often the main loop looks at `stop`
 HEARTBEAT_SUFFIX = "#hb"  # '#' cannot appear in a worker id, so the identities never collide
 HEARTBEAT_MAX_MESSAGE_BYTES = 1 << 20  # only short error replies ever reach that socket
 SWITCH_S = 5.0  # with several control planes: how long to wait for a Welcome before the next
-HOME_CHECK_S = 2.0  # while away from the first control plane given: how often to look for it
+# While away from the first control plane given: how long before, and how often, to look for it
+# (not at once: a plane that was just restarted is in the middle of a failover burst).
+HOME_CHECK_S = 10.0
 # ZeroMQ heartbeats on the main socket: a control plane that stops answering them is left.
 ZMQ_HEARTBEAT_IVL_MS = 1000
 ZMQ_HEARTBEAT_TIMEOUT_MS = 3000
@@ -286,6 +288,7 @@ class WorkerServer:
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
         self._connected, self._connected_at = False, time.monotonic()
+        self._probe_at = self._connected_at  # away from home: first look for it HOME_CHECK_S on
         self._registered, self._last_register = False, -math.inf
         self._heartbeater = _Heartbeater(
             self._ctx, url, self.worker_id, self._identity, self.heartbeat_interval_s, self.keys
