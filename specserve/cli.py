@@ -77,6 +77,15 @@ def _service_urls(text: str) -> tuple[str, ...]:
     return tuple(_service_url(part.strip()) for part in text.split(","))
 
 
+def _cpu_list(text: str) -> list[int]:
+    from specserve.shared.cpus import parse_cpus
+
+    try:
+        return parse_cpus(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _worker_id(text: str) -> str:
     from specserve.shared.protocol import check_worker_id
 
@@ -382,6 +391,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     _add_key_args(wrk, "worker", "needed when the control plane runs with --keys")
     wrk.add_argument("--worker-id", type=_worker_id, default=None, help="default: host and pid")
     wrk.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds")
+    _add_thread_args(wrk)
     wrk.add_argument(
         "--drain-timeout",
         type=float,
@@ -391,6 +401,22 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     )
     _add_engine_args(wrk)
     wrk.set_defaults(func=cmd_worker)
+
+
+def _add_thread_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="threads for the model (default: one per core this worker may use: its CPU "
+        "affinity, within a cgroup CPU quota)",
+    )
+    p.add_argument(
+        "--cpus",
+        type=_cpu_list,
+        default=None,
+        help="pin the worker to these cores, e.g. 0-3 or 0,2 (default: not pinned)",
+    )
 
 
 def _add_api(sub: argparse._SubParsersAction) -> None:
@@ -461,6 +487,13 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
         "--prompt it answers that prompt, stops everything and exits.",
     )
     up.add_argument("--workers", type=_positive_int, default=1)
+    up.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="threads per worker (default: each worker is pinned to its own share of the "
+        "cores and runs one thread per core of it)",
+    )
     up.add_argument(
         "--control-planes",
         type=_positive_int,
@@ -796,6 +829,12 @@ def cmd_api(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     _check_worker_installed()
+    from specserve.shared import cpus
+
+    cpus.set_spin_default()  # before torch is imported
+    if args.cpus is not None:
+        cpus.pin(args.cpus)
+    threads = args.threads or len(cpus.usable_cpus())
     from specserve.worker.worker_process import run_worker
 
     return run_worker(
@@ -805,6 +844,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         heartbeat_interval_s=args.heartbeat_interval,
         keys=_peer_keys(args, "workers"),
         drain_timeout_s=args.drain_timeout,
+        threads=threads,
     )
 
 
@@ -852,6 +892,7 @@ def up_plan(args: argparse.Namespace) -> UpPlan:
         hash_algo=args.hash_algo,
         workers=args.workers,
         control_planes=args.control_planes,
+        threads_per_worker=args.threads,
         port=args.port,
         redis_url=redis_url(args),
         control_flags=control,

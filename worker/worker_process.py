@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from types import FrameType
 
 import structlog
+import torch
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -565,6 +566,7 @@ def run_worker(
     stop: threading.Event | None = None,
     keys: PeerKeys | None = None,
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+    threads: int | None = None,
 ) -> int:
     """Load the engine, then serve the control plane's worker port at `control_url` (or the
     first of several that answers, moving on when it goes) until stopped, authenticating with
@@ -572,8 +574,9 @@ def run_worker(
 
     SIGTERM drains: the control plane moves this worker's requests to others (they go on from
     every token made here), then releases it; at most `drain_timeout_s` later it exits anyway.
-    A second SIGTERM, or SIGINT, stops at once. Returns the process exit code: 0 when stopped
-    or released; 3 when rejected.
+    A second SIGTERM, or SIGINT, stops at once. `threads`: torch's threads for the model
+    (default: torch's own choice). Returns the process exit code: 0 when stopped or released;
+    3 when rejected.
     """
     worker_id = protocol.check_worker_id(
         worker_id if worker_id is not None else default_worker_id()
@@ -582,6 +585,15 @@ def run_worker(
     stop = stop if stop is not None else threading.Event()
     drain = threading.Event()
     restore = _install_signal_handlers(stop, drain)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    log.info(
+        "worker.threads",
+        worker_id=worker_id,
+        threads=torch.get_num_threads(),
+        cpus=sorted(os.sched_getaffinity(0)),
+        spin=os.environ.get("GOMP_SPINCOUNT"),
+    )
     try:
         engine = _load_engine(engine_args, worker_id)
         if stop.is_set() or drain.is_set():

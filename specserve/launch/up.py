@@ -27,6 +27,7 @@ from specserve.cache_index import CacheIndexError, Namespace, connect, list_work
 from specserve.cache_index.redis_url import REDIS_URL_ENV, redact
 from specserve.launch.lifetime import child_environment
 from specserve.launch.local_redis import LocalRedis, RedisNotFound
+from specserve.shared.cpus import divide_cpus, format_cpus, usable_cpus
 
 STOP_GRACE_S = 10.0
 # A child that dies is started again after a backoff (doubling from RESTART_BACKOFF_S up to
@@ -65,6 +66,9 @@ class UpPlan:
     # Active-active control planes on one Redis index: plane i listens on port + 2i (clients)
     # and port + 2i + 1 (workers); workers and the API know them all and move when one goes.
     control_planes: int = 1
+    # Each worker is pinned to its own share of the cores `up` may use, with this many threads
+    # (None: one per core of its share).
+    threads_per_worker: int | None = None
 
     @property
     def urls(self) -> list[str]:
@@ -178,10 +182,13 @@ class Cluster:
             control = ["control", "--bind", url, "--worker-bind", worker_url, *keys]
             control += ["--model", plan.model, *plan.control_flags]
             self.spawn(name, control, redis_url=self.redis_url)
-        for i, worker_id in enumerate(plan.worker_ids()):
+        shares = divide_cpus(usable_cpus(), plan.workers)
+        for i, (worker_id, share) in enumerate(zip(plan.worker_ids(), shares, strict=True)):
             first = i % plan.control_planes  # spread the workers over the planes
             planes = ",".join(plan.worker_urls[first:] + plan.worker_urls[:first])
             worker = ["worker", "--control", planes, "--worker-id", worker_id, *keys]
+            threads = plan.threads_per_worker or len(share)
+            worker += ["--cpus", format_cpus(share), "--threads", str(threads)]
             self.spawn(worker_id, [*worker, *plan.worker_flags])
         if plan.api_port is not None:
             client_key = [*keys, "--key-name", "client"] if keys else []

@@ -16,6 +16,7 @@ from service_harness import drop_model_keys, start_up
 
 from specserve.client import AsyncClient, SamplingParams, get_status
 from specserve.launch.local_redis import free_port
+from specserve.shared.cpus import SPIN_COUNT, usable_cpus
 
 PROMPTS = [[1 + i, 7, 3 + (i * 5) % 50, 11, 2 + i % 9] for i in range(20)]
 PARAMS = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -123,6 +124,18 @@ def test_up_with_two_control_planes_survives_kill_9_of_one(llama_ckpt, redis_url
     try:
         first = child_pids(lines)
         assert {"control", "control-1", "worker-0", "worker-1", "api"} <= set(first)
+        # each worker pinned to its own share of the cores, one thread per core, brief spins
+        shares = [os.sched_getaffinity(first[w]) for w in ("worker-0", "worker-1")]
+        cores = usable_cpus()
+        if len(cores) >= 2:
+            assert not shares[0] & shares[1] and shares[0] | shares[1] == set(cores)
+        pattern = r"\[(worker-\d)\].*worker.threads +cpus=\[([\d, ]+)\] spin=(\d+) threads=(\d+)"
+        logged = {
+            w: (set(map(int, c.split(","))), spin, int(n))
+            for w, c, spin, n in re.findall(pattern, "".join(lines))
+        }
+        names = ("worker-0", "worker-1")
+        assert logged == {w: (s, SPIN_COUNT, len(s)) for w, s in zip(names, shares, strict=True)}
 
         async def run() -> list[list[int]]:
             async with AsyncClient(urls, timeout=120, keys=keys) as client:
