@@ -1,7 +1,7 @@
 """Control-plane failover under load: kill -9 of a control plane while streams run.
 
 Usage: .venv/bin/python bench/service.py --failover [--streams 32] [--max-tokens 96]
-    [--rounds 3] [--model smollm2-135m] [--kill-after 3]
+    [--rounds 3] [--model smollm2-135m] [--kill-after 3] [--no-pin]
 
 `specserve up --workers 2 --control-planes 2 --no-api --insecure` serves the bundled model (its
 own private Redis). One round: --streams greedy streams (random 48-160 token prompts) start on
@@ -54,10 +54,10 @@ class Round:
 class Up:
     """`specserve up` as a child process; its stderr is read on a thread for the children's pids."""
 
-    def __init__(self, model: str, port: int) -> None:
+    def __init__(self, model: str, port: int, extra: list[str]) -> None:
         argv = [
             sys.executable, "-m", "specserve.cli", "up", "--workers", "2", "--control-planes",
-            "2", "--port", str(port), "--no-api", "--insecure", "--model", model,
+            "2", "--port", str(port), "--no-api", "--insecure", "--model", model, *extra,
         ]  # fmt: skip
         self.proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
@@ -178,11 +178,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--kill-after", type=float, default=3.0, help="seconds into each round")
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--no-pin", action="store_true", help="up --no-pin: workers share the cores")
     args = p.parse_args(argv)
     port = free_port()
     urls = [f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 2}"]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    up = Up(args.model, port)
+    up = Up(args.model, port, ["--no-pin"] if args.no_pin else [])
     try:
         wait_settled(urls, 2)
         rounds = []
@@ -196,7 +197,8 @@ def main(argv: list[str]) -> int:
         up.stop()
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores, load "
-        f"{os.getloadavg()[0]:.2f}; model {args.model}; up --workers 2 --control-planes 2; "
+        f"{os.getloadavg()[0]:.2f}; model {args.model}; up --workers 2 --control-planes 2"
+        f"{' --no-pin' if args.no_pin else ''}; "
         f"{args.streams} greedy streams x {args.max_tokens} tokens; kill -9 of the first plane "
         f"{args.kill_after:g} s in; {args.rounds} rounds"
     )

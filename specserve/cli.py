@@ -495,6 +495,13 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
         "cores and runs one thread per core of it)",
     )
     up.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="let every worker use every core (one thread per core each): better when the "
+        "load is uneven (one busy worker gets the whole machine), ~10%% worse when every "
+        "worker is busy",
+    )
+    up.add_argument(
         "--control-planes",
         type=_positive_int,
         default=1,
@@ -893,6 +900,7 @@ def up_plan(args: argparse.Namespace) -> UpPlan:
         workers=args.workers,
         control_planes=args.control_planes,
         threads_per_worker=args.threads,
+        pin=not args.no_pin,
         port=args.port,
         redis_url=redis_url(args),
         control_flags=control,

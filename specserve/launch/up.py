@@ -66,9 +66,10 @@ class UpPlan:
     # Active-active control planes on one Redis index: plane i listens on port + 2i (clients)
     # and port + 2i + 1 (workers); workers and the API know them all and move when one goes.
     control_planes: int = 1
-    # Each worker is pinned to its own share of the cores `up` may use, with this many threads
-    # (None: one per core of its share).
+    # Each worker is pinned to its own share of the cores `up` may use (unless not `pin`), with
+    # this many threads (None: one per core of its share, or of the machine when not pinned).
     threads_per_worker: int | None = None
+    pin: bool = True
 
     @property
     def urls(self) -> list[str]:
@@ -187,8 +188,10 @@ class Cluster:
             first = i % plan.control_planes  # spread the workers over the planes
             planes = ",".join(plan.worker_urls[first:] + plan.worker_urls[:first])
             worker = ["worker", "--control", planes, "--worker-id", worker_id, *keys]
-            threads = plan.threads_per_worker or len(share)
-            worker += ["--cpus", format_cpus(share), "--threads", str(threads)]
+            if plan.pin:
+                worker += ["--cpus", format_cpus(share)]
+            if plan.pin or plan.threads_per_worker:
+                worker += ["--threads", str(plan.threads_per_worker or len(share))]
             self.spawn(worker_id, [*worker, *plan.worker_flags])
         if plan.api_port is not None:
             client_key = [*keys, "--key-name", "client"] if keys else []
