@@ -17,6 +17,7 @@ import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specserve.launch.lifetime import die_with_launcher
@@ -468,6 +469,13 @@ def _add_api_serving_args(p: ArgTarget) -> None:
         default=32 << 20,
         help="the largest HTTP request body the API reads; a larger one gets 413",
     )
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help=f"require 'Authorization: Bearer KEY' on /v1/... with a key from this file (one "
+        f"per line; # comments); or one key in ${API_KEY_ENV} (default: no HTTP authentication)",
+    )
 
 
 def api_serving_argv(args: argparse.Namespace) -> list[str]:
@@ -475,7 +483,28 @@ def api_serving_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--max-body-bytes", str(args.max_body_bytes)]
     if args.served_model_name is not None:
         argv += ["--served-model-name", args.served_model_name]
+    if args.api_key_file is not None:
+        argv += ["--api-key-file", os.path.abspath(args.api_key_file)]
     return argv
+
+
+API_KEY_ENV = "SPECSERVE_API_KEY"
+
+
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """The HTTP API's keys, from --api-key-file or $SPECSERVE_API_KEY (never from the command
+    line, where every user of the machine could read them)."""
+    if args.api_key_file is None:
+        key = os.environ.get(API_KEY_ENV, "").strip()
+        return (key,) if key else ()
+    try:
+        text = Path(args.api_key_file).read_text()
+    except OSError as exc:
+        raise CliError(f"cannot read --api-key-file: {exc}") from None
+    keys = tuple(k for k in (line.strip() for line in text.splitlines()) if k and k[0] != "#")
+    if not keys:
+        raise CliError(f"--api-key-file {args.api_key_file} holds no key")
+    return keys
 
 
 def _add_up(sub: argparse._SubParsersAction) -> None:
@@ -830,6 +859,7 @@ def cmd_api(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
         keys=_peer_keys(args, "clients"),
         key_name=args.key_name,
+        api_keys=api_keys(args),
     )
     return run_api(settings)
 

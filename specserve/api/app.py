@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -64,6 +65,8 @@ class ApiSettings:
     keys: str | os.PathLike | None = None
     key_name: str = DEFAULT_CLIENT_KEY
     status_interval_s: float = 1.0
+    # Bearer keys that /v1/... requests must present (none: no HTTP authentication).
+    api_keys: tuple[str, ...] = ()
 
 
 class ApiError(Exception):
@@ -132,6 +135,34 @@ class BodyLimit:
     async def _refuse(self, scope: Any, receive: Any, send: Any) -> None:
         message = f"the request body is over {self.max_bytes} bytes (--max-body-bytes)"
         await ApiError(413, message).response()(scope, receive, send)
+
+
+class ApiKeyAuth:
+    """ASGI middleware: every /v1/... request must carry `Authorization: Bearer <key>` with one
+    of `keys` (compared in constant time), else 401 before its body is read. /health and
+    /metrics stay open, for probes and scrapers."""
+
+    def __init__(self, app: Any, keys: tuple[str, ...]) -> None:
+        self.app = app
+        self.keys = [key.encode() for key in keys]
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._ok(scope):
+            error = ApiError(401, "a valid API key is required: Authorization: Bearer <key>",
+                             "authentication_error")  # fmt: skip
+            response = error.response()
+            response.headers["WWW-Authenticate"] = "Bearer"
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _ok(self, scope: Any) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, given = header.partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        # every key compared, so the time taken does not tell which (or whether one) matched
+        return sum(secrets.compare_digest(given.strip(), key) for key in self.keys) > 0
 
 
 class _TooLarge(BaseException):
@@ -227,6 +258,8 @@ def create_app(settings: ApiSettings) -> FastAPI:
 
     app = FastAPI(title="specserve", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    if settings.api_keys:  # added last: the outermost, so nothing runs before it
+        app.add_middleware(ApiKeyAuth, keys=settings.api_keys)
     app.state.api = state
 
     @app.exception_handler(ApiError)

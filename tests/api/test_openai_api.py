@@ -417,3 +417,35 @@ def test_a_control_plane_without_workers_gets_503(served: Running) -> None:
     finally:
         control.terminate()
         control.wait(30)
+
+
+def test_api_keys_guard_v1_and_leave_probes_open(served: Running, tmp_path) -> None:
+    """--api-key-file: the openai client with a listed key is served; a missing or wrong key
+    gets 401 in OpenAI's shape before its body is read; /health and /metrics stay open."""
+    key_file = tmp_path / "api-keys"
+    key_file.write_text("# keys of the HTTP API\nsk-first\n\nsk-second\n")
+    with api_process(served.url, "--keys", served.keys, "--api-key-file", str(key_file)) as api:
+        wait_healthy(api)  # /health needs no key
+        assert httpx.get(f"{api}/metrics", timeout=5).status_code == 200
+        for key in ("sk-first", "sk-second"):
+            client = openai.OpenAI(base_url=f"{api}/v1", api_key=key, max_retries=0)
+            out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+            assert out.usage.completion_tokens == 2
+        for key in ("sk-third", "sk-firs", "sk-first2"):
+            client = openai.OpenAI(base_url=f"{api}/v1", api_key=key, max_retries=0)
+            with pytest.raises(openai.AuthenticationError):
+                client.models.list()
+        for headers in ({}, {"authorization": "Basic sk-first"}, {"authorization": "sk-first"}):
+            reply = httpx.post(
+                f"{api}/v1/completions", json={"prompt": "x" * (1 << 20)}, headers=headers
+            )
+            assert reply.status_code == 401, reply.text
+            assert reply.headers["www-authenticate"] == "Bearer"
+            assert reply.json()["error"]["type"] == "authentication_error"
+    empty = tmp_path / "empty"
+    empty.write_text("# nothing\n")
+    failed = subprocess.run(
+        [sys.executable, "-m", "specserve.cli", "api", "--api-key-file", str(empty)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert failed.returncode != 0 and "holds no key" in failed.stderr

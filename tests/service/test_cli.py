@@ -439,3 +439,17 @@ def test_up_reports_a_worker_that_cannot_start(tmp_path, redis_url):
     )  # fmt: skip
     assert_user_error(proc, "worker-0 exited with status")
     assert_gone(started_pids(proc.stderr))
+
+
+def test_api_keys_come_from_a_file_or_the_environment(tmp_path, monkeypatch):
+    from specserve.cli import API_KEY_ENV, api_keys
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert api_keys(parse("api")) == ()
+    monkeypatch.setenv(API_KEY_ENV, " sk-env \n")
+    assert api_keys(parse("api")) == ("sk-env",)
+    keys = tmp_path / "keys"
+    keys.write_text("sk-a\n# sk-commented\n  sk-b  \n")
+    assert api_keys(parse("api", "--api-key-file", str(keys))) == ("sk-a", "sk-b")  # file wins
+    up = parse("up", "--api-key-file", str(keys))
+    assert "--api-key-file" in up_plan(up).api_flags
