@@ -109,10 +109,23 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     # Text that ends the request where it first appears; the text sent stops before it (held
     # back while it could still be the start of one, so none of it ever reaches a stream).
     stop: tuple[str, ...] = ()
+    # OpenAI's penalties on the logits of tokens already generated: presence subtracts its
+    # value once per token that appeared, frequency once per appearance. vLLM's (and HF's)
+    # repetition penalty divides the positive logits of every token of the prompt and output so
+    # far by it, and multiplies the negative ones. Requests with a penalty are not speculated.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     @property
     def greedy(self) -> bool:
         return is_greedy(self.temperature)
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first impossible parameter."""
@@ -128,6 +141,12 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         check_stop_strings(self.stop)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not (math.isfinite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0):
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if vocab_size is not None:
             check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids")
 

@@ -30,6 +30,7 @@ from specserve.worker.kv_cache import PagedKVCache
 from specserve.worker.models import DecoderModel
 from specserve.worker.sampler import (
     SamplerOutput,
+    apply_penalties,
     make_generator,
     reseed_for_position,
     sample,
@@ -239,6 +240,7 @@ class ModelRunner:
                         start=start,
                         num_valid=num_valid,
                         propose=bool(tokens)
+                        and not state.sampling.has_penalties  # (never speculated)
                         and self.speculator.window_allows(len(state.token_ids)),
                         temperature=state.sampling.temperature,
                         generator=state.generator,
@@ -306,12 +308,20 @@ class ModelRunner:
                 num_output = len(state.token_ids) - state.num_prompt_tokens
                 reseed_for_position(state.generator, state.sampling.seed, num_output)
         if not any(drafts):
-            out = sample(logits, params, generators)
+            penalized = _penalized(logits, sampling, [1] * len(sampling))
+            out = sample(logits if penalized is None else penalized, params, generators)
+            if penalized is not None and any(p.logprobs is not None for p in params):
+                # logprobs are the model's own (as vLLM reports them), not the penalized ones
+                out = token_logprobs(logits.float(), out.token_ids, params)
             token_ids = out.token_ids.tolist()
             emitted = {s.handle: [token_ids[i]] for i, s in enumerate(sampling)}
             return emitted, _logprobs_by_request(out, sampling, [1] * len(sampling))
+        # Requests with penalties propose no drafts (one row each): penalized here, while the
+        # others' drafts are verified as usual; logprobs below stay the model's own.
+        penalized = _penalized(logits, sampling, [len(d) + 1 for d in drafts])
+        verify = logits if penalized is None else penalized
         per_request = rejection_sample(
-            logits, drafts, params, generators, self._draft_probs(sampling, drafts, logits)
+            verify, drafts, params, generators, self._draft_probs(sampling, drafts, verify)
         )
         emitted = {s.handle: tokens for s, tokens in zip(sampling, per_request, strict=True)}
         if all(s.sampling.logprobs is None for s in sampling):
@@ -349,6 +359,22 @@ class ModelRunner:
                 ids = torch.tensor(scheduled, device=logits.device)
                 rows.append(torch.nn.functional.one_hot(ids, logits.shape[-1]).float())
         return torch.cat(rows)
+
+
+def _penalized(
+    logits: torch.Tensor, sampling: Sequence[RequestState], rows_per_request: Sequence[int]
+) -> torch.Tensor | None:
+    """`logits` with each request's penalties applied to its rows (None: no request has any)."""
+    if not any(state.sampling.has_penalties for state in sampling):
+        return None
+    params: list[SamplingParams] = []
+    histories: list[tuple[list[int], list[int]]] = []
+    for state, n in zip(sampling, rows_per_request, strict=True):
+        assert n == 1 or not state.sampling.has_penalties, "a request with penalties has drafts"
+        split = state.num_prompt_tokens
+        params += [state.sampling] * n
+        histories += [(state.token_ids[:split], state.token_ids[split:])] * n
+    return apply_penalties(logits, params, histories)
 
 
 def _logprobs_by_request(

@@ -179,6 +179,52 @@ def _exponential_noise(
     return noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # p / 0 would win every race
 
 
+class PenaltyLike(Protocol):
+    """The penalty fields (`specserve.shared.protocol.SamplingParams` has them)."""
+
+    @property
+    def presence_penalty(self) -> float: ...
+    @property
+    def frequency_penalty(self) -> float: ...
+    @property
+    def repetition_penalty(self) -> float: ...
+    @property
+    def has_penalties(self) -> bool: ...
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: Sequence[PenaltyLike],
+    histories: Sequence[tuple[Sequence[int], Sequence[int]]],
+) -> torch.Tensor:
+    """`logits [N, V]` (float32, a copy) with each row's penalties applied, given its
+    (prompt ids, output ids) so far: first the repetition penalty over prompt and output (a
+    positive logit divided by it, a negative one multiplied), then the frequency penalty times
+    each token's count in the output and the presence penalty once per token that occurs in it
+    (vLLM's order; HF's repetition penalty is the same formula)."""
+    out = logits.float().clone()
+    vocab = out.shape[-1]
+    for row, (p, (prompt_ids, output_ids)) in enumerate(zip(params, histories, strict=True)):
+        if not p.has_penalties:
+            continue
+        values = out[row]
+        output = torch.tensor(list(output_ids), dtype=torch.int64, device=out.device)
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros(vocab, dtype=torch.bool, device=out.device)
+            seen[torch.tensor(list(prompt_ids), dtype=torch.int64, device=out.device)] = True
+            seen[output] = True
+            penalized = torch.where(
+                values > 0, values / p.repetition_penalty, values * p.repetition_penalty
+            )
+            values = torch.where(seen, penalized, values)
+        if p.frequency_penalty or p.presence_penalty:
+            counts = torch.bincount(output, minlength=vocab)[:vocab].to(values.dtype)
+            values = values - p.frequency_penalty * counts
+            values = values - p.presence_penalty * (counts > 0).to(values.dtype)
+        out[row] = values
+    return out
+
+
 def token_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingLike]
 ) -> SamplerOutput:

@@ -53,13 +53,6 @@ class _Sampling(BaseModel):
             raise ParameterError(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         if self.best_of is not None and self.best_of != self.n:
             raise ParameterError("best_of other than n is not supported", "best_of")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ParameterError(f"{name} is not supported (give 0)", name)
-        if self.repetition_penalty not in (None, 1.0):
-            raise ParameterError(
-                "repetition_penalty is not supported (give 1)", "repetition_penalty"
-            )
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         top_k = self.top_k if self.top_k is not None else 0
         params = SamplingParams(
@@ -74,6 +67,9 @@ class _Sampling(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             stop=stop,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
         )
         try:
             params.validate()

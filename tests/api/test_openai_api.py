@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
+import msgspec
 import openai
 import pytest
 
@@ -118,6 +119,25 @@ def test_greedy_completion_is_the_sdk_text(oai: openai.OpenAI, sdk: Client) -> N
         model=MODEL, prompt=want.prompt_token_ids, max_tokens=24, temperature=0, echo=True
     )
     assert tokens.choices[0].text == prompt + want.text
+
+
+def test_penalties_are_the_sdks(oai: openai.OpenAI, sdk: Client) -> None:
+    """presence/frequency (OpenAI's fields) and repetition_penalty (vLLM's extra field) give
+    the SDK's text for the same parameters, and change greedy text."""
+    prompt = "List the days of the week:"
+    plain = sdk.generate(prompt, GREEDY)
+    for fields in (
+        {"presence_penalty": 1.5},
+        {"frequency_penalty": 1.2},
+        {"extra_body": {"repetition_penalty": 1.5}},
+    ):
+        extra = fields.pop("extra_body", {})
+        params = msgspec.structs.replace(GREEDY, **fields, **extra)
+        want = sdk.generate(prompt, params)
+        got = oai.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=24, temperature=0, extra_body=extra, **fields
+        )
+        assert got.choices[0].text == want.text and want.text != plain.text, fields
 
 
 def test_chat_second_turn_hits_the_cache_for_the_whole_first_turn(
@@ -271,7 +291,8 @@ def test_logprobs_follow_the_tokens(oai: openai.OpenAI) -> None:
         ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
         ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
         ({"prompt": "hi", "n": 1000}, 400, "n"),
-        ({"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+        ({"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
         ({"prompt": "hi", "stop": ["x"] * 100}, 400, "stop"),
         ({"prompt": "hi", "stop": [""]}, 400, "stop"),
         ({"prompt": []}, 400, "prompt"),
