@@ -63,6 +63,8 @@ def test_template_files_present() -> None:
         "control-service.yaml",
         "worker-deployment.yaml",
         "redis.yaml",
+        "api-deployment.yaml",
+        "api-service.yaml",
         "NOTES.txt",
     } <= names
 
@@ -77,6 +79,9 @@ def test_template_files_present() -> None:
         ("model.path", ""),
         ("model.pvc", ""),
         ("control.port", 5555),
+        ("api.enabled", True),
+        ("api.port", 8000),
+        ("api.apiKeySecret", ""),
         ("control.metricsPort", 9090),
         ("control.routing", "prefix"),
         ("control.heartbeatTimeout", 3.0),
@@ -330,6 +335,33 @@ def test_helm_template_defaults() -> None:
     r = _container(redis)
     assert r["image"] == "redis:7-alpine"
     assert r["args"] == ["--save", "", "--appendonly", "no"]
+
+
+@needs_helm
+def test_helm_template_the_http_api() -> None:
+    objs = _render("--set", "api.apiKeySecret=api-keys,api.replicas=2,api.servedModelName=m")
+    api = objs[("Deployment", f"{FULLNAME}-api")]
+    service = objs[("Service", f"{FULLNAME}-api")]
+    assert api["spec"]["replicas"] == 2
+    assert (
+        service["spec"]["selector"].items() <= api["spec"]["template"]["metadata"]["labels"].items()
+    )
+    assert [(p["name"], p["port"]) for p in service["spec"]["ports"]] == [("http", 8000)]
+    a = _container(api)
+    assert a["command"] == ["specserve", "api"]
+    assert _flag(a["args"], "--control") == f"tcp://{FULLNAME}-control:5555"
+    assert _flag(a["args"], "--keys") == "/etc/specserve/keys"
+    assert _flag(a["args"], "--api-key-file") == "/etc/specserve/api/api-keys"
+    assert _flag(a["args"], "--served-model-name") == "m"
+    assert a["readinessProbe"]["httpGet"]["path"] == "/health"
+    volumes = {v["name"]: v for v in api["spec"]["template"]["spec"]["volumes"]}
+    assert {i["path"] for i in volumes["keys"]["secret"]["items"]} == {
+        "control.key", "clients/client.key_secret",
+    }  # fmt: skip
+    assert volumes["api-keys"]["secret"]["secretName"] == "api-keys"
+    worker = _container(objs[("Deployment", f"{FULLNAME}-worker")])
+    assert _flag(worker["args"], "--drain-timeout") == "25"  # grace period 30 s, less 5
+    assert not [k for k in _render("--set", "api.enabled=false") if k[1] == f"{FULLNAME}-api"]
 
 
 @needs_helm

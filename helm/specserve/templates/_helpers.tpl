@@ -31,6 +31,10 @@ The prefix of every resource name: fullnameOverride, else <release>-<chart name>
 {{- printf "%s-worker" (include "specserve.fullname" .) }}
 {{- end }}
 
+{{- define "specserve.apiName" -}}
+{{- printf "%s-api" (include "specserve.fullname" .) }}
+{{- end }}
+
 {{- define "specserve.redisName" -}}
 {{- printf "%s-redis" (include "specserve.fullname" .) }}
 {{- end }}
