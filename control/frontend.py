@@ -152,7 +152,7 @@ class Frontend:
             eos_token_id=eos[0] if eos else None,
         )
         if msg.resume is not None:
-            self._resume(req, msg, vocab_size)
+            self._resume(req, msg, vocab_size, prompt_limit)
         self.requests[request_id] = req
         self.pending[client] += 1
         log.debug("request.accepted", request_id=request_id, prompt_tokens=len(prompt))
@@ -170,7 +170,13 @@ class Frontend:
         self._withdraw(old)
         self._forget(old)
 
-    def _resume(self, req: ClientRequest, msg: GenerateRequest, vocab_size: int) -> None:
+    def _resume(
+        self,
+        req: ClientRequest,
+        msg: GenerateRequest,
+        vocab_size: int,
+        limit: PromptLimit | None = None,
+    ) -> None:
         """Set `req` to go on from what its client already has: its output tokens (checked like
         a prompt's) and as much of their text as it was sent; the rest of that text, held back
         when the request moved, is sent before new text."""
@@ -182,6 +188,12 @@ class Frontend:
         if done and msg.prompt_token_ids is None:
             raise ValueError("resume: with output tokens, the prompt must be prompt_token_ids")
         check_token_ids(done, vocab_size, "resume output token ids")
+        total = len(req.prompt_token_ids) + len(done)
+        if done and limit is not None and total > limit.tokens:
+            raise ValueError(
+                f"resume: the prompt and its output tokens hold {total} tokens; at most "
+                f"{limit.tokens} can be taken up again ({limit.why})"
+            )
         max_tokens = req.sampling.max_tokens
         if len(done) >= max_tokens:
             raise ValueError(f"resume: {len(done)} output tokens already, max_tokens {max_tokens}")

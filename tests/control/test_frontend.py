@@ -272,6 +272,19 @@ def test_a_resume_that_cannot_go_on_is_refused(frontend: Frontend, fields: dict,
     assert "r" not in frontend.requests
 
 
+def test_a_resume_longer_than_a_worker_can_take_is_refused(frontend: Frontend):
+    limit = PromptLimit(10, "max_model_len 11, one position kept for output")
+    msg = request(prompt_token_ids=[1] * 6, sampling=SamplingParams(max_tokens=64),
+                  resume=Resume([5] * 5))  # fmt: skip
+    with pytest.raises(ValueError) as err:
+        frontend.accept(b"c", msg, 49152, (), limit)
+    assert str(err.value) == (
+        "resume: the prompt and its output tokens hold 11 tokens; at most 10 can be taken up "
+        "again (max_model_len 11, one position kept for output)"
+    )
+    assert "r" not in frontend.requests
+
+
 def test_a_resume_with_nothing_received_is_the_request_again(frontend: Frontend):
     msg = request(prompt="Hello there", resume=Resume([]))
     req = frontend.accept(b"c", msg, 49152, ())
