@@ -66,7 +66,7 @@ def test_presence_and_frequency_penalties_match_a_reference(llm, llama_ckpt, pre
     plain = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     penalized = llm.generate(batch, params)
     unpenalized = llm.generate(batch, plain)
-    for prompt, out, base in zip(batch, penalized, unpenalized, strict=True):
+    for prompt, out in zip(batch, penalized, strict=True):
         ref = hf_penalized_greedy(llama_ckpt.hf_model, prompt, MAX_TOKENS, presence, frequency)
         assert out.token_ids == ref
     assert any(o.token_ids != b.token_ids for o, b in zip(penalized, unpenalized, strict=True))
