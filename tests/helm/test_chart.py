@@ -8,6 +8,8 @@ manifests are checked.
 
 from __future__ import annotations
 
+import copy
+import json
 import re
 import shutil
 import subprocess
@@ -441,3 +443,69 @@ def test_helm_template_refuses_to_run_without_auth_unless_insecure() -> None:
     for name in ("control", "worker"):
         args = _container(objs[("Deployment", f"{FULLNAME}-{name}")])["args"]
         assert "--insecure" in args and "--keys" not in args
+
+
+# --- values.schema.json (helm enforces it on install, upgrade, template and lint) -------------
+
+
+def _schema_errors(values: dict[str, Any]) -> list[str]:
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    validator = jsonschema.Draft7Validator(schema)
+    return ["/".join(map(str, e.path)) + ": " + e.message for e in validator.iter_errors(values)]
+
+
+def _with(values: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    out = copy.deepcopy(values)
+    *parents, last = path.split(".")
+    node = out
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[last] = value
+    return out
+
+
+def test_the_default_values_meet_the_schema() -> None:
+    assert _schema_errors(_load("values.yaml")) == []
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "error"),
+    [
+        ("workers.replicas", 4, "Additional properties are not allowed ('workers' was unexpected)"),
+        ("worker.replica", 4, "Additional properties are not allowed ('replica' was unexpected)"),
+        ("worker.replicas", "four", "worker/replicas: 'four' is not of type 'integer'"),
+        ("worker.device", "tpu", "worker/device: 'tpu' does not match"),
+        ("worker.spec.method", "medusa", "worker/spec/method: 'medusa' is not one of"),
+        ("control.routing", "random", "control/routing: 'random' is not one of"),
+        ("control.port", 70000, "control/port: 70000 is greater than the maximum of 65535"),
+        ("api.maxConcurrentRequests", 0, "api/maxConcurrentRequests: 0 is less than the minimum"),
+        ("redis.url", "http://r:6379", "redis/url: 'http://r:6379' does not match"),
+        ("image.pullPolicy", "Sometimes", "image/pullPolicy: 'Sometimes' is not one of"),
+    ],
+)
+def test_misspelt_or_impossible_values_are_refused(path: str, value: Any, error: str) -> None:
+    errors = _schema_errors(_with(_load("values.yaml"), path, value))
+    assert len(errors) == 1 and error in errors[0], errors
+
+
+def test_every_value_is_in_the_schema() -> None:
+    """Each key of values.yaml is declared, so the schema refuses only what the chart lacks."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+
+    def walk(values: dict[str, Any], node: dict[str, Any], where: str) -> None:
+        props = node.get("properties")
+        if props is None:  # a free-form map (annotations, resources, affinity...)
+            return
+        for key, value in values.items():
+            assert key in props, f"{where}{key} is not in values.schema.json"
+            if isinstance(value, dict):
+                walk(value, props[key], f"{where}{key}.")
+
+    walk(_load("values.yaml"), schema, "")
+
+
+@needs_helm
+def test_helm_refuses_a_misspelt_value() -> None:
+    proc = _helm("template", RELEASE, str(CHART), *AUTH, "--set", "workers.replicas=4")
+    assert proc.returncode != 0 and "workers" in proc.stderr
