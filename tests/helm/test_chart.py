@@ -311,6 +311,13 @@ def _container(deployment: dict[str, Any]) -> dict[str, Any]:
     return container
 
 
+WRITABLE = ["/tmp", "/var/cache/specserve"]  # emptyDirs under a read-only root filesystem
+
+
+def _volumes(deployment: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+
+
 def _flag(args: list[str], flag: str) -> str:
     assert flag in args, f"{flag} not in {args}"
     return args[args.index(flag) + 1]
@@ -361,7 +368,7 @@ def test_helm_template_defaults() -> None:
     assert "--log-json" not in c["args"]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports == {"zmq": 5555, "zmq-workers": 5556, "metrics": 9090}
-    (keys,) = control["spec"]["template"]["spec"]["volumes"]
+    keys = _volumes(control)["keys"]
     assert keys["secret"]["secretName"] == "specserve-keys"
     assert {i["path"] for i in keys["secret"]["items"]} == {
         "control.key_secret", "workers/worker.key", "clients/client.key",
@@ -376,7 +383,7 @@ def test_helm_template_defaults() -> None:
     assert w["command"] == ["specserve", "worker"]
     assert _flag(w["args"], "--control") == f"tcp://{FULLNAME}-control:5556"
     assert _flag(w["args"], "--keys") == "/etc/specserve/keys"
-    (keys,) = worker["spec"]["template"]["spec"]["volumes"]
+    keys = _volumes(worker)["keys"]
     assert {i["path"] for i in keys["secret"]["items"]} == {
         "control.key", "workers/worker.key_secret",
     }  # fmt: skip
@@ -392,6 +399,42 @@ def test_helm_template_defaults() -> None:
     r = _container(redis)
     assert r["image"] == "redis:7-alpine"
     assert r["args"] == ["--save", "", "--appendonly", "no"]
+
+
+@needs_helm
+def test_every_pod_runs_restricted() -> None:
+    """Kubernetes' restricted profile everywhere: non-root, no escalation, no capabilities,
+    RuntimeDefault seccomp, a read-only root filesystem with emptyDirs where a pod writes."""
+    objs = _render("--set", "api.apiKeySecret=api-keys")
+    deployments = [d for (kind, _), d in objs.items() if kind == "Deployment"]
+    assert {d["metadata"]["name"] for d in deployments} == {
+        f"{FULLNAME}-{name}" for name in ("control", "worker", "api", "redis")
+    }
+    for deployment in deployments:
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] > 0
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        (container,) = pod["containers"]
+        assert container["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        }
+        empty_dirs = {v["name"] for v in pod["volumes"] if "emptyDir" in v}
+        mounted = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        if deployment["metadata"]["name"].endswith("-redis"):
+            assert pod["securityContext"]["runAsUser"] == 999  # the image's redis user
+            assert mounted["data"] == "/data" and "data" in empty_dirs
+        else:
+            assert {mounted[n] for n in empty_dirs} == set(WRITABLE)
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            assert env["SPECSERVE_CACHE_DIR"] == "/var/cache/specserve"
+            # Secret files are root-owned: the non-root user reads them through its fsGroup
+            for volume in pod["volumes"]:
+                if "secret" in volume:
+                    assert volume["secret"]["defaultMode"] == 0o440
+                    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
 
 
 @needs_helm
@@ -464,13 +507,15 @@ def test_helm_template_gpu_spec_decoding_and_pvcs() -> None:
     }
     assert claims == {"model": "models", "drafter": "drafters"}
     mounts = {m["mountPath"] for m in w["volumeMounts"]}
-    assert mounts == {"/models", "/drafters", "/etc/specserve/keys"}
+    assert mounts == {"/models", "/drafters", "/etc/specserve/keys", *WRITABLE}
 
     control = objs[("Deployment", f"{FULLNAME}-control")]
     c = _container(control)
     assert _flag(c["args"], "--model") == "/models/m"
     assert "--log-json" in c["args"]
-    assert [m["mountPath"] for m in c["volumeMounts"]] == ["/models", "/etc/specserve/keys"]
+    assert [m["mountPath"] for m in c["volumeMounts"]] == [
+        *WRITABLE, "/models", "/etc/specserve/keys",
+    ]  # fmt: skip
 
 
 @needs_helm

@@ -127,3 +127,39 @@ The model PVC's volume and mount (nothing when model.pvc is empty).
   readOnly: true
 {{- end }}
 {{- end }}
+
+{{/*
+Restricted-profile security for the specserve pods (control, workers, API): non-root (the image's
+user), no privilege escalation, every capability dropped, a read-only root filesystem. What they
+write goes to emptyDirs: /tmp, and the cache dir (the CPU kernel calibration, SPECSERVE_CACHE_DIR).
+*/}}
+{{- define "specserve.podSecurityContext" -}}
+securityContext:
+  {{- toYaml .Values.securityContext.pod | nindent 2 }}
+{{- end }}
+
+{{- define "specserve.containerSecurityContext" -}}
+securityContext:
+  {{- toYaml .Values.securityContext.container | nindent 2 }}
+{{- end }}
+
+{{- define "specserve.writableEnv" -}}
+- name: SPECSERVE_CACHE_DIR
+  value: /var/cache/specserve
+- name: HOME
+  value: /tmp
+{{- end }}
+
+{{- define "specserve.writableMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: cache
+  mountPath: /var/cache/specserve
+{{- end }}
+
+{{- define "specserve.writableVolumes" -}}
+- name: tmp
+  emptyDir: {}
+- name: cache
+  emptyDir: {}
+{{- end }}
