@@ -126,12 +126,45 @@ def test_values_keys(path: str, expected: Any) -> None:
         assert value == expected
 
 
-def test_values_prometheus_annotations_match_metrics_port() -> None:
-    control = _load("values.yaml")["control"]
-    annotations = control["podAnnotations"]
-    assert annotations["prometheus.io/scrape"] == "true"
-    assert annotations["prometheus.io/port"] == str(control["metricsPort"])
-    assert annotations["prometheus.io/path"] == "/metrics"
+@needs_helm
+def test_prometheus_annotations_follow_the_metrics_port() -> None:
+    for port in ("9090", "9191"):
+        objs = _render("--set", f"control.metricsPort={port},control.podAnnotations.team=ml")
+        meta = objs[("Deployment", f"{FULLNAME}-control")]["spec"]["template"]["metadata"]
+        assert meta["annotations"] == {
+            "prometheus.io/scrape": "true", "prometheus.io/port": port,
+            "prometheus.io/path": "/metrics", "team": "ml",
+        }  # fmt: skip
+    objs = _render("--set", "control.prometheusAnnotations=false")
+    meta = objs[("Deployment", f"{FULLNAME}-control")]["spec"]["template"]["metadata"]
+    assert "annotations" not in meta
+
+
+@needs_helm
+def test_extra_args_env_and_disruption_budgets() -> None:
+    objs = _render(
+        # (--set-string: a flag's value must be a string; the schema refuses a number there)
+        "--set-string", "worker.extraArgs={--max-model-len,8192}",
+        "--set-string", "api.extraArgs={--request-timeout,300}",
+        "--set-string", "control.extraArgs={--max-pending-per-client,4096}",
+        "--set", "worker.env[0].name=HF_HOME,worker.env[0].value=/tmp/hf",
+    )  # fmt: skip
+    for name, flag, value in (
+        ("worker", "--max-model-len", "8192"),
+        ("api", "--request-timeout", "300"),
+        ("control", "--max-pending-per-client", "4096"),
+    ):
+        assert _flag(_container(objs[("Deployment", f"{FULLNAME}-{name}")])["args"], flag) == value
+    env = _container(objs[("Deployment", f"{FULLNAME}-worker")])["env"]
+    assert {"name": "HF_HOME", "value": "/tmp/hf"} in env
+    for name in ("worker", "api"):
+        pdb = objs[("PodDisruptionBudget", f"{FULLNAME}-{name}")]
+        deployment = objs[("Deployment", f"{FULLNAME}-{name}")]
+        assert pdb["spec"]["maxUnavailable"] == 1
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    none = _render("--set", "worker.maxUnavailable=0,api.enabled=false")
+    assert not [key for key in none if key[0] == "PodDisruptionBudget"]
 
 
 def test_values_document_a_gpu_request() -> None:
@@ -377,6 +410,7 @@ def test_helm_template_defaults() -> None:
     assert control["spec"]["replicas"] == 1
     annotations = control["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == "9090"
 
     w = _container(worker)
     assert worker["spec"]["replicas"] == 2
