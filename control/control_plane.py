@@ -80,6 +80,7 @@ from specserve.shared.protocol import (
     Welcome,
     check_worker_id,
 )
+from specserve.shared.ready_file import ReadyFile
 from specserve.shared.socket_limits import bound_socket
 from specserve.shared.tokenizer import load_tokenizer
 
@@ -117,6 +118,7 @@ class ControlArgs:
     load_weight: float = 1.0  # how much a fully loaded worker outweighs a fully cached prompt
     # What one peer may make the control plane spend (`--max-...`, control/limits.py).
     limits: ServiceLimits = field(default_factory=ServiceLimits)
+    ready_file: str | None = None  # exists while at least one worker is registered
 
 
 class ControlPlane:
@@ -128,6 +130,7 @@ class ControlPlane:
             raise ValueError("heartbeat_timeout_s and step_timeout_s must be > 0")
         tokenizer = load_tokenizer(args.model)
         self.session = uuid.uuid4().hex[:16]
+        self.ready = ReadyFile(args.ready_file)
         self.metrics = ServiceMetrics()
         self.workers: dict[str, WorkerHandle] = {}
         self._registrations = itertools.count(1)
@@ -566,6 +569,7 @@ class ControlPlane:
                 # Alive (it heartbeats) but stuck, e.g. a hung device: its requests move on.
                 self._remove_worker(worker, f"no step result for {now - worker.sent_at:.0f}s")
         self.index.tick(now)
+        self.ready.set(bool(self.workers))
         if len(self._reregistered) > 1024:
             self._reregistered = {k: t for k, t in self._reregistered.items() if now - t < 60}
         for worker in self.workers.values():
@@ -575,6 +579,7 @@ class ControlPlane:
             self.metrics.kv_usage.labels(worker.worker_id).set(s.kv.usage())
 
     def _shutdown(self) -> None:
+        self.ready.set(False)
         self.frontend.fail_all("the control plane is shutting down")
         self._close_sockets()
         log.info("control.stopped")

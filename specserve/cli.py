@@ -377,6 +377,7 @@ def _add_control(sub: argparse._SubParsersAction) -> None:
     )
     _add_routing_args(ctl)
     _add_limit_args(ctl)
+    _add_ready_file_arg(ctl, "while at least one worker is registered")
     ctl.set_defaults(func=cmd_control)
 
 
@@ -393,6 +394,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     wrk.add_argument("--worker-id", type=_worker_id, default=None, help="default: host and pid")
     wrk.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds")
     _add_thread_args(wrk)
+    _add_ready_file_arg(wrk, "while it is registered with a control plane and serving")
     wrk.add_argument(
         "--drain-timeout",
         type=float,
@@ -402,6 +404,15 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     )
     _add_engine_args(wrk)
     wrk.set_defaults(func=cmd_worker)
+
+
+def _add_ready_file_arg(p: argparse.ArgumentParser, when: str) -> None:
+    p.add_argument(
+        "--ready-file",
+        default=None,
+        metavar="PATH",
+        help=f"a file that exists {when} (for a Kubernetes exec probe: test -f PATH)",
+    )
 
 
 def _add_thread_args(p: argparse.ArgumentParser) -> None:
@@ -830,6 +841,7 @@ def control_args(args: argparse.Namespace) -> ControlArgs:
         policy=args.policy,
         hash_algo=args.hash_algo,
         limits=service_limits(args),
+        ready_file=args.ready_file,
     )
 
 
@@ -882,6 +894,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         keys=_peer_keys(args, "workers"),
         drain_timeout_s=args.drain_timeout,
         threads=threads,
+        ready_file=args.ready_file,
     )
 
 

@@ -38,6 +38,7 @@ from zmq.utils.monitor import parse_monitor_message
 from specserve.shared import protocol
 from specserve.shared.curve import PeerKeys
 from specserve.shared.protocol import PROTOCOL_VERSION
+from specserve.shared.ready_file import ReadyFile
 from specserve.shared.socket_limits import bound_socket, worker_max_message_bytes
 from specserve.worker.engine import EngineArgs, WorkerEngine
 
@@ -224,8 +225,10 @@ class WorkerServer:
         keys: PeerKeys | None = None,
         drain: threading.Event | None = None,
         drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+        ready_file: str | None = None,
     ) -> None:
         self.engine = engine
+        self.ready = ReadyFile(ready_file)  # exists while registered and serving
         self.keys = keys
         self.control_urls = [control_url] if isinstance(control_url, str) else list(control_url)
         if not self.control_urls:
@@ -264,6 +267,7 @@ class WorkerServer:
         try:
             code = self._loop()
         finally:
+            self.ready.set(False)
             self._disconnect()
             self._ctx.term()
         log.info("worker.stopped", worker_id=self.worker_id, exit_code=code, **self._summary())
@@ -288,6 +292,7 @@ class WorkerServer:
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
+        self.ready.set(False)
         self._connected, self._connected_at = False, time.monotonic()
         self._probe_at = self._connected_at  # away from home: first look for it HOME_CHECK_S on
         self._registered, self._last_register = False, -math.inf
@@ -414,6 +419,7 @@ class WorkerServer:
                 return True
             _try_send(sock, protocol.Leaving(PROTOCOL_VERSION, self.worker_id))
             self._leaving_since = now
+            self.ready.set(False)  # no new work: out of rotation
             log.info("worker.leaving", worker_id=self.worker_id, registered=True)
             return False
         if now - self._leaving_since > self.drain_timeout_s:
@@ -472,6 +478,7 @@ class WorkerServer:
         assert self._heartbeater is not None
         self._heartbeater.session = msg.session
         self._registered = True
+        self.ready.set(not self.drain.is_set())
         self._result_sent_at = None
         self.stats.registrations += 1
         if msg.worker_id != self.worker_id:
@@ -497,6 +504,7 @@ class WorkerServer:
             return
         log.info("worker.reregister", worker_id=self.worker_id, reason=msg.reason)
         self._registered = False
+        self.ready.set(False)
         self._last_register = -math.inf
 
     def _step(self, batch: protocol.StepBatch) -> None:
@@ -567,6 +575,7 @@ def run_worker(
     keys: PeerKeys | None = None,
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
     threads: int | None = None,
+    ready_file: str | None = None,
 ) -> int:
     """Load the engine, then serve the control plane's worker port at `control_url` (or the
     first of several that answers, moving on when it goes) until stopped, authenticating with
@@ -575,7 +584,8 @@ def run_worker(
     SIGTERM drains: the control plane moves this worker's requests to others (they go on from
     every token made here), then releases it; at most `drain_timeout_s` later it exits anyway.
     A second SIGTERM, or SIGINT, stops at once. `threads`: torch's threads for the model
-    (default: torch's own choice). Returns the process exit code: 0 when stopped or released;
+    (default: torch's own choice). `ready_file` exists while the worker is registered and
+    serving (for an exec probe). Returns the process exit code: 0 when stopped or released;
     3 when rejected.
     """
     worker_id = protocol.check_worker_id(
@@ -601,7 +611,7 @@ def run_worker(
             return EXIT_OK
         server = WorkerServer(
             engine, control_url, worker_id, heartbeat_interval_s, stop, keys, drain,
-            drain_timeout_s,
+            drain_timeout_s, ready_file,
         )  # fmt: skip
         return server.run()
     finally:

@@ -427,7 +427,14 @@ def test_helm_template_defaults() -> None:
     assert "--spec-method" not in w["args"]
     (env,) = (e for e in w["env"] if e["name"] == "POD_NAME")
     assert env["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
-    assert "readinessProbe" not in w
+    ready = ["test", "-f", "/tmp/specserve-ready"]
+    assert _flag(w["args"], "--ready-file") == "/tmp/specserve-ready"
+    assert w["readinessProbe"]["exec"]["command"] == ready
+    assert w["startupProbe"]["exec"]["command"] == ready
+    startup = w["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] == 600
+    assert _flag(c["args"], "--ready-file") == "/tmp/specserve-ready"
+    assert c["readinessProbe"]["exec"]["command"] == ready
     assert worker["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 0
 
     r = _container(redis)

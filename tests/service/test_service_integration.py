@@ -201,6 +201,29 @@ def test_sigterm_drains_a_worker_under_load_and_loses_nothing(service: Service, 
         assert streamed[i] == uninterrupted[i].token_ids, i
 
 
+def test_the_control_planes_ready_file_follows_its_workers(llama_ckpt, redis_url, tmp_path):
+    ready = tmp_path / "control-ready"
+    service = Service(str(llama_ckpt.path), redis_url, tmp_path, ready_file=str(ready))
+    try:
+        service.start_control()
+        time.sleep(0.5)
+        assert not ready.exists()  # no worker yet
+        worker = service.start_worker("w0")
+        service.wait_workers({"w0"})
+        deadline = time.monotonic() + 5
+        while not ready.exists():
+            assert time.monotonic() < deadline, "ready file not written"
+            time.sleep(0.05)
+        worker.kill()
+        deadline = time.monotonic() + 15  # the heartbeat timeout (2 s) and a tick
+        while ready.exists():
+            assert time.monotonic() < deadline, "ready file kept without workers"
+            time.sleep(0.1)
+    finally:
+        service.close()
+    assert not ready.exists()
+
+
 def test_joining_worker_gets_load_and_control_restart_reregisters(
     service: Service, llama_ckpt
 ) -> None:

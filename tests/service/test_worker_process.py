@@ -59,7 +59,9 @@ from specserve.worker.engine import EngineArgs
 from specserve.worker.worker_process import run_worker
 configure_logging("debug")
 args = EngineArgs(model=sys.argv[1], num_blocks=64, block_size=4, max_model_len=256)
-sys.exit(run_worker(args, sys.argv[2], sys.argv[3], heartbeat_interval_s=float(sys.argv[4])))
+ready = sys.argv[5] if len(sys.argv) > 5 else None
+sys.exit(run_worker(args, sys.argv[2], sys.argv[3], heartbeat_interval_s=float(sys.argv[4]),
+                    ready_file=ready))
 """
 
 
@@ -154,8 +156,11 @@ class WorkerProcess:
         print(f"--- worker log ---\n{self.log()[-8000:]}")  # shown when a test fails
 
 
-def start_worker(ckpt_path: Path, url: str, log_path: Path) -> WorkerProcess:
+def start_worker(
+    ckpt_path: Path, url: str, log_path: Path, ready_file: Path | None = None
+) -> WorkerProcess:
     cmd = [sys.executable, "-c", WORKER_MAIN, str(ckpt_path), url, WORKER_ID, str(HEARTBEAT_S)]
+    cmd += [] if ready_file is None else [str(ready_file)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -414,6 +419,25 @@ def test_sigterm_drains_then_exits_0_once_released(llama_ckpt, control, tmp_path
         assert worker.proc.wait(5.0) == 0
         assert time.monotonic() - start < 5.0
         assert "worker.released" in worker.log() and "worker.stopped" in worker.log()
+    finally:
+        worker.kill()
+
+
+def test_the_ready_file_exists_while_registered_and_not_draining(llama_ckpt, control, tmp_path):
+    ready = tmp_path / "ready"
+    worker = start_worker(llama_ckpt.path, control.url, tmp_path / "worker.log", ready)
+    try:
+        assert isinstance(control.recv(STARTUP_S), Register)
+        assert not ready.exists()  # loaded and registering: not serving yet
+        control.send(Welcome(PROTOCOL_VERSION, WORKER_ID, "s", 0))
+        control.wait_heartbeats(1)
+        assert ready.exists()
+        worker.proc.send_signal(signal.SIGTERM)
+        assert isinstance(control.recv(), Leaving)
+        assert not ready.exists()  # draining: out of rotation at once
+        control.send(Released(PROTOCOL_VERSION))
+        assert worker.proc.wait(5.0) == 0
+        assert not ready.exists()
     finally:
         worker.kill()
 
