@@ -651,3 +651,41 @@ def test_every_value_is_in_the_schema() -> None:
 def test_helm_refuses_a_misspelt_value() -> None:
     proc = _helm("template", RELEASE, str(CHART), *AUTH, "--set", "workers.replicas=4")
     assert proc.returncode != 0 and "workers" in proc.stderr
+
+
+KUBERNETES = "1.30"  # the oldest Kubernetes the chart supports
+
+
+@needs_helm
+@pytest.mark.parametrize(
+    "set_args",
+    [
+        [],
+        EXTERNAL_REDIS + THREE_WORKERS,
+        [
+            "--set",
+            "api.apiKeySecret=api-keys,model.pvc=models,model.path=/models/m",
+            "--set",
+            "worker.spec.method=eagle3,worker.spec.drafter.path=/drafters/e3",
+            "--set",
+            "worker.spec.drafter.pvc=drafters,worker.device=cuda:0",
+            "--set-string",
+            r"worker.resources.limits.nvidia\.com/gpu=1",
+            "--set-string",
+            "worker.extraArgs={--max-model-len,8192}",
+        ],
+        ["--set", "auth.secretName=,auth.insecure=true,api.enabled=false"],
+    ],
+    ids=["default", "external-redis", "gpu-eagle3-api-keys", "insecure-no-api"],
+)
+def test_rendered_manifests_meet_the_kubernetes_schemas(set_args: list[str]) -> None:
+    """Every rendered object is valid for Kubernetes 1.30, strictly (no unknown fields), as
+    the API server would check it."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    objs = _render(*set_args)
+    assert objs
+    for (kind, name), obj in objs.items():
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{kind} {name}: {exc.message} at {list(exc.path)}")
