@@ -563,7 +563,7 @@ def test_helm_template_gpu_spec_decoding_and_pvcs() -> None:
 @pytest.mark.parametrize(
     ("set_args", "message"),
     [
-        (["--set", "redis.enabled=false"], "redis.url is required"),
+        (["--set", "redis.enabled=false"], "redis.url (or redis.urlSecret) is required"),
         (["--set", "worker.spec.method=eagle3"], "worker.spec.drafter.path is required"),
         # (refused by values.schema.json before any template runs)
         (["--set", "worker.spec.method=medusa"], "at '/worker/spec/method': value must be one"),
@@ -653,6 +653,34 @@ def test_helm_refuses_a_misspelt_value() -> None:
     assert proc.returncode != 0 and "workers" in proc.stderr
 
 
+@needs_helm
+def test_redis_passwords_never_reach_pod_arguments() -> None:
+    """The bundled Redis with a password from a Secret, and an external Redis whose URL holds
+    one: the control plane gets the URL through its environment, from the Secret."""
+    objs = _render("--set", "redis.auth.existingSecret=redis-auth")
+    redis = _container(objs[("Deployment", f"{FULLNAME}-redis")])
+    assert _flag(redis["args"], "--requirepass") == "$(REDIS_PASSWORD)"
+    (password,) = redis["env"]
+    assert password["valueFrom"]["secretKeyRef"] == {"name": "redis-auth", "key": "redis-password"}
+    control = _container(objs[("Deployment", f"{FULLNAME}-control")])
+    assert "--redis-url" not in control["args"]
+    env = {e["name"]: e for e in control["env"]}
+    names = [e["name"] for e in control["env"]]
+    assert names.index("REDIS_PASSWORD") < names.index("SPECSERVE_REDIS_URL")  # for $(...)
+    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "redis-auth"
+    assert env["SPECSERVE_REDIS_URL"]["value"] == (
+        f"redis://:$(REDIS_PASSWORD)@{FULLNAME}-redis:6379/0"
+    )
+    objs = _render("--set", "redis.enabled=false,redis.urlSecret=redis-url")
+    control = _container(objs[("Deployment", f"{FULLNAME}-control")])
+    assert "--redis-url" not in control["args"]
+    env = {e["name"]: e for e in control["env"]}
+    assert env["SPECSERVE_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {
+        "name": "redis-url", "key": "redis-url",
+    }  # fmt: skip
+    assert not [key for key in objs if key[1] == f"{FULLNAME}-redis"]
+
+
 KUBERNETES = "1.30"  # the oldest Kubernetes the chart supports
 
 
@@ -675,8 +703,9 @@ KUBERNETES = "1.30"  # the oldest Kubernetes the chart supports
             "worker.extraArgs={--max-model-len,8192}",
         ],
         ["--set", "auth.secretName=,auth.insecure=true,api.enabled=false"],
+        ["--set", "redis.auth.existingSecret=redis-auth"],
     ],
-    ids=["default", "external-redis", "gpu-eagle3-api-keys", "insecure-no-api"],
+    ids=["default", "external-redis", "gpu-eagle3-api-keys", "insecure-no-api", "redis-auth"],
 )
 def test_rendered_manifests_meet_the_kubernetes_schemas(set_args: list[str]) -> None:
     """Every rendered object is valid for Kubernetes 1.30, strictly (no unknown fields), as

@@ -74,8 +74,37 @@ redis.url (required then).
 {{- define "specserve.redisUrl" -}}
 {{- if .Values.redis.enabled }}
 {{- printf "redis://%s:6379/0" (include "specserve.redisName" .) }}
+{{- else if .Values.redis.urlSecret }}
+{{- printf "(the redis-url of Secret %s)" .Values.redis.urlSecret }}
 {{- else }}
-{{- required "redis.url is required when redis.enabled=false (e.g. redis://my-redis:6379/0)" .Values.redis.url }}
+{{- required "redis.url (or redis.urlSecret) is required when redis.enabled=false (e.g. redis://my-redis:6379/0)" .Values.redis.url }}
+{{- end }}
+{{- end }}
+
+{{/*
+Whether the control plane reads its Redis URL from the environment (a password is involved:
+it must never be in the pod's arguments), and that environment: the bundled Redis's password
+from redis.auth.existingSecret composed into the URL, or an external URL from redis.urlSecret.
+*/}}
+{{- define "specserve.redisUrlFromEnv" -}}
+{{- if or (and .Values.redis.enabled .Values.redis.auth.existingSecret) (and (not .Values.redis.enabled) .Values.redis.urlSecret) }}true{{- end }}
+{{- end }}
+
+{{- define "specserve.redisUrlEnv" -}}
+{{- if and .Values.redis.enabled .Values.redis.auth.existingSecret }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.redis.auth.existingSecret }}
+      key: redis-password
+- name: SPECSERVE_REDIS_URL
+  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s:6379/0" (include "specserve.redisName" .) | quote }}
+{{- else if and (not .Values.redis.enabled) .Values.redis.urlSecret }}
+- name: SPECSERVE_REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.redis.urlSecret }}
+      key: redis-url
 {{- end }}
 {{- end }}
 
