@@ -681,6 +681,35 @@ def test_redis_passwords_never_reach_pod_arguments() -> None:
     assert not [key for key in objs if key[1] == f"{FULLNAME}-redis"]
 
 
+@needs_helm
+def test_service_monitors_and_keda_autoscaling() -> None:
+    assert not [k for k in _render() if k[0] in ("ServiceMonitor", "ScaledObject")]
+    objs = _render(
+        "--set", "metrics.serviceMonitor.enabled=true,metrics.serviceMonitor.labels.release=prom",
+        "--set", "worker.autoscaling.enabled=true,worker.autoscaling.maxReplicas=6",
+        "--set", "worker.autoscaling.prometheusAddress=http://prometheus.monitoring:9090",
+    )  # fmt: skip
+    control = objs[("Deployment", f"{FULLNAME}-control")]["spec"]["template"]["metadata"]
+    api = objs[("Deployment", f"{FULLNAME}-api")]["spec"]["template"]["metadata"]
+    for name, pod, port in ((FULLNAME, control, "metrics"), (f"{FULLNAME}-api", api, "http")):
+        monitor = objs[("ServiceMonitor", name)]
+        assert monitor["metadata"]["labels"]["release"] == "prom"
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= pod["labels"].items()
+        assert monitor["spec"]["endpoints"] == [
+            {"port": port, "path": "/metrics", "interval": "15s"}
+        ]
+    scaled = objs[("ScaledObject", f"{FULLNAME}-worker")]
+    assert scaled["spec"]["scaleTargetRef"] == {"name": f"{FULLNAME}-worker"}
+    assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]) == (1, 6)
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["metadata"]["query"] == 'sum(specserve_queue_depth{namespace="test"})'
+    assert trigger["metadata"]["threshold"] == "8"
+    refused = _helm(
+        "template", RELEASE, str(CHART), *AUTH, "--set", "worker.autoscaling.enabled=true"
+    )
+    assert refused.returncode != 0 and "prometheusAddress is required" in refused.stderr
+
+
 KUBERNETES = "1.30"  # the oldest Kubernetes the chart supports
 
 
