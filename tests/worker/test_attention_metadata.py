@@ -648,3 +648,31 @@ def test_decode_steps_take_the_host_built_batch(window):
     assert torch.equal(got.out_rows, expected.out_rows)
     assert torch.equal(got.out_select, expected.out_select)
     assert torch.equal(meta.groups[0].slot_mapping, slot_mapping(steps, tables, BS))
+
+
+def test_flashinfer_needs_nvcc_or_its_prebuilt_kernels(tmp_path):
+    """FlashInfer compiles kernels on first use: without nvcc (where FlashInfer looks for it) or
+    flashinfer-jit-cache, it is reported unusable up front instead of failing mid-serving."""
+    from functools import partial
+
+    from specserve.worker.attention.selection import flashinfer_build_unavailable_reason
+
+    def nothing(_name: str) -> None:
+        return None
+
+    def no_module(_name: str) -> bool:
+        return False
+
+    reason_for = partial(flashinfer_build_unavailable_reason, default_nvcc=str(tmp_path / "no"))
+    reason = reason_for({}, nothing, no_module)
+    assert reason is not None and "nvcc" in reason and "--attention-backend torch" in reason
+    assert reason_for({}, nothing, lambda name: name == "flashinfer_jit_cache") is None
+    cuda = tmp_path / "cuda-13.0"
+    (cuda / "bin").mkdir(parents=True)
+    nvcc = cuda / "bin" / "nvcc"
+    nvcc.write_text("")
+    for env in ({"CUDA_HOME": str(cuda)}, {"CUDA_PATH": str(cuda)}, {"FLASHINFER_NVCC": str(nvcc)}):
+        assert reason_for(env, nothing, no_module) is None, env
+    assert reason_for({}, lambda _: str(nvcc), no_module) is None  # on PATH
+    assert reason_for({"CUDA_HOME": str(tmp_path / "nowhere")}, nothing, no_module) is not None
+    assert flashinfer_build_unavailable_reason({}, nothing, no_module, str(nvcc)) is None

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import structlog
 import torch
@@ -53,7 +57,36 @@ def flashinfer_unavailable_reason(
         )
     if importlib.util.find_spec("flashinfer") is None:
         return f"the flashinfer package is not installed ({INSTALL_HINT})"
-    return None
+    return flashinfer_build_unavailable_reason()
+
+
+def flashinfer_build_unavailable_reason(
+    env: Mapping[str, str] = os.environ,
+    which: Callable[[str], str | None] = shutil.which,
+    has_module: Callable[[str], bool] = lambda name: importlib.util.find_spec(name) is not None,
+    default_nvcc: str = "/usr/local/cuda/bin/nvcc",
+) -> str | None:
+    """Why FlashInfer could not build its kernels here, or None if it can.
+
+    FlashInfer compiles its attention kernels with nvcc on first use unless its ahead-of-time
+    kernels (`flashinfer-jit-cache`) are installed; an image without the CUDA toolkit would
+    fail then, in the middle of serving. nvcc is looked for where FlashInfer looks:
+    FLASHINFER_NVCC, $CUDA_HOME/bin, $CUDA_PATH/bin, PATH, /usr/local/cuda/bin.
+    """
+    if has_module("flashinfer_jit_cache"):
+        return None
+    candidates = [env.get("FLASHINFER_NVCC")]
+    candidates += [
+        str(Path(env[var]) / "bin" / "nvcc") for var in ("CUDA_HOME", "CUDA_PATH") if env.get(var)
+    ]
+    candidates += [which("nvcc"), default_nvcc]
+    if any(c and Path(c).is_file() for c in candidates):
+        return None
+    return (
+        "FlashInfer compiles its kernels on first use with nvcc, and none was found "
+        "(FLASHINFER_NVCC, CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda): install the CUDA "
+        "toolkit or flashinfer-jit-cache, or use --attention-backend torch"
+    )
 
 
 def select_backend(
@@ -76,5 +109,9 @@ def select_backend(
             reason = str(exc)
     if name == "flashinfer":
         raise ValueError(f"attention backend 'flashinfer' cannot run here: {reason}")
-    log.debug("attention.backend.auto", chosen="torch", flashinfer_unavailable=reason)
+    # A CUDA device that could not get FlashInfer is worth a warning; a CPU one is expected.
+    cuda = torch.device(device).type == "cuda"
+    (log.warning if cuda else log.debug)(
+        "attention.backend.auto", chosen="torch", flashinfer_unavailable=reason
+    )
     return TorchAttentionBackend()
