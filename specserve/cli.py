@@ -150,6 +150,14 @@ def _add_engine_args(p: ArgTarget) -> None:
         help="KV cache blocks (default: sized from --kv-cache-memory-mb)",
     )
     p.add_argument("--kv-cache-memory-mb", type=int, default=512)
+    p.add_argument(
+        "--kv-cache-memory-fraction",
+        type=float,
+        default=None,
+        help="size the KV cache as this fraction (0-1] of the memory still free once the "
+        "weights are loaded (CUDA's free memory; on CPU MemAvailable within the cgroup limit), "
+        "instead of --kv-cache-memory-mb",
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -178,6 +186,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         kv_cache_memory_mb=args.kv_cache_memory_mb,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,

@@ -16,6 +16,7 @@ from specserve.shared import protocol
 from specserve.shared.config import SpecConfig, SpecMethod
 from specserve.worker.attention.selection import select_backend
 from specserve.worker.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
+from specserve.worker.memory import kv_budget_bytes
 from specserve.worker.model_registry import LoadedModel, load_target, model_dtype
 from specserve.worker.model_runner import ModelRunner
 from specserve.worker.models import DecoderModel
@@ -38,8 +39,11 @@ class EngineArgs:
     dtype: str = "auto"  # the checkpoint's own (see model_dtype), or a dtype name
     device: str = "cpu"
     block_size: int = 16
-    num_blocks: int | None = None  # None: size the KV cache from kv_cache_memory_mb
+    num_blocks: int | None = None  # None: size the KV cache from the memory settings below
     kv_cache_memory_mb: int = 512
+    # When set: this fraction of the memory still free after the weights load (worker/memory.py)
+    # instead of kv_cache_memory_mb.
+    kv_cache_memory_fraction: float | None = None
     max_model_len: int | None = None  # None: the model's maximum
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
@@ -108,7 +112,13 @@ class WorkerEngine:
         )
         if drafter is not None:
             per_block += draft_kv_bytes_per_block(drafter.config.layer, bs, drafter.dtype)
-        return num_blocks_for_budget(self.args.kv_cache_memory_mb << 20, per_block)
+        fraction = self.args.kv_cache_memory_fraction
+        if fraction is None:
+            budget = self.args.kv_cache_memory_mb << 20
+        else:
+            budget = kv_budget_bytes(self.args.device, fraction)
+            log.info("engine.kv_budget", fraction=fraction, megabytes=budget >> 20)
+        return num_blocks_for_budget(budget, per_block)
 
     @property
     def vocab_size(self) -> int:

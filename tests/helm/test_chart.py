@@ -682,6 +682,17 @@ def test_redis_passwords_never_reach_pod_arguments() -> None:
 
 
 @needs_helm
+def test_kv_cache_sized_by_fraction_of_free_memory() -> None:
+    objs = _render("--set", "worker.kvCacheMemoryFraction=0.9")
+    args = _container(objs[("Deployment", f"{FULLNAME}-worker")])["args"]
+    assert _flag(args, "--kv-cache-memory-fraction") == "0.9"
+    assert "--kv-cache-memory-mb" not in args
+    args = _container(_render()[("Deployment", f"{FULLNAME}-worker")])["args"]
+    assert _flag(args, "--kv-cache-memory-mb") == "512"
+    assert _schema_errors(_with(_load("values.yaml"), "worker.kvCacheMemoryFraction", 1.5))
+
+
+@needs_helm
 def test_service_monitors_and_keda_autoscaling() -> None:
     assert not [k for k in _render() if k[0] in ("ServiceMonitor", "ScaledObject")]
     objs = _render(
