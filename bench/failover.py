@@ -36,6 +36,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from service import percentile
+
 from specserve.client import AsyncClient, SamplingParams, get_status
 from specserve.launch.local_redis import free_port
 
@@ -162,15 +164,6 @@ def wait_settled(urls: list[str], workers: int, timeout: float = 120.0) -> None:
     raise RuntimeError("the service did not settle after the kill")
 
 
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks."""
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--streams", type=int, default=32)
@@ -215,6 +208,9 @@ def main(argv: list[str]) -> int:
     pooled = [s for r in rounds for s in r.first_resumed_s]
     exact = sum(r.exact for r in rounds)
     total = sum(r.streams for r in rounds)
+    if not pooled:
+        print(f"no stream was in flight at a kill (raise --max-tokens); exact {exact}/{total}")
+        return 0 if exact == total else 1
     print(
         f"pooled: {len(pooled)} streams in flight at a kill; first resumed token after "
         f"p50 {percentile(pooled, 0.5):.2f} s, p99 {percentile(pooled, 0.99):.2f} s, max "
