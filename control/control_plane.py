@@ -398,6 +398,29 @@ class ControlPlane:
         )
         for req in self.placement.take_pending():
             self._place(req)
+        self._rebalance(worker)
+
+    def _rebalance(self, joined: WorkerHandle) -> None:
+        """A worker joined: the later half of each other worker's queued requests that never
+        started there are placed again, so the newcomer takes queued load at once (the router
+        may still keep one where its prefix is cached)."""
+        requests = self.frontend.requests
+        moved = 0
+        for other in list(self.workers.values()):
+            if other is joined or other.failed:
+                continue
+            queued = other.scheduler.unstarted_waiting()
+            for request_id in queued[len(queued) // 2 :]:
+                req = requests.get(request_id)
+                if req is None:
+                    continue
+                other.scheduler.abort_requests([request_id])
+                req.num_resumptions += 1  # counted once, at its first placement
+                req.num_cached_tokens = None  # it has not started: the new placement's hit
+                self._place(req)
+                moved += 1
+        if moved:
+            log.info("worker.rebalanced", worker=joined.worker_id, requests=moved)
 
     def _on_heartbeat(self, identity: bytes, key: str, msg: Heartbeat) -> None:
         worker = self.workers.get(msg.worker_id)

@@ -63,8 +63,9 @@ class Placement:
         worker.scheduler.add_request(request)
         req.worker_id = worker.worker_id
         worker.remember_routed(hashes[worker.namespace], time.monotonic())
-        if req.num_resumptions == 0:
+        if req.num_cached_tokens is None:  # first placement, or moved before it started
             req.num_cached_tokens = decision.cached_tokens
+        if req.num_resumptions == 0:
             self.metrics.prompt_tokens.inc(len(token_ids))
             self.metrics.prefix_query_tokens.inc(len(token_ids))
             self.metrics.prefix_hit_tokens.inc(decision.cached_tokens)

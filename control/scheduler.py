@@ -152,6 +152,15 @@ class Scheduler:
                 self.waiting.remove(request)
             self._finish(request, RequestStatus.FINISHED_ABORTED)
 
+    def unstarted_waiting(self) -> list[str]:
+        """Ids of the waiting requests that never ran here (no KV, never preempted), in queue
+        order: another worker can take them over for nothing."""
+        return [
+            r.request_id
+            for r in self.waiting
+            if r.num_computed_tokens == 0 and r.num_preemptions == 0
+        ]
+
     @property
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or len(self.waiting))

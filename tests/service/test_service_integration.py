@@ -224,6 +224,40 @@ def test_the_control_planes_ready_file_follows_its_workers(llama_ckpt, redis_url
     assert not ready.exists()
 
 
+def test_a_joining_worker_takes_over_queued_requests(service: Service, llama_ckpt) -> None:
+    """Requests queued on a busy worker that never started move to a worker that joins: it
+    serves some of them at once, and every output is still exact."""
+    plane = service.start_control()
+    service.start_worker("w0", max_num_seqs=2)
+    service.wait_workers({"w0"})
+    prompts = shared_prefix_prompts(groups=40, per_group=1, prefix_len=8)  # no shared prefix
+    params = greedy(200)
+    served: dict[int, str] = {}
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+
+    async def consume(client: AsyncClient, i: int) -> None:
+        async for out in client.stream(prompts[i], params):
+            tokens[i].extend(out.token_ids)
+            if out.worker_id:
+                served[i] = out.worker_id
+
+    async def run() -> None:
+        async with AsyncClient(service.url, timeout=120) as client:
+            tasks = [asyncio.ensure_future(consume(client, i)) for i in range(len(prompts))]
+            while not any(tokens.values()):  # w0 is busy, the rest wait in its queue
+                await asyncio.sleep(0.05)
+            assert len(plane.workers["w0"].scheduler.unstarted_waiting()) >= 30
+            service.start_worker("w1", max_num_seqs=2)
+            await asyncio.gather(*tasks)
+
+    asyncio.run(run())
+    assert set(served.values()) == {"w0", "w1"}
+    assert sum(w == "w1" for w in served.values()) >= 5
+    uninterrupted = LLM(str(llama_ckpt.path), **WORKER_ENGINE).generate(prompts, params)
+    for i in range(len(prompts)):
+        assert tokens[i] == uninterrupted[i].token_ids, i
+
+
 def test_joining_worker_gets_load_and_control_restart_reregisters(
     service: Service, llama_ckpt
 ) -> None:
