@@ -129,8 +129,9 @@ class Frontend:
         """
         request_id = msg.request_id
         self.check_request_id(request_id)
-        if request_id in self.requests:
-            self._take_over(self.requests[request_id], client, client_key, msg)
+        old = self.requests.get(request_id)
+        if old is not None:
+            _check_take_over(old, client, client_key, msg)
         cap = self.max_pending_per_client
         if cap is not None and self.pending[client] >= cap:
             raise Overloaded(
@@ -153,22 +154,14 @@ class Frontend:
         )
         if msg.resume is not None:
             self._resume(req, msg, vocab_size, prompt_limit)
+        if old is not None:  # checked and valid: it replaces the request its client lost
+            log.info("request.taken_over", request_id=request_id)
+            self._withdraw(old)
+            self._forget(old)
         self.requests[request_id] = req
         self.pending[client] += 1
         log.debug("request.accepted", request_id=request_id, prompt_tokens=len(prompt))
         return req
-
-    def _take_over(self, old: ClientRequest, client: bytes, key: str, msg: GenerateRequest) -> None:
-        """A request id already in flight: a resume from the same client on a new connection
-        replaces the old request (that connection is gone, and nothing more it sends will be
-        read); anything else is refused."""
-        if msg.resume is None or old.client_key != key:
-            raise ValueError(f"request id {msg.request_id!r} is already in flight")
-        if old.client == client:
-            raise AlreadyResumed(msg.request_id)
-        log.info("request.taken_over", request_id=msg.request_id)
-        self._withdraw(old)
-        self._forget(old)
 
     def _resume(
         self,
@@ -473,6 +466,16 @@ class Frontend:
             spec=spec,
             resumable=resumable,
         )
+
+
+def _check_take_over(old: ClientRequest, client: bytes, key: str, msg: GenerateRequest) -> None:
+    """A request id already in flight: only a resume from the same client on a new connection
+    may replace it (that connection is gone, and nothing more it sends will be read); anything
+    else is refused, and a resend on the same connection changes nothing (AlreadyResumed)."""
+    if msg.resume is None or old.client_key != key:
+        raise ValueError(f"request id {msg.request_id!r} is already in flight")
+    if old.client == client:
+        raise AlreadyResumed(msg.request_id)
 
 
 def _cut_at_stop(

@@ -245,6 +245,9 @@ def test_a_resume_takes_over_the_lost_request_and_only_its_own():
     first = accept(b"old", key="k")
     with pytest.raises(ValueError, match="'r' is already in flight"):
         accept(b"new", key="k")  # not a resume
+    with pytest.raises(ValueError, match="8 output tokens already"):
+        accept(b"new", key="k", resume=Resume([3] * 8))  # a resume that cannot go on...
+    assert frontend.requests["r"] is first and withdrawn == []  # ...leaves the old one be
     with pytest.raises(ValueError, match="'r' is already in flight"):
         accept(b"new", key="other", resume=Resume([3]))  # another client's key
     taken = accept(b"new", key="k", resume=Resume([3, 4]))
