@@ -33,9 +33,9 @@ from types import FrameType
 import structlog
 import torch
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from specserve.shared import protocol
+from specserve.shared.connection import heartbeat, next_url, pending_events, watch_connection
 from specserve.shared.curve import PeerKeys
 from specserve.shared.protocol import PROTOCOL_VERSION
 from specserve.shared.ready_file import ReadyFile
@@ -65,9 +65,6 @@ SWITCH_S = 5.0  # with several control planes: how long to wait for a Welcome be
 # While away from the first control plane given: how long before, and how often, to look for it
 # (not at once: a plane that was just restarted is in the middle of a failover burst).
 HOME_CHECK_S = 10.0
-# ZeroMQ heartbeats on the main socket: a control plane that stops answering them is left.
-ZMQ_HEARTBEAT_IVL_MS = 1000
-ZMQ_HEARTBEAT_TIMEOUT_MS = 3000
 
 _NOT_ID_CHAR = re.compile(f"[^{protocol.WORKER_ID_CHARS}]")
 
@@ -283,11 +280,8 @@ class WorkerServer:
         )
         self.control_url = url
         self._sock = _dealer(self._ctx, self._identity, url, max_bytes, self.keys, connect=False)
-        self._sock.setsockopt(zmq.HEARTBEAT_IVL, ZMQ_HEARTBEAT_IVL_MS)
-        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMQ_HEARTBEAT_TIMEOUT_MS)
-        self._monitor = self._sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-        )
+        heartbeat(self._sock)  # a control plane that stops answering is left
+        self._monitor = watch_connection(self._sock)
         self._sock.connect(url)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
@@ -315,10 +309,9 @@ class WorkerServer:
     def _switch(self, reason: str, to: str | None = None) -> None:
         """Move to control plane `to` (default: the next one given)."""
         old = self.control_url
-        new = to or self.control_urls[(self.control_urls.index(old) + 1) % len(self.control_urls)]
+        new = to or next_url(self.control_urls, old)
         log.warning("worker.switching", worker_id=self.worker_id, left=old, to=new, reason=reason)
-        self._disconnect()
-        self._close_probe()
+        self._disconnect()  # (the probe home too)
         self._leaving_since, self._released, self._homecoming = None, False, False
         self._connect(new)
 
@@ -356,15 +349,12 @@ class WorkerServer:
         """Read the monitor: True when an established connection to the control plane dropped."""
         assert self._monitor is not None
         lost = False
-        while True:
-            try:
-                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))["event"]
-            except zmq.Again:
-                return lost
+        for event in pending_events(self._monitor):
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connected = True
             elif event == zmq.EVENT_DISCONNECTED and self._connected:
                 self._connected, lost = False, True
+        return lost
 
     def _summary(self) -> dict[str, object]:
         s = self.stats

@@ -17,7 +17,8 @@ from specserve.client.core import DEFAULT_TIMEOUT, DEFAULT_URL, ClientCore
 from specserve.client.errors import ServiceError, ServiceUnreachable, unreachable_message
 from specserve.client.state import Completion
 from specserve.client.steps import Run, Send, Step, Steps, Wait
-from specserve.client.wire import ConnectOptions, abort_frame, connection_event
+from specserve.client.wire import ConnectOptions, abort_frame
+from specserve.shared.connection import connection_event
 from specserve.shared.protocol import GenerateRequest, RequestOutput
 
 log = structlog.get_logger(__name__)

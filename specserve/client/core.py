@@ -32,9 +32,9 @@ from specserve.client.wire import (
     ends_request,
     parse_reply,
     request_args,
-    watch_connection,
 )
 from specserve.shared import protocol
+from specserve.shared.connection import next_url, watch_connection
 from specserve.shared.protocol import GenerateRequest, RequestOutput, SamplingParams
 
 log = structlog.get_logger(__name__)
@@ -300,7 +300,7 @@ class ClientCore(ABC, Generic[CompletionT, IdT, OutputsT]):
 
     def _switch_control_plane(self) -> None:
         old = self.url
-        self.url = self.urls[(self.urls.index(old) + 1) % len(self.urls)]
+        self.url = next_url(self.urls, old)
         self._socket.disconnect(old)
         self._socket.connect(self.url)
         log.warning("client.failover", left=old, to=self.url)

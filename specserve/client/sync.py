@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from types import TracebackType
-from typing import TypeVar, Unpack
+from typing import TypeVar
 
 import zmq
 
-from specserve.client.core import DEFAULT_TIMEOUT, DEFAULT_URL, ClientCore
+from specserve.client.core import ClientCore
 from specserve.client.errors import ServiceUnreachable, unreachable_message
 from specserve.client.state import Completion
 from specserve.client.steps import Run, Send, Step, Steps
-from specserve.client.wire import ConnectOptions, abort_frame, connection_event
+from specserve.client.wire import abort_frame
+from specserve.shared.connection import pending_events
 from specserve.shared.protocol import GenerateRequest, RequestOutput
 
 T = TypeVar("T")
@@ -42,18 +44,13 @@ class Client(ClientCore[Completion, str, Iterator[RequestOutput]]):
 
     _context_type = zmq.Context
 
-    def __init__(
-        self,
-        url: str | Sequence[str] = DEFAULT_URL,
-        timeout: float | None = DEFAULT_TIMEOUT,
-        *,
-        resume: bool = True,
-        **connect: Unpack[ConnectOptions],
-    ) -> None:
-        super().__init__(url, timeout, resume=resume, **connect)
-        self._poller = zmq.Poller()
-        self._poller.register(self._socket, zmq.POLLIN)
-        self._poller.register(self._monitor, zmq.POLLIN)
+    @functools.cached_property
+    def _poller(self) -> zmq.Poller:
+        """Replies and changes of the connection, waited for together."""
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        return poller
 
     def abort(self, request_id: str) -> None:
         """Ask the control plane to stop a request. A submitted request stays collectable: its
@@ -131,12 +128,7 @@ class Client(ClientCore[Completion, str, Iterator[RequestOutput]]):
                 return
 
     def _connection_news(self) -> list[bytes]:
-        events = []
-        while True:
-            try:
-                events.append(connection_event(self._monitor.recv_multipart(zmq.NOBLOCK)))
-            except zmq.Again:
-                break
+        events = pending_events(self._monitor)
         self._file_waiting()  # what arrived before the connection dropped comes first
         return self._on_connection_events(events)
 

@@ -10,10 +10,10 @@ from typing import TypedDict, Unpack
 
 import structlog
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from specserve.client.errors import RequestFailed
 from specserve.shared import protocol
+from specserve.shared.connection import heartbeat
 from specserve.shared.curve import CLIENTS, DEFAULT_CLIENT_KEY, PeerKeys, peer_keys
 from specserve.shared.protocol import (
     PROTOCOL_VERSION,
@@ -40,35 +40,16 @@ class ConnectOptions(TypedDict, total=False):
     key_name: str
 
 
-# ZeroMQ heartbeats: a control plane that stops answering them (hung, or its host gone without a
-# word) drops the connection within HEARTBEAT_TIMEOUT_MS, which the client's requests resume from.
-HEARTBEAT_IVL_MS = 1000
-HEARTBEAT_TIMEOUT_MS = 3000
-# What the client watches its connection for: up (a control plane answers), or gone.
-CONNECTION_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-
-
 def connect_dealer(sock: zmq.Socket, url: str, **options: Unpack[ConnectOptions]) -> None:
     """Bound the client's DEALER (see socket_limits), heartbeat its connection, make it a CURVE
     client when keys are given, then connect it to `url`."""
     bound_socket(sock, options.get("max_message_bytes", CLIENT_MAX_MESSAGE_BYTES))
-    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    heartbeat(sock)  # a control plane that stops answering drops the connection
     keys, key_name = options.get("keys"), options.get("key_name", DEFAULT_CLIENT_KEY)
     curve = peer_keys(keys, CLIENTS, key_name)
     if curve is not None:
         curve.apply(sock)
     sock.connect(url)
-
-
-def watch_connection(sock: zmq.Socket) -> zmq.Socket:
-    """A socket that receives `sock`'s CONNECTION_EVENTS (read them with `connection_event`)."""
-    return sock.get_monitor_socket(CONNECTION_EVENTS)
-
-
-def connection_event(frames: list[bytes]) -> int:
-    """The event (a `zmq.EVENT_*` value) in one message from a `watch_connection` socket."""
-    return parse_monitor_message(frames)["event"]
 
 
 # A text, token ids, or a conversation: `ChatMessage`s or {"role": ..., "content": ...} dicts.
