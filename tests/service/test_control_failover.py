@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -136,44 +137,42 @@ def uninterrupted(llama_ckpt, prompts, params) -> list[list[int]]:
     return [out.token_ids for out in outs]
 
 
-def test_kill_9_of_the_control_plane_resumes_every_stream_on_its_restart(planes, llama_ckpt):
-    plane = planes("control", "w0", "w1")
+def streams_survive(llama_ckpt, urls: list[str], fail: Callable[[], None]) -> float:
+    """The 64 streams of `prompts_and_params` on one client given `urls`, with `fail()` run once
+    300 tokens have arrived. Every stream must equal an uninterrupted run; returns the seconds
+    from the failure to the last stream's end."""
     prompts, params = prompts_and_params()
-    killed_at: list[float] = []
-    resumed_after: list[float] = []
+    failed_at: list[float] = []
 
     def on_tokens(total: int) -> None:
-        if not killed_at and total >= 300:
-            plane.kill()
-            killed_at.append(time.monotonic())
-            plane.start()  # same ports: the workers and the client reconnect to it
-        elif killed_at and not resumed_after and total > 300 + 16 * 4:
-            resumed_after.append(time.monotonic() - killed_at[0])
+        if not failed_at and total >= 300:
+            fail()
+            failed_at.append(time.monotonic())
 
-    streamed = asyncio.run(stream_all([plane.url], prompts, params, on_tokens))
-    assert killed_at, "the streams ended before the kill"
+    streamed = asyncio.run(stream_all(urls, prompts, params, on_tokens))
+    assert failed_at, "the streams ended before the failure"
+    took = time.monotonic() - failed_at[0]
     expected = uninterrupted(llama_ckpt, prompts, params)
     for i in range(NUM_STREAMS):
         assert streamed[i] == expected[i], i
+    return took
+
+
+def test_kill_9_of_the_control_plane_resumes_every_stream_on_its_restart(planes, llama_ckpt):
+    plane = planes("control", "w0", "w1")
+
+    def kill_and_restart() -> None:
+        plane.kill()
+        plane.start()  # same ports: the workers and the client reconnect to it
+
+    streams_survive(llama_ckpt, [plane.url], kill_and_restart)
     plane.wait_workers(2)  # both workers came back to the restarted plane
 
 
 def test_kill_9_of_the_control_plane_resumes_on_the_next_one_given(planes, llama_ckpt):
     first = planes("first", "a0")
     second = planes("second", "b0")
-    prompts, params = prompts_and_params()
-    killed: list[bool] = []
-
-    def on_tokens(total: int) -> None:
-        if not killed and total >= 300:
-            first.kill()
-            killed.append(True)
-
-    streamed = asyncio.run(stream_all([first.url, second.url], prompts, params, on_tokens))
-    assert killed
-    expected = uninterrupted(llama_ckpt, prompts, params)
-    for i in range(NUM_STREAMS):
-        assert streamed[i] == expected[i], i
+    streams_survive(llama_ckpt, [first.url, second.url], first.kill)
 
 
 def test_a_stopping_control_plane_hands_its_streams_over_or_fails_them(planes, llama_ckpt):
@@ -209,24 +208,14 @@ def test_a_control_plane_that_stops_answering_is_left_within_seconds(planes, lla
     3 s, and the client resumes on the next plane long before its 120 s request timeout."""
     first = planes("first", "a0")
     second = planes("second", "b0")
-    prompts, params = prompts_and_params()
-    stopped_at: list[float] = []
-
-    def on_tokens(total: int) -> None:
-        if not stopped_at and total >= 300:
-            assert first.proc is not None
-            first.proc.send_signal(signal.SIGSTOP)
-            stopped_at.append(time.monotonic())
-
+    assert first.proc is not None
     try:
-        streamed = asyncio.run(stream_all([first.url, second.url], prompts, params, on_tokens))
-        assert stopped_at and time.monotonic() - stopped_at[0] < 30
+        took = streams_survive(
+            llama_ckpt, [first.url, second.url], lambda: first.proc.send_signal(signal.SIGSTOP)
+        )
+        assert took < 30
     finally:
-        if first.proc is not None:
-            first.proc.send_signal(signal.SIGCONT)
-    expected = uninterrupted(llama_ckpt, prompts, params)
-    for i in range(NUM_STREAMS):
-        assert streamed[i] == expected[i], i
+        first.proc.send_signal(signal.SIGCONT)
 
 
 def test_a_live_plane_adopts_the_workers_of_a_dead_one(llama_ckpt, redis_url, tmp_path):
@@ -249,19 +238,7 @@ def test_a_live_plane_adopts_the_workers_of_a_dead_one(llama_ckpt, redis_url, tm
         services.append(workers_for(second, model, tmp_path, "y0"))
         first.wait_workers(2)
         second.wait_workers(1)
-        prompts, params = prompts_and_params()
-        killed: list[bool] = []
-
-        def on_tokens(total: int) -> None:
-            if not killed and total >= 300:
-                first.kill()
-                killed.append(True)
-
-        streamed = asyncio.run(stream_all([first.url, second.url], prompts, params, on_tokens))
-        assert killed
-        expected = uninterrupted(llama_ckpt, prompts, params)
-        for i in range(NUM_STREAMS):
-            assert streamed[i] == expected[i], i
+        streams_survive(llama_ckpt, [first.url, second.url], first.kill)
         second.wait_workers(3)
         client = connect(redis_url)
         ns = Namespace(key_model_name(model), WORKER_ENGINE["block_size"])

@@ -16,6 +16,7 @@ from service_harness import drop_model_keys, start_up
 
 from specserve.client import AsyncClient, SamplingParams, get_status
 from specserve.launch.local_redis import free_port
+from specserve.launch.up import LaunchError, check_port_free
 from specserve.shared.cpus import SPIN_COUNT, usable_cpus
 
 PROMPTS = [[1 + i, 7, 3 + (i * 5) % 50, 11, 2 + i % 9] for i in range(20)]
@@ -42,6 +43,48 @@ def wait_for(condition, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
+def streams_with_a_kill(urls: str | list[str], keys: str, pid: int) -> list[list[int]]:
+    """Every prompt streamed at once, `pid` killed with -9 once the streams are under way:
+    what each stream delivered."""
+
+    async def run() -> list[list[int]]:
+        async with AsyncClient(urls, timeout=120, keys=keys) as client:
+            started = asyncio.Event()
+            outputs: list[list[int]] = [[] for _ in PROMPTS]
+
+            async def one(i: int) -> None:
+                async for out in client.stream(PROMPTS[i], PARAMS):
+                    outputs[i].extend(out.token_ids)
+                    if len(outputs[i]) >= 4:
+                        started.set()
+
+            tasks = [asyncio.ensure_future(one(i)) for i in range(len(PROMPTS))]
+            await started.wait()
+            os.kill(pid, signal.SIGKILL)  # mid-stream
+            await asyncio.gather(*tasks)
+            return outputs
+
+    return asyncio.run(run())
+
+
+def assert_the_api_serves(api_port: int, expected: list[list[int]]) -> None:
+    api = f"http://127.0.0.1:{api_port}"
+    wait_for(lambda: _healthy(api), 60, "the API is not healthy")
+    body = {"prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    reply = httpx.post(f"{api}/v1/completions", json=body, timeout=60).json()
+    assert reply["usage"]["completion_tokens"] == len(expected[0])
+
+
+def stop_up(up: subprocess.Popen, redis_url: str, model: str) -> None:
+    up.send_signal(signal.SIGTERM)
+    try:
+        up.wait(60)
+    except subprocess.TimeoutExpired:
+        up.kill()
+        up.wait()
+    drop_model_keys(redis_url, model)
+
+
 def test_a_killed_worker_loses_no_request_and_comes_back(llama_ckpt, redis_url, expected):
     port, api_port = free_port(), free_port()
     url = f"tcp://127.0.0.1:{port}"
@@ -54,25 +97,7 @@ def test_a_killed_worker_loses_no_request_and_comes_back(llama_ckpt, redis_url, 
     up, lines = start_up(argv)
     try:
         first = child_pids(lines)
-
-        async def run() -> list[list[int]]:
-            async with AsyncClient(url, timeout=120, keys=keys) as client:
-                started = asyncio.Event()
-                outputs: list[list[int]] = [[] for _ in PROMPTS]
-
-                async def one(i: int) -> None:
-                    async for out in client.stream(PROMPTS[i], PARAMS):
-                        outputs[i].extend(out.token_ids)
-                        if len(outputs[i]) >= 4:
-                            started.set()
-
-                tasks = [asyncio.ensure_future(one(i)) for i in range(len(PROMPTS))]
-                await started.wait()
-                os.kill(first["worker-0"], signal.SIGKILL)  # mid-stream
-                await asyncio.gather(*tasks)
-                return outputs
-
-        assert asyncio.run(run()) == expected
+        assert streams_with_a_kill(url, keys, first["worker-0"]) == expected
         # `up` started worker-0 again, and the control plane took it back
         wait_for(lambda: child_pids(lines)["worker-0"] != first["worker-0"], 30, "no restart")
         status = lambda: get_status(url, keys=keys)  # noqa: E731
@@ -84,19 +109,10 @@ def test_a_killed_worker_loses_no_request_and_comes_back(llama_ckpt, redis_url, 
         wait_for(lambda: _healthy(api), 60, "the API never became healthy")
         os.kill(child_pids(lines)["api"], signal.SIGKILL)
         wait_for(lambda: child_pids(lines)["api"] != first["api"], 30, "the API was not restarted")
-        wait_for(lambda: _healthy(api), 60, "the restarted API never became healthy")
-        body = {"prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
-        reply = httpx.post(f"{api}/v1/completions", json=body, timeout=60).json()
-        assert reply["usage"]["completion_tokens"] == len(expected[0])
+        assert_the_api_serves(api_port, expected)  # the restarted API
         assert up.poll() is None  # still serving
     finally:
-        up.send_signal(signal.SIGTERM)
-        try:
-            up.wait(60)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            up.wait()
-        drop_model_keys(redis_url, str(llama_ckpt.path))
+        stop_up(up, redis_url, str(llama_ckpt.path))
 
 
 def _healthy(api: str) -> bool:
@@ -106,13 +122,23 @@ def _healthy(api: str) -> bool:
         return False
 
 
+def free_ports_in_a_row(count: int) -> int:
+    """A port with the `count - 1` ports after it free too."""
+    while True:
+        port = free_port()
+        try:
+            for offset in range(count):
+                check_port_free(port + offset)
+        except LaunchError:
+            continue
+        return port
+
+
 def test_up_with_two_control_planes_survives_kill_9_of_one(llama_ckpt, redis_url, expected):
     """`up --control-planes 2`: kill -9 of the first plane mid-stream; the SDK's streams resume
     on the second (every one exact), the first plane's worker moves there, `up` restarts the
     dead plane, the worker goes back home to it, and the HTTP API still answers."""
-    port, api_port = free_port(), free_port()
-    while free_port() in (port + 1, port + 2, port + 3):  # crude: hope the neighbours are free
-        port = free_port()
+    port, api_port = free_ports_in_a_row(4), free_port()  # two planes: two ports each
     urls = [f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 2}"]
     argv = [
         "up", "--workers", "2", "--control-planes", "2", "--port", str(port),
@@ -136,25 +162,7 @@ def test_up_with_two_control_planes_survives_kill_9_of_one(llama_ckpt, redis_url
         }
         names = ("worker-0", "worker-1")
         assert logged == {w: (s, SPIN_COUNT, len(s)) for w, s in zip(names, shares, strict=True)}
-
-        async def run() -> list[list[int]]:
-            async with AsyncClient(urls, timeout=120, keys=keys) as client:
-                started = asyncio.Event()
-                outputs: list[list[int]] = [[] for _ in PROMPTS]
-
-                async def one(i: int) -> None:
-                    async for out in client.stream(PROMPTS[i], PARAMS):
-                        outputs[i].extend(out.token_ids)
-                        if len(outputs[i]) >= 4:
-                            started.set()
-
-                tasks = [asyncio.ensure_future(one(i)) for i in range(len(PROMPTS))]
-                await started.wait()
-                os.kill(first["control"], signal.SIGKILL)  # mid-stream
-                await asyncio.gather(*tasks)
-                return outputs
-
-        assert asyncio.run(run()) == expected
+        assert streams_with_a_kill(urls, keys, first["control"]) == expected
         wait_for(lambda: child_pids(lines)["control"] != first["control"], 30, "no restart")
 
         def live() -> list[int]:
@@ -163,17 +171,7 @@ def test_up_with_two_control_planes_survives_kill_9_of_one(llama_ckpt, redis_url
         # worker-0 went to the second plane, then back home to the restarted first one
         wait_for(lambda: live() == [1, 1], 60, "the workers did not settle on their planes")
         assert any("control exited with status -9; restarting it" in line for line in lines)
-        api = f"http://127.0.0.1:{api_port}"
-        wait_for(lambda: _healthy(api), 60, "the API is not healthy")
-        body = {"prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
-        reply = httpx.post(f"{api}/v1/completions", json=body, timeout=60).json()
-        assert reply["usage"]["completion_tokens"] == len(expected[0])
+        assert_the_api_serves(api_port, expected)
         assert up.poll() is None
     finally:
-        up.send_signal(signal.SIGTERM)
-        try:
-            up.wait(60)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            up.wait()
-        drop_model_keys(redis_url, str(llama_ckpt.path))
+        stop_up(up, redis_url, str(llama_ckpt.path))
