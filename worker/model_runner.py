@@ -370,10 +370,13 @@ def _penalized(
     params: list[SamplingParams] = []
     histories: list[tuple[list[int], list[int]]] = []
     for state, n in zip(sampling, rows_per_request, strict=True):
-        assert n == 1 or not state.sampling.has_penalties, "a request with penalties has drafts"
-        split = state.num_prompt_tokens
         params += [state.sampling] * n
-        histories += [(state.token_ids[:split], state.token_ids[split:])] * n
+        if not state.sampling.has_penalties:
+            histories += [([], [])] * n  # its rows are left as they are: no copy of its tokens
+            continue
+        assert n == 1, "a request with penalties has drafts"
+        split = state.num_prompt_tokens
+        histories.append((state.token_ids[:split], state.token_ids[split:]))
     return apply_penalties(logits, params, histories)
 
 
