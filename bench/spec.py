@@ -9,6 +9,8 @@ training never saw (the first user turns of ShareGPT V3's held-out chats):
    drafters, the engines interleaved and repeated; every speculative output is checked to be
    the non-speculative one, token for token.
 3. The drafter's share of step time (time in the proposer over time in the worker's step).
+4. The speculation policy: each method with `--spec-policy fixed` (always K drafts) and
+   `adaptive` (the default: drafts only where they pay), and what the adaptive one chose.
 
     .venv/bin/python bench/spec.py [--quick] [--prompts 16] [--max-tokens 128]
 """
@@ -87,7 +89,13 @@ def acceptance_table(
     print("|---|---:|---:|---|")
     for method, ks in (("eagle3", (3, 5, 7)), ("dflash", (3, 7, 15))):
         for k in ks:
-            llm = LLM(MODEL, spec_method=method, drafter=drafters[method], num_spec_tokens=k)
+            llm = LLM(
+                MODEL,
+                spec_method=method,
+                drafter=drafters[method],
+                num_spec_tokens=k,
+                spec_policy="fixed",  # the drafter's acceptance with every round verifying K
+            )
             stats = measure(llm, prompts, max_tokens, batch=16).stats
             rates = ", ".join(f"{r:.2f}" for r in stats.acceptance_rate_per_position)
             print(f"| {method} | {k} | {stats.mean_acceptance_length:.2f} | {rates} |", flush=True)
@@ -109,14 +117,21 @@ def speed_table(
     print(f"| batch | {header} | " + " | ".join(f"{e.name} vs none" for e in engines[1:]) + " |")
     print("|---:|" + "---:|" * (2 * len(engines) - 1))
     shares: dict[str, list[float]] = {e.name: [] for e in engines}
+    decisions: dict[tuple[str, int], list[int]] = {}
     for batch in batches:
         rates: dict[str, list[float]] = {e.name: [] for e in engines}
         reference: list[list[int]] | None = None
         for _ in range(repeats):
             for engine in engines:
                 before = timers[engine.name]()
+                planned = policy_totals(llms[engine.name])
                 run: Generation = measure(llms[engine.name], prompts, max_tokens, batch)
                 after = timers[engine.name]()
+                total = decisions.setdefault((engine.name, batch), [0, 0, 0])
+                for i, (b, a) in enumerate(
+                    zip(planned, policy_totals(llms[engine.name]), strict=True)
+                ):
+                    total[i] += a - b
                 if reference is None:
                     reference = run.outputs
                 assert run.outputs == reference, f"{engine.name} output differs at batch {batch}"
@@ -131,6 +146,30 @@ def speed_table(
     print("\nDrafter's share of worker step time (all batches): " + ", ".join(
         f"{name} {statistics.mean(s):.0%}" for name, s in shares.items() if any(s)
     ))  # fmt: skip
+    print_decisions(decisions)
+
+
+def policy_totals(llm: LLM) -> tuple[int, int, int]:
+    """(steps planned, steps that verify drafts, drafts verified) so far."""
+    policy = llm.engine.runner.spec_policy
+    if policy is None:
+        return 0, 0, 0
+    stats = policy.stats
+    return (
+        sum(stats.steps.values()),
+        sum(stats.speculating_steps.values()),
+        sum(stats.drafts_verified.values()),
+    )
+
+
+def print_decisions(decisions: dict[tuple[str, int], list[int]]) -> None:
+    """What each policy chose at each batch size, over all repeats."""
+    print("\n## Speculation policy decisions (all repeats)\n")
+    print("| engine | batch | steps verifying drafts | drafts verified per step |")
+    print("|---|---:|---:|---:|")
+    for (name, batch), (steps, speculating, drafts) in decisions.items():
+        if steps:
+            print(f"| {name} | {batch} | {speculating / steps:.0%} | {drafts / steps:.2f} |")
 
 
 def main() -> None:
@@ -147,6 +186,12 @@ def main() -> None:
     parser.add_argument("--dflash-k", type=int, default=3, help="K of the speed runs")
     parser.add_argument("--ngram-k", type=int, default=4)
     parser.add_argument("--skip-acceptance", action="store_true")
+    parser.add_argument("--methods", default="ngram,eagle3,dflash", help="in the speed table")
+    parser.add_argument(
+        "--policies",
+        default="fixed,adaptive",
+        help="speculation policies in the speed table (fixed: always K; adaptive: the default)",
+    )
     args = parser.parse_args()
     configure_logging("warning")
     if args.quick:
@@ -159,17 +204,26 @@ def main() -> None:
           f"{args.max_tokens} new tokens each, greedy")  # fmt: skip
     if not args.skip_acceptance:
         acceptance_table(prompts, args.max_tokens, drafters)
-    engines = [
-        Engine("none", {}),
-        Engine("ngram", {"spec_method": "ngram", "num_spec_tokens": args.ngram_k}),
+    methods = {
+        "ngram": {"spec_method": "ngram", "num_spec_tokens": args.ngram_k},
+        "eagle3": {
+            "spec_method": "eagle3",
+            "drafter": args.eagle3,
+            "num_spec_tokens": args.eagle3_k,
+        },
+        "dflash": {
+            "spec_method": "dflash",
+            "drafter": args.dflash,
+            "num_spec_tokens": args.dflash_k,
+        },
+    }
+    engines = [Engine("none", {})] + [
         Engine(
-            f"eagle3 K={args.eagle3_k}",
-            {"spec_method": "eagle3", "drafter": args.eagle3, "num_spec_tokens": args.eagle3_k},
-        ),
-        Engine(
-            f"dflash K={args.dflash_k}",
-            {"spec_method": "dflash", "drafter": args.dflash, "num_spec_tokens": args.dflash_k},
-        ),
+            f"{method} K={kwargs['num_spec_tokens']} {policy}", {**kwargs, "spec_policy": policy}
+        )
+        for method, kwargs in methods.items()
+        if method in args.methods.split(",")
+        for policy in args.policies.split(",")
     ]
     batches = [int(b) for b in args.batches.split(",")]
     speed_table(prompts, args.max_tokens, engines, batches, args.repeats)

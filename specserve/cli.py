@@ -176,6 +176,13 @@ def _add_engine_args(p: ArgTarget) -> None:
         action="store_true",
         help="sample drafts, verified with their probabilities (default: greedy)",
     )
+    p.add_argument(
+        "--spec-policy",
+        default="adaptive",
+        choices=["adaptive", "fixed"],
+        help="adaptive: verify each step only the drafts expected to pay at this batch size, "
+        "from measured acceptance and step costs (down to none); fixed: always K",
+    )
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -196,6 +203,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         num_spec_tokens=args.num_spec_tokens,
         drafter_max_model_len=args.drafter_max_model_len,
         sample_drafts=args.sample_drafts,
+        spec_policy=args.spec_policy,
     )
 
 

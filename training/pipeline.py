@@ -286,8 +286,12 @@ def evaluate_drafter(args: TrainDrafterArgs, prompts: list[list[int]]) -> dict[s
 
     _check_drafter_target(args.out, args)
     k = args.num_spec_tokens or (5 if args.method == "eagle3" else 15)
-    llm = specserve.LLM(
-        args.model, spec_method=args.method, drafter=str(args.out), num_spec_tokens=k
+    llm = specserve.LLM(  # every round verifies all K drafts: acceptance of the drafter alone
+        args.model,
+        spec_method=args.method,
+        drafter=str(args.out),
+        num_spec_tokens=k,
+        spec_policy="fixed",
     )
     stats = measure(llm, prompts, max_tokens=128, batch=16).stats
     return {

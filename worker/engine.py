@@ -54,6 +54,9 @@ class EngineArgs:
     drafter_max_model_len: int | None = None  # None: the drafter checkpoint's limit
     attention_backend: str = "torch"  # torch | flashinfer | auto (FlashInfer where it can run)
     sample_drafts: bool = False  # sample drafts (verified with their probabilities), not argmax
+    # adaptive: verify per step the drafts that pay at this batch size (spec_decode/policy.py);
+    # fixed: always K
+    spec_policy: str = "adaptive"
 
 
 class WorkerEngine:
@@ -93,7 +96,11 @@ class WorkerEngine:
             method, args.num_spec_tokens, drafter, model, self.num_blocks, args.block_size,
             self.drafter_max_model_len, args.device, args.sample_drafts,
         )  # fmt: skip
-        self.runner = ModelRunner(model, kv_cache, args.device, speculator)
+        if args.spec_policy not in ("adaptive", "fixed"):
+            raise ValueError(f"spec_policy must be adaptive or fixed, got {args.spec_policy!r}")
+        self.runner = ModelRunner(
+            model, kv_cache, args.device, speculator, args.spec_policy == "adaptive"
+        )
         log.info(
             "engine.ready",
             model=loaded.name,
@@ -102,6 +109,7 @@ class WorkerEngine:
             max_model_len=max_model_len,
             spec_method=method.value,
             num_spec_tokens=args.num_spec_tokens,
+            spec_policy=args.spec_policy if method != SpecMethod.NONE else None,
         )
 
     def _blocks_for_budget(self, model: DecoderModel, drafter: Drafter | None) -> int:

@@ -7,6 +7,7 @@ step batch only says what changed. Tokens a request needs this step are its know
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -36,6 +37,7 @@ from specserve.worker.sampler import (
     sample,
     token_logprobs,
 )
+from specserve.worker.spec_decode.policy import Candidate, DraftPlan, SpecPolicy
 from specserve.worker.spec_decode.rejection_sampler import rejection_sample
 from specserve.worker.spec_decode.speculators import DraftInput, Speculator
 
@@ -98,12 +100,18 @@ class ModelRunner:
         kv_cache: PagedKVCache,
         device: torch.device | str,
         speculator: Speculator | None = None,
+        adaptive_spec: bool = True,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = torch.device(device)
         self.config = model.config
         self.speculator = speculator
+        self.spec_policy = None
+        if speculator is not None:
+            self.spec_policy = SpecPolicy(
+                speculator.num_spec_tokens, speculator.drafts_are_free, adaptive_spec
+            )
         self.recorder: HiddenStateRecorder | None = None  # set for drafter training only
         self.requests: dict[int, RequestState] = {}
         groups = self.config.kv_groups
@@ -157,6 +165,8 @@ class ModelRunner:
         self.requests.pop(handle, None)
         if self.speculator is not None:
             self.speculator.forget(handle)
+        if self.spec_policy is not None:
+            self.spec_policy.forget(handle)
 
     def _add_request(self, new: NewRequest) -> RequestState:
         vocab = self.config.vocab_size
@@ -184,6 +194,7 @@ class ModelRunner:
 
     def _run(self, scheduled: Sequence[_Scheduled]) -> list[RequestResult]:
         """One target forward for the whole batch, then verification, then drafting."""
+        started = time.perf_counter()
         input_ids: list[int] = []
         positions: list[int] = []
         steps: list[SequenceStep] = []
@@ -219,47 +230,83 @@ class ModelRunner:
 
         emitted, logprobs = self._sample(scheduled, row_starts, hidden)
         results = []
-        draft_inputs: list[DraftInput] = []
-        for item, row_start in zip(scheduled, row_starts, strict=True):
+        for item in scheduled:
             state, n, k = item.state, item.num_tokens, item.num_spec
-            start = state.num_computed_tokens
             tokens = emitted.get(state.handle, [])
             num_valid = n - k + max(len(tokens) - 1, 0)  # known tokens plus accepted drafts
-            state.num_computed_tokens = start + num_valid
+            state.num_computed_tokens += num_valid
             state.token_ids.extend(tokens)
             state.draft_token_ids = []
             state.draft_probs = None
             results.append(RequestResult(state.handle, tokens, logprobs=logprobs.get(state.handle)))
-            if self.speculator is not None:
-                draft_inputs.append(
-                    DraftInput(
-                        handle=state.handle,
-                        token_ids=state.token_ids,
-                        block_table=state.block_tables[0],
-                        row_start=row_start,
-                        start=start,
-                        num_valid=num_valid,
-                        propose=bool(tokens)
-                        and not state.sampling.has_penalties  # (never speculated)
-                        and self.speculator.window_allows(len(state.token_ids)),
-                        temperature=state.sampling.temperature,
-                        generator=state.generator,
-                    )
-                )
         if self.speculator is None:
             return results
+        assert self.spec_policy is not None
+        verified = time.perf_counter()
+        num_drafts = sum(item.num_spec for item in scheduled)
+        prefill = any(item.num_tokens - item.num_spec > 1 for item in scheduled)
+        self.spec_policy.observe_step(len(input_ids), num_drafts, prefill, verified - started)
+        plan = self._plan_drafts(scheduled, results)
+        draft_inputs = []
+        for item, row_start, result in zip(scheduled, row_starts, results, strict=True):
+            state, n, k = item.state, item.num_tokens, item.num_spec
+            num_valid = n - k + max(len(result.sampled_token_ids) - 1, 0)
+            draft_inputs.append(
+                DraftInput(
+                    handle=state.handle,
+                    token_ids=state.token_ids,
+                    block_table=state.block_tables[0],
+                    row_start=row_start,
+                    start=state.num_computed_tokens - num_valid,
+                    num_valid=num_valid,
+                    num_drafts=plan.num_to_propose(state.handle, self.speculator.num_spec_tokens),
+                    defer=self.spec_policy.adaptive and bool(result.sampled_token_ids),
+                    temperature=state.sampling.temperature,
+                    generator=state.generator,
+                )
+            )
         aux_hidden = torch.cat(aux, dim=-1) if aux else None
         drafts = self.speculator.propose(draft_inputs, aux_hidden)
+        self.spec_policy.observe_drafting(
+            sum(len(d.tokens) for d in drafts.values()), time.perf_counter() - verified
+        )
         for i, result in enumerate(results):
             proposed = drafts.get(result.handle)
-            if proposed is not None and proposed.tokens:
-                state = self.requests[result.handle]
-                state.draft_token_ids = proposed.tokens
-                state.draft_probs = proposed.probs
+            if proposed is None or not proposed.tokens:
+                continue
+            state = self.requests[result.handle]
+            if result.handle in plan.shadow:
+                self.spec_policy.add_shadow(result.handle, len(state.token_ids), proposed.tokens)
+            num_verify = plan.verify.get(result.handle, 0)
+            if num_verify:
+                state.draft_token_ids = proposed.tokens[:num_verify]
+                state.draft_probs = None if proposed.probs is None else proposed.probs[:num_verify]
                 results[i] = RequestResult(
-                    result.handle, result.sampled_token_ids, proposed.tokens, result.logprobs
+                    result.handle, result.sampled_token_ids, state.draft_token_ids, result.logprobs
                 )
         return results
+
+    def _plan_drafts(
+        self, scheduled: Sequence[_Scheduled], results: Sequence[RequestResult]
+    ) -> DraftPlan:
+        """Learn from this step's verified drafts, then ask the policy for the next step's."""
+        assert self.speculator is not None and self.spec_policy is not None
+        candidates: list[Candidate] = []
+        other_decodes = prefill_rows = 0
+        for item, result in zip(scheduled, results, strict=True):
+            state, tokens = item.state, result.sampled_token_ids
+            if not tokens:
+                prefill_rows += item.num_tokens
+                continue
+            self.spec_policy.observe_verified(state.handle, item.num_spec, len(tokens) - 1)
+            if state.sampling.has_penalties or not self.speculator.window_allows(
+                len(state.token_ids)
+            ):
+                other_decodes += 1  # never speculated
+                continue
+            seeded = state.generator is not None and not state.sampling.greedy
+            candidates.append(Candidate(state.handle, state.token_ids, fixed=seeded))
+        return self.spec_policy.plan(candidates, other_decodes, prefill_rows)
 
     def _record(
         self,

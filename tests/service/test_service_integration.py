@@ -464,7 +464,8 @@ def test_a_stuck_worker_is_removed_and_its_request_resumes(llama_ckpt, redis_url
 
 def test_speculative_workers_stay_lossless_and_report_acceptance(service: Service, llama_ckpt):
     plane = service.start_control()
-    service.start_worker("w0", spec_method="ngram", num_spec_tokens=3)
+    # fixed: every round verifies K, so both requests report drafts (adaptive may verify none)
+    service.start_worker("w0", spec_method="ngram", num_spec_tokens=3, spec_policy="fixed")
     service.wait_workers({"w0"})
     prompts = [[7, 8, 9, 7, 8, 9, 7, 8, 9, 7], [1, 2, 3, 4, 1, 2, 3, 4, 1]]
     outs = asyncio.run(generate_all(service.url, prompts, greedy(24)))

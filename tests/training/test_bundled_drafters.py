@@ -49,7 +49,8 @@ def test_the_bundled_drafter_is_the_default_and_lossless(method, prompts, plain)
     training = json.loads((shipped / "training.json").read_text())
     assert training["method"] == method
 
-    llm = LLM(MODEL, spec_method=method, **ENGINE)  # no --drafter: the shipped one
+    # no --drafter: the shipped one; every round verifies all K (the drafter's acceptance)
+    llm = LLM(MODEL, spec_method=method, spec_policy="fixed", **ENGINE)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     for prompt, want in zip(prompts[:3], plain[:3], strict=True):  # batch 1
         (out,) = llm.generate([prompt], params)

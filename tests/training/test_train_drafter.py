@@ -297,7 +297,11 @@ def test_an_overfit_drafter_is_accepted_through_the_runner(
     plain = specserve.LLM(str(chat_target))
     expected = measure(plain, prompts, max_tokens=40, batch=4).outputs
     spec = specserve.LLM(
-        str(chat_target), spec_method=method, drafter=str(tmp_path / "drafter"), num_spec_tokens=k
+        str(chat_target),
+        spec_method=method,
+        drafter=str(tmp_path / "drafter"),
+        num_spec_tokens=k,
+        spec_policy="fixed",  # acceptance of the drafter, every round verifying all K
     )
     served = measure(spec, prompts, max_tokens=40, batch=4)
     assert served.outputs == expected

@@ -122,12 +122,12 @@ class OracleDrafter(Speculator):
     ) -> dict[int, Draft]:
         drafts = {}
         for inp in inputs:
-            if not inp.propose:
+            if not inp.num_drafts:
                 continue
             for prompt, continuation in self.continuations.items():
                 if tuple(inp.token_ids[: len(prompt)]) == prompt:
                     done = len(inp.token_ids) - len(prompt)
-                    truth = continuation[done : done + K]
+                    truth = continuation[done : done + inp.num_drafts]
                     drafts[inp.handle] = Draft(
                         [(t + 1) % 256 if self.rng.random() < self.error_rate else t for t in truth]
                     )
@@ -144,6 +144,7 @@ def test_oracle_drafter_hits_every_acceptance_length_and_stays_lossless(qwen3_hy
         num_spec_tokens=K,
         block_size=4,
         num_blocks=200,
+        spec_policy="fixed",  # every acceptance length must occur: verify all K each step
     )
     llm.engine.runner.speculator = OracleDrafter(method, truth, error_rate=0.2)
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
@@ -190,7 +191,7 @@ def test_dflash_drafts_do_not_depend_on_prefix_sharing(qwen3_ckpt, tmp_path):
     def run(batch: list[list[int]]) -> tuple[list[list[int]], int]:
         llm = LLM(
             str(qwen3_ckpt.path), spec_method="dflash", drafter=drafter, num_spec_tokens=K,
-            block_size=4, num_blocks=256, dtype="float64",
+            block_size=4, num_blocks=256, dtype="float64", spec_policy="fixed",
         )  # fmt: skip
         recorded = _record_drafts(llm)
         if len(batch) > 1:
@@ -209,7 +210,7 @@ def test_removing_the_first_prefill_lookahead_makes_dflash_fail(qwen3_ckpt, tmp_
     drafter = _drafter(qwen3_ckpt, "dflash", tmp_path)
     llm = LLM(
         str(qwen3_ckpt.path), spec_method="dflash", drafter=drafter, num_spec_tokens=K,
-        block_size=4, num_blocks=64,
+        block_size=4, num_blocks=64, spec_policy="fixed",
     )  # fmt: skip
     monkeypatch.setattr(llm.engine.scheduler, "admission_lookahead", 0)
     with pytest.raises(DraftSlotError, match="lookahead is too small"):
@@ -223,6 +224,7 @@ def test_drafter_window(qwen3_ckpt, tmp_path, method, last_drafting_len):
     llm = LLM(
         str(qwen3_ckpt.path), spec_method=method, drafter=_drafter(qwen3_ckpt, method, tmp_path),
         num_spec_tokens=K, block_size=4, num_blocks=128, drafter_max_model_len=100,
+        spec_policy="fixed",
     )  # fmt: skip
     runner = llm.engine.runner
     execute = runner.execute
@@ -270,9 +272,9 @@ def test_spec_options_are_validated(llama_ckpt, tmp_path):
 def test_choose_drafts_samples_from_the_tempered_drafter_distribution():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 0.0, 0.0]])
     inputs = [
-        DraftInput(0, [], [], 0, 0, 1, True, temperature=0.5,
+        DraftInput(0, [], [], 0, 0, 1, 1, temperature=0.5,
                    generator=torch.Generator().manual_seed(3)),
-        DraftInput(1, [], [], 0, 0, 1, True, temperature=0.0),
+        DraftInput(1, [], [], 0, 0, 1, 1, temperature=0.0),
     ]  # fmt: skip
     tokens, probs = choose_drafts(logits, inputs, sample=True)
     torch.testing.assert_close(probs[0], torch.softmax(logits[0] / 0.5, dim=-1))
@@ -327,3 +329,91 @@ def test_logprobs_of_verified_tokens_match_plain_decoding(llama_ckpt):
     assert len(spec_lp) == len(plain_lp) == 24
     assert spec_top == plain_top and all(len(ids) == 3 for ids in spec_top)
     torch.testing.assert_close(torch.tensor(spec_lp), torch.tensor(plain_lp), atol=1e-4, rtol=0)
+
+
+def _scripted_drafts(llm: LLM, num_drafts) -> dict[tuple[str, int], list[int]]:
+    """Replace the policy's plan with `num_drafts(handle, step) -> k` (every k verified) and
+    record each proposed draft by (request id, sequence length when proposed)."""
+    from specserve.worker.spec_decode.policy import DraftPlan
+
+    runner = llm.engine.runner
+    policy = runner.spec_policy
+    steps = iter(range(10**6))
+
+    def plan(candidates, other_decodes=0, prefill_rows=0):
+        step = next(steps)
+        return DraftPlan({c.handle: num_drafts(c.handle, step) for c in candidates}, frozenset())
+
+    policy.plan = plan
+    recorded: dict[tuple[str, int], list[int]] = {}
+    execute = runner.execute
+
+    def recording(batch):
+        result: StepResult = execute(batch)
+        for res in result.results:
+            if res.draft_token_ids:
+                state = runner.requests[res.handle]
+                recorded[(state.request_id, len(state.token_ids))] = list(res.draft_token_ids)
+        return result
+
+    runner.execute = recording
+    return recorded
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_fewer_drafts_are_a_prefix_of_k_drafts(qwen3_ckpt, tmp_path, method):
+    """The policy asks each request for its own number of drafts; a drafter model gives each
+    the prefix of what it would have drafted with K (EAGLE-3 stops a request's steps early)."""
+    drafter = _drafter(qwen3_ckpt, method, tmp_path)
+    batch = prompts([9, 14, 6, 11], seed=21)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    runs = []
+    for num_drafts in (lambda handle, step: K, lambda handle, step: handle % (K + 1)):
+        llm = LLM(str(qwen3_ckpt.path), spec_method=method, drafter=drafter, num_spec_tokens=K,
+                  block_size=4, num_blocks=256, dtype="float64")  # fmt: skip
+        recorded = _scripted_drafts(llm, num_drafts)
+        outs = llm.generate(batch, params)
+        runs.append((recorded, [o.token_ids for o in outs]))
+    (full, full_out), (varied, varied_out) = runs
+    assert full_out == varied_out  # lossless either way
+    common = set(full) & set(varied)
+    assert len(common) >= 8
+    assert {len(varied[key]) for key in varied} == {1, 2, 3}  # handle 0 proposes none
+    for key in common:
+        assert varied[key] == full[key][: len(varied[key])], key
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_rows_put_aside_give_the_drafter_the_same_context(
+    qwen3_ckpt, tmp_path, method, monkeypatch
+):
+    """A request verifying no drafts has its rows put aside and given to the drafter with a later
+    step's: the drafts it then proposes are those of a drafter that took every step's rows."""
+    from specserve.worker.spec_decode import speculators
+
+    drafter = _drafter(qwen3_ckpt, method, tmp_path)
+    batch = prompts([10, 7, 13], seed=5)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    runs = []
+    for max_deferred in (64, 0):  # 0: nothing is put aside
+        monkeypatch.setattr(speculators, "MAX_DEFERRED_ROWS", max_deferred)
+        llm = LLM(str(qwen3_ckpt.path), spec_method=method, drafter=drafter, num_spec_tokens=K,
+                  block_size=4, num_blocks=256, dtype="float64")  # fmt: skip
+        speculator = llm.engine.runner.speculator
+        deferred_seen = []
+        recorded = _scripted_drafts(llm, lambda handle, step: K if step % 5 == 4 else 0)
+        propose = speculator.propose
+
+        def watching(inputs, aux, propose=propose, seen=deferred_seen, spec=speculator):
+            drafts = propose(inputs, aux)
+            seen.append(sum(d.rows[0].shape[0] for d in spec.deferred.values()))
+            return drafts
+
+        speculator.propose = watching
+        outs = llm.generate(batch, params)
+        runs.append((recorded, [o.token_ids for o in outs], max(deferred_seen)))
+    (aside, aside_out, most_aside), (every, every_out, none_aside) = runs
+    assert most_aside >= 3 * 4 and none_aside == 0  # 3 requests x 4 steps put aside
+    assert aside_out == every_out
+    assert aside.keys() == every.keys() and len(aside) >= 6
+    assert aside == every

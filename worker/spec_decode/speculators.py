@@ -54,9 +54,31 @@ class DraftInput:
     row_start: int  # first row of the request in the step's flattened batch
     start: int  # first position processed this step
     num_valid: int  # rows whose tokens are verified: the drafter's new context
-    propose: bool  # sampled this step and passes the drafter-window check
+    num_drafts: int  # drafts to propose (0: none); the request sampled and fits the window
+    # The request decoded without drafts this step: a drafter model may put its rows aside
+    # and take them with a later step's (`_DrafterSpeculator` explains when).
+    defer: bool = False
     temperature: float = 0.0  # the request's; used when drafts are sampled
     generator: torch.Generator | None = None
+
+
+@dataclass(frozen=True)
+class _DraftRows:
+    """One request's drafts as a drafter model produces them, one depth at a time."""
+
+    tokens: list[int]
+    probs: list[torch.Tensor | None]
+
+    def add(self, token: int, probs: torch.Tensor | None) -> None:
+        self.tokens.append(token)
+        self.probs.append(probs)
+
+    def draft(self) -> Draft:
+        """Greedy requests may get q at some depths only (when a sampled request drafted
+        beside them); verification ignores their q, so they get none."""
+        if any(p is None for p in self.probs):
+            return Draft(self.tokens)
+        return Draft(self.tokens, torch.stack(self.probs))  # type: ignore[arg-type]
 
 
 def choose_drafts(
@@ -101,6 +123,7 @@ class Speculator(ABC):
     num_spec_tokens: int
     aux_layer_ids: tuple[int, ...] = ()  # target layers whose outputs the drafter reads
     max_model_len: int | None = None  # the drafter's own position limit, if any
+    drafts_are_free: bool = False  # proposing costs next to nothing (shadow drafts every step)
 
     @functools.cached_property
     def window_extra(self) -> int:
@@ -117,7 +140,8 @@ class Speculator(ABC):
     def propose(
         self, inputs: Sequence[DraftInput], aux_hidden: torch.Tensor | None
     ) -> dict[int, Draft]:
-        """Drafts per handle for the inputs with `propose`; may update drafter KV for all."""
+        """Up to `num_drafts` drafts per handle (inputs with none get no entry); may update
+        drafter KV for every input."""
 
     def forget(self, handle: int) -> None:  # noqa: B027 - most speculators keep no state
         """The request left this worker (finished or preempted): drop any per-request state."""
@@ -127,6 +151,7 @@ class NgramSpeculator(Speculator):
     """Prompt lookup over each request's own tokens, with an incremental per-request index."""
 
     method = SpecMethod.NGRAM
+    drafts_are_free = True
 
     def __init__(self, num_spec_tokens: int, min_n: int = 1, max_n: int = 4) -> None:
         self.num_spec_tokens = num_spec_tokens
@@ -142,8 +167,8 @@ class NgramSpeculator(Speculator):
             else:
                 seen = len(self.proposer.indexes[inp.handle].tokens)
                 self.proposer.extend(inp.handle, inp.token_ids[seen:])
-            if inp.propose:
-                drafts[inp.handle] = Draft(self.proposer.propose(inp.handle))
+            if inp.num_drafts:
+                drafts[inp.handle] = Draft(self.proposer.propose(inp.handle)[: inp.num_drafts])
         return drafts
 
     def forget(self, handle: int) -> None:
@@ -151,6 +176,27 @@ class NgramSpeculator(Speculator):
 
 
 _D = TypeVar("_D", Eagle3Drafter, DFlashDrafter)
+
+MAX_DEFERRED_ROWS = 64  # verified rows per request a drafter model may put aside
+
+
+@dataclass
+class _Deferred:
+    start: int  # position of the first row put aside
+    rows: list[torch.Tensor]  # the target features of positions start.., in order
+
+
+@dataclass(frozen=True)
+class _Context:
+    """Rows a drafter model takes this step for one request: positions start..end-1."""
+
+    inp: DraftInput
+    start: int
+    features: torch.Tensor  # [end - start, aux features]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.features.shape[0]
 
 
 class _DrafterSpeculator(Speculator, Generic[_D]):
@@ -174,8 +220,39 @@ class _DrafterSpeculator(Speculator, Generic[_D]):
         self.device = device
         self.sample_drafts = sample_drafts
 
+        self.deferred: dict[int, _Deferred] = {}
+
     def _tensor(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def forget(self, handle: int) -> None:
+        self.deferred.pop(handle, None)
+
+    def _contexts(self, inputs: Sequence[DraftInput], aux_hidden: torch.Tensor) -> list[_Context]:
+        """The verified rows the drafter takes now, per request: rows put aside first.
+
+        A request decoding without drafts (`defer`) keeps its rows aside, up to
+        `MAX_DEFERRED_ROWS`, so that while the policy verifies no drafts the drafter runs once
+        over many steps' rows instead of once per step; drafting, or a full backlog, takes them
+        all. Prompt chunks are never put aside: a request sharing their blocks through the
+        prefix cache reads their drafter KV. A request that finishes with rows put aside leaves
+        those positions (at most MAX_DEFERRED_ROWS) without drafter KV; a later request that
+        reuses the blocks drafts worse from them, never wrongly (verification is lossless).
+        """
+        contexts = []
+        for inp in inputs:
+            rows = aux_hidden[inp.row_start : inp.row_start + inp.num_valid]
+            backlog = self.deferred.pop(inp.handle, None)
+            start = inp.start
+            if backlog is not None:
+                start = backlog.start
+                rows = torch.cat([*backlog.rows, rows])
+            if inp.defer and not inp.num_drafts and rows.shape[0] <= MAX_DEFERRED_ROWS:
+                self.deferred[inp.handle] = _Deferred(start, [rows.clone()])
+                continue
+            if rows.shape[0]:
+                contexts.append(_Context(inp, start, rows))
+        return contexts
 
 
 class Eagle3Speculator(_DrafterSpeculator[Eagle3Drafter]):
@@ -203,28 +280,25 @@ class Eagle3Speculator(_DrafterSpeculator[Eagle3Drafter]):
     ) -> dict[int, Draft]:
         assert aux_hidden is not None
         drafter, bs = self.drafter, self.kv_cache.block_size
-        rows: list[int] = []
         ids: list[int] = []
         positions: list[int] = []
         steps: list[SequenceStep] = []
         last_rows: list[int] = []
         proposing: list[DraftInput] = []
-        for inp in inputs:
-            if not inp.num_valid:
-                continue
-            end = inp.start + inp.num_valid
+        contexts = self._contexts(inputs, aux_hidden)
+        for ctx in contexts:
+            inp, end = ctx.inp, ctx.end
             draft_slots(inp.block_table, [end - 1], bs, inp.handle)
-            rows.extend(range(inp.row_start, inp.row_start + inp.num_valid))
             # Row p reads (token p+1, target hidden at p): the token ids shift left by one.
-            ids.extend(inp.token_ids[inp.start + 1 : end + 1])
-            positions.extend(range(inp.start, end))
-            steps.append(SequenceStep(inp.num_valid, end, [inp.block_table]))
-            if inp.propose:
+            ids.extend(inp.token_ids[ctx.start + 1 : end + 1])
+            positions.extend(range(ctx.start, end))
+            steps.append(SequenceStep(end - ctx.start, end, [inp.block_table]))
+            if inp.num_drafts:
                 last_rows.append(len(ids) - 1)
                 proposing.append(inp)
         if not steps:
             return {}
-        hidden = drafter.combine_hidden_states(aux_hidden[torch.tensor(rows, device=self.device)])
+        hidden = drafter.combine_hidden_states(torch.cat([ctx.features for ctx in contexts]))
         normed, prenorm = drafter(
             self._tensor(ids),
             hidden,
@@ -238,17 +312,27 @@ class Eagle3Speculator(_DrafterSpeculator[Eagle3Drafter]):
         tokens, probs = choose_drafts(
             drafter.compute_logits(normed[last]), proposing, self.sample_drafts
         )
-        draft_probs = [probs]
+        drafts = {inp.handle: _DraftRows([], []) for inp in proposing}
+        active = proposing  # requests still drafting; each stops at its own num_drafts
         hidden = prenorm[last]
-        drafts = [tokens]
         pos = [inp.start + inp.num_valid - 1 for inp in proposing]
-        for _ in range(self.num_spec_tokens - 1):
+        for depth in range(1, max(inp.num_drafts for inp in proposing) + 1):
+            for i, (inp, token) in enumerate(zip(active, tokens.tolist(), strict=True)):
+                drafts[inp.handle].add(token, None if probs is None else probs[i])
+            if depth == max(inp.num_drafts for inp in active):
+                break
+            keep = [i for i, inp in enumerate(active) if inp.num_drafts > depth]
+            if len(keep) < len(active):
+                index = self._tensor(keep)
+                active = [active[i] for i in keep]
+                tokens, hidden = tokens[index], hidden[index]
+                pos = [pos[i] for i in keep]
             pos = [p + 1 for p in pos]
-            for inp, p in zip(proposing, pos, strict=True):
+            for inp, p in zip(active, pos, strict=True):
                 draft_slots(inp.block_table, [p], bs, inp.handle)
             steps = [
                 SequenceStep(1, p + 1, [inp.block_table])
-                for inp, p in zip(proposing, pos, strict=True)
+                for inp, p in zip(active, pos, strict=True)
             ]
             normed, hidden = drafter(
                 tokens,
@@ -258,16 +342,9 @@ class Eagle3Speculator(_DrafterSpeculator[Eagle3Drafter]):
                 self.kv_cache,
             )
             tokens, probs = choose_drafts(
-                drafter.compute_logits(normed), proposing, self.sample_drafts
+                drafter.compute_logits(normed), active, self.sample_drafts
             )
-            draft_probs.append(probs)
-            drafts.append(tokens)
-        per_request = torch.stack(drafts, dim=1).tolist()
-        stacked = None if draft_probs[0] is None else torch.stack(draft_probs, dim=1)
-        return {
-            inp.handle: Draft(d, None if stacked is None else stacked[i])
-            for i, (inp, d) in enumerate(zip(proposing, per_request, strict=True))
-        }
+        return {handle: rows.draft() for handle, rows in drafts.items()}
 
 
 class DFlashSpeculator(_DrafterSpeculator[DFlashDrafter]):
@@ -294,22 +371,21 @@ class DFlashSpeculator(_DrafterSpeculator[DFlashDrafter]):
     ) -> dict[int, Draft]:
         assert aux_hidden is not None
         drafter, bs, k = self.drafter, self.kv_cache.block_size, self.num_spec_tokens
-        rows: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        for inp in inputs:
-            span = range(inp.start, inp.start + inp.num_valid)
-            rows.extend(range(inp.row_start, inp.row_start + inp.num_valid))
+        contexts = self._contexts(inputs, aux_hidden)
+        for ctx in contexts:
+            span = range(ctx.start, ctx.end)
             positions.extend(span)
-            slots.extend(draft_slots(inp.block_table, span, bs, inp.handle))
-        if rows:
+            slots.extend(draft_slots(ctx.inp.block_table, span, bs, ctx.inp.handle))
+        if contexts:
             drafter.write_context_kv(
-                drafter.combine_hidden_states(aux_hidden[self._tensor(rows)]),
+                drafter.combine_hidden_states(torch.cat([ctx.features for ctx in contexts])),
                 self._tensor(positions),
                 self._tensor(slots),
                 self.kv_cache,
             )
-        proposing = [inp for inp in inputs if inp.propose]
+        proposing = [inp for inp in inputs if inp.num_drafts]
         if not proposing:
             return {}
         ids: list[int] = []
@@ -333,8 +409,12 @@ class DFlashSpeculator(_DrafterSpeculator[DFlashDrafter]):
         logits = drafter.compute_logits(hidden[self._tensor(mask_rows)])
         tokens, probs = choose_drafts(logits, row_inputs, self.sample_drafts)
         per_request = tokens.view(len(proposing), k).tolist()
+        # The block is the drafter's trained size; a request asking for fewer keeps a prefix.
         return {
-            inp.handle: Draft(d, None if probs is None else probs[i * k : (i + 1) * k])
+            inp.handle: Draft(
+                d[: inp.num_drafts],
+                None if probs is None else probs[i * k : i * k + inp.num_drafts],
+            )
             for i, (inp, d) in enumerate(zip(proposing, per_request, strict=True))
         }
 

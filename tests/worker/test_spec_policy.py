@@ -1,0 +1,179 @@
+"""The speculation policy: cost lines, acceptance learnt from verified and shadow drafts, and the
+choice of drafts, checked against brute force over every possible choice."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from specserve.worker.spec_decode.policy import (
+    INITIAL_RATE,
+    PRIOR_RATE_WEIGHT,
+    REQUEST_RATE_WEIGHT,
+    Candidate,
+    CostLine,
+    SpecPolicy,
+)
+
+K = 3
+
+
+def _costs(
+    policy: SpecPolicy,
+    plain: tuple[float, float],
+    mixed: tuple[float, float],
+    prefill: tuple[float, float] = (0.02, 0.0006),
+) -> None:
+    """Feed exact lines: seconds = a + b * rows (plain, verification and prefill steps), drafting
+    free."""
+    for rows in (1, 2, 4, 8, 16, 32, 64):
+        policy.observe_step(rows, 0, False, plain[0] + plain[1] * rows)
+        policy.observe_step(rows, 1, False, mixed[0] + mixed[1] * rows)
+        policy.observe_step(rows, 0, True, prefill[0] + prefill[1] * rows)
+        policy.observe_drafting(rows, 0.0)
+
+
+def _set_rates(policy: SpecPolicy, handle: int, rates: list[float]) -> None:
+    policy._request(handle).rates = list(rates)
+
+
+def test_cost_line_fits_a_line_and_follows_a_change():
+    line = CostLine(decay=0.9)
+    assert not line.known
+    for x in (1, 3, 7, 20):
+        line.observe(x, 0.002 + 0.0005 * x)
+    assert line.predict(10) == pytest.approx(0.007)
+    assert line.slope() == pytest.approx(0.0005)
+    for _ in range(200):  # the machine got twice as slow: old points are forgotten
+        for x in (2, 9):
+            line.observe(x, 2 * (0.002 + 0.0005 * x))
+    assert line.predict(10) == pytest.approx(0.014, rel=1e-3)
+
+
+def test_cost_line_of_one_size_scales_in_proportion():
+    line = CostLine()
+    for _ in range(5):
+        line.observe(4, 0.008)
+    assert line.slope() == pytest.approx(0.002)
+    assert line.predict(4) == pytest.approx(0.008)
+
+
+def test_verified_outcomes_move_request_rates_and_the_prior():
+    policy = SpecPolicy(K, free_drafts=True)
+    policy.observe_verified(7, num_drafts=3, num_accepted=1)  # draft 1 accepted, 2 rejected
+    up = INITIAL_RATE + REQUEST_RATE_WEIGHT * (1 - INITIAL_RATE)
+    down = INITIAL_RATE - REQUEST_RATE_WEIGHT * INITIAL_RATE
+    assert policy.requests[7].rates == pytest.approx([up, down, INITIAL_RATE])  # 3 not seen
+    assert policy.prior == pytest.approx(
+        [INITIAL_RATE + PRIOR_RATE_WEIGHT * 0.5, INITIAL_RATE - PRIOR_RATE_WEIGHT * 0.5, 0.5]
+    )
+    policy.observe_verified(8, num_drafts=2, num_accepted=2)  # all accepted: nothing rejected
+    assert policy.requests[8].rates[2] == policy.prior[2] == INITIAL_RATE
+    policy.forget(7)
+    assert 7 not in policy.requests
+
+
+def test_shadow_drafts_are_scored_against_the_tokens_the_target_produced():
+    policy = SpecPolicy(K, free_drafts=True)
+    policy.add_shadow(1, position=10, drafts=[5, 6, 7])
+    tokens = [*range(10), 5, 6]  # positions 10, 11 known: both match, 12 not yet
+    policy.plan([Candidate(1, tokens)])
+    assert policy.requests[1].shadows == [(10, [5, 6, 7])]  # still pending
+    assert policy.requests[1].rates == [INITIAL_RATE] * K
+    policy.plan([Candidate(1, [*tokens, 9])])  # position 12 is 9: 2 accepted, the 3rd rejected
+    assert policy.requests[1].shadows == []
+    up = INITIAL_RATE + REQUEST_RATE_WEIGHT * (1 - INITIAL_RATE)
+    down = INITIAL_RATE - REQUEST_RATE_WEIGHT * INITIAL_RATE
+    assert policy.requests[1].rates == pytest.approx([up, up, down])
+    prior = list(policy.prior)  # where a new request starts (moved by request 1's outcome)
+    policy.add_shadow(2, position=3, drafts=[1, 2])
+    policy.plan([Candidate(2, [0, 0, 0, 4])])  # the first draft already missed: scored at once
+    first = prior[0] - REQUEST_RATE_WEIGHT * prior[0]
+    assert policy.requests[2].rates == pytest.approx([first, prior[1], prior[2]])
+
+
+def _throughput(
+    policy: SpecPolicy, rates: dict[int, list[float]], verify: dict[int, int], prefill: int
+) -> float:
+    """Expected tokens per second of one choice, from the policy's own cost lines."""
+    tokens = 0.0
+    drafts = sum(verify.values())
+    for handle, k in verify.items():
+        p, tokens = 1.0, tokens + 1.0
+        for rate in rates[handle][:k]:
+            p *= rate
+            tokens += p
+    rows = len(verify) + prefill
+    if prefill:
+        seconds = policy.prefill_step.predict(rows + drafts) + policy.drafting.slope() * drafts
+    elif drafts == 0:
+        seconds = policy.plain_step.predict(rows)
+    else:
+        seconds = policy.verify_step.predict(rows + drafts) + policy.drafting.slope() * drafts
+    return tokens / seconds
+
+
+@pytest.mark.parametrize(
+    ("plain", "mixed", "prefill"),
+    [
+        ((0.0075, 0.0008), (0.011, 0.0008), 0),  # CPU batch 1-16: verification leaves fused decode
+        ((0.005, 0.0001), (0.005, 0.0001), 0),  # a GPU-like step: rows are nearly free
+        ((0.001, 0.004), (0.001, 0.004), 0),  # every row costs a lot: drafts rarely pay
+        ((0.0075, 0.0008), (0.011, 0.0008), 40),  # a prefill chunk rides along
+    ],
+)
+def test_the_choice_is_the_best_of_every_possible_one(plain, mixed, prefill):
+    policy = SpecPolicy(K, free_drafts=True)
+    _costs(policy, plain, mixed)
+    rates = {
+        1: [0.9, 0.8, 0.7],
+        2: [0.5, 0.5, 0.5],
+        3: [0.2, 0.1, 0.1],
+        4: [0.7, 0.2, 0.9],
+    }
+    for handle, r in rates.items():
+        _set_rates(policy, handle, r)
+    plan = policy.plan([Candidate(h, []) for h in rates], prefill_rows=prefill)
+    chosen = {h: plan.verify.get(h, 0) for h in rates}
+    best = max(
+        _throughput(policy, rates, dict(zip(rates, ks, strict=True)), prefill)
+        for ks in itertools.product(range(K + 1), repeat=len(rates))
+    )
+    assert _throughput(policy, rates, chosen, prefill) == pytest.approx(best, rel=1e-9)
+
+
+def test_cheap_rows_verify_everything_and_costly_rows_nothing():
+    policy = SpecPolicy(K, free_drafts=True)
+    _costs(policy, plain=(0.005, 0.0001), mixed=(0.005, 0.0001))
+    candidates = [Candidate(h, []) for h in range(16)]
+    for h in range(16):
+        _set_rates(policy, h, [0.8] * K)
+    assert policy.plan(candidates).verify == {h: K for h in range(16)}
+    policy = SpecPolicy(K, free_drafts=True)
+    _costs(policy, plain=(0.0066, 0.00076), mixed=(0.011, 0.00083))  # measured on a 2-core CPU
+    for h in range(16):
+        _set_rates(policy, h, [0.4] * K)
+    plan = policy.plan(candidates)
+    assert plan.verify == {}
+    assert plan.shadow == frozenset(range(16))  # n-gram drafts are free: scored in the shadow
+    assert plan.num_to_propose(3, K) == K
+
+
+def test_a_seeded_sampled_request_always_verifies_k_and_others_adapt_around_it():
+    policy = SpecPolicy(K, free_drafts=False)
+    _costs(policy, plain=(0.0066, 0.00076), mixed=(0.011, 0.00083))
+    for h in range(4):
+        _set_rates(policy, h, [0.05] * K)
+    plan = policy.plan([Candidate(0, [], fixed=True), *(Candidate(h, []) for h in (1, 2, 3))])
+    assert plan.verify == {0: K}
+    assert plan.shadow == frozenset()  # a drafter model probes only every PROBE_EVERY steps
+
+
+def test_fixed_policy_and_cold_start_verify_k_everywhere():
+    fixed = SpecPolicy(K, free_drafts=True, adaptive=False)
+    _costs(fixed, plain=(0.001, 0.004), mixed=(0.001, 0.004))
+    assert fixed.plan([Candidate(1, []), Candidate(2, [])]).verify == {1: K, 2: K}
+    cold = SpecPolicy(K, free_drafts=True)  # no step measured yet: verify, and learn the costs
+    assert cold.plan([Candidate(1, [])]).verify == {1: K}
+    assert fixed.stats.steps == {2: 1} and fixed.stats.drafts_verified == {2: 2 * K}

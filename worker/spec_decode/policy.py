@@ -1,0 +1,257 @@
+"""How many drafts each request verifies next step: speculation only where it pays.
+
+A verified draft is worth the probability that it is accepted (the product of the acceptance
+rates up to its position); it costs a target row, and a step with any verification rows loses
+the plain decode path (on CPU the fused one-call decode kernel, `worker/cpu/fused_decode.py`),
+and drafting it costs drafter time. At batch 1 a step is mostly fixed cost and drafts are cheap;
+at batch 16 a row costs almost as much as a whole batch-1 step and low-acceptance drafts cost
+more than they add. So after every step the policy picks, for the batch it just ran, the set of
+drafts that maximises expected tokens per second (down to none), from:
+
+- each request's acceptance rates per draft position, learnt from its verified drafts and from
+  *shadow* drafts: drafts proposed but not verified, scored against the tokens the target then
+  produces (for a deterministic draft, matching the target's next token has exactly the
+  probability of being accepted). n-gram drafts are free, so a request that verifies none still
+  proposes shadows every step; a drafter model proposes them for the whole batch every
+  `PROBE_EVERY` steps;
+- the measured cost of steps: seconds against rows, one line each for plain decode steps (every
+  request one row), verification steps (decode rows and drafts) and steps with prompt chunks,
+  and one for drafting, seconds against draft tokens, all fitted online with forgetting so they
+  follow the machine's load. Each line is fitted only on its own kind of step: a prompt chunk's
+  rows cost differently from a verification's, and a line through both mispredicts either.
+
+The choice never changes what is generated: drafts are verified losslessly however many there
+are. A request sampled with a seed keeps the full K, because its draws per step depend on how
+many drafts it verifies, so a seeded request stays reproducible run to run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+REQUEST_RATE_WEIGHT = 0.3  # how fast one request's acceptance rates follow its own outcomes
+PRIOR_RATE_WEIGHT = 0.02  # ... and the worker-wide rates a new request starts from
+INITIAL_RATE = 0.5
+PROBE_EVERY = 16  # steps between shadow drafts for a drafter model (n-gram: every step)
+COST_DECAY = 0.97  # weight kept by older cost observations at each new one
+MAX_SHADOWS = 4  # pending shadow drafts per request
+
+
+class CostLine:
+    """Seconds against a size, fitted by least squares with exponential forgetting."""
+
+    def __init__(self, decay: float = COST_DECAY) -> None:
+        self.decay = decay
+        self.weight = self.sum_x = self.sum_y = self.sum_xx = self.sum_xy = 0.0
+
+    @property
+    def known(self) -> bool:
+        return self.weight > 0.0
+
+    def observe(self, x: float, seconds: float) -> None:
+        d = self.decay
+        self.weight = self.weight * d + 1.0
+        self.sum_x = self.sum_x * d + x
+        self.sum_y = self.sum_y * d + seconds
+        self.sum_xx = self.sum_xx * d + x * x
+        self.sum_xy = self.sum_xy * d + x * seconds
+
+    def slope(self) -> float:
+        """Seconds per unit; from the mean ratio while every observation had the same size."""
+        w = self.weight
+        if w <= 0.0:
+            return 0.0
+        mean_x = self.sum_x / w
+        var = self.sum_xx / w - mean_x * mean_x
+        if var > 1e-6 * max(1.0, mean_x * mean_x):
+            cov = self.sum_xy / w - mean_x * self.sum_y / w
+            return max(cov / var, 0.0)
+        return self.sum_y / self.sum_x if self.sum_x > 0 else 0.0
+
+    def predict(self, x: float) -> float:
+        w = self.weight
+        if w <= 0.0:
+            return 0.0
+        mean_x, mean_y = self.sum_x / w, self.sum_y / w
+        return max(mean_y + self.slope() * (x - mean_x), 1e-9)
+
+
+@dataclass
+class _RequestAcceptance:
+    rates: list[float]  # P(draft j accepted | drafts before it were), j = 1..K
+    shadows: list[tuple[int, list[int]]] = field(default_factory=list)  # (position, drafts)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A request that sampled this step and may propose drafts for the next one."""
+
+    handle: int
+    token_ids: Sequence[int]  # every token so far; the next draft is for position len(...)
+    fixed: bool = False  # verifies K drafts whatever they cost (a seeded sampled request)
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    verify: dict[int, int]  # handle -> drafts to verify next step
+    shadow: frozenset[int]  # handles proposing K drafts that are only scored, never verified
+
+    def num_to_propose(self, handle: int, num_spec_tokens: int) -> int:
+        return num_spec_tokens if handle in self.shadow else self.verify.get(handle, 0)
+
+
+@dataclass
+class PolicyStats:
+    """What the policy decided, per batch size (for benchmarks and metrics)."""
+
+    steps: dict[int, int] = field(default_factory=dict)
+    speculating_steps: dict[int, int] = field(default_factory=dict)
+    drafts_verified: dict[int, int] = field(default_factory=dict)
+
+    def record(self, batch: int, num_drafts: int) -> None:
+        self.steps[batch] = self.steps.get(batch, 0) + 1
+        if num_drafts:
+            self.speculating_steps[batch] = self.speculating_steps.get(batch, 0) + 1
+        self.drafts_verified[batch] = self.drafts_verified.get(batch, 0) + num_drafts
+
+
+class SpecPolicy:
+    """Plans each step's drafts; `adaptive=False` always asks for all K (the fixed policy)."""
+
+    def __init__(self, num_spec_tokens: int, free_drafts: bool, adaptive: bool = True) -> None:
+        self.k = num_spec_tokens
+        self.adaptive = adaptive
+        self.probe_every = 1 if free_drafts else PROBE_EVERY
+        self.prior = [INITIAL_RATE] * num_spec_tokens
+        self.requests: dict[int, _RequestAcceptance] = {}
+        self.plain_step = CostLine()  # one row per request
+        self.verify_step = CostLine()  # one row per request plus drafts
+        self.prefill_step = CostLine()  # any step with a prompt chunk
+        self.drafting = CostLine()
+        self.stats = PolicyStats()
+        self._steps = 0
+
+    # --- observations ---------------------------------------------------------------------
+
+    def observe_step(self, rows: int, num_drafts: int, prefill: bool, seconds: float) -> None:
+        """A target step of `rows` rows, `num_drafts` of them drafts, took `seconds`."""
+        line = self.prefill_step if prefill else self.verify_step if num_drafts else self.plain_step
+        line.observe(rows, seconds)
+
+    def observe_drafting(self, num_tokens: int, seconds: float) -> None:
+        self.drafting.observe(num_tokens, seconds)
+
+    def observe_verified(self, handle: int, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts:
+            self._observe(self._request(handle), num_drafts, num_accepted)
+
+    def add_shadow(self, handle: int, position: int, drafts: list[int]) -> None:
+        shadows = self._request(handle).shadows
+        if drafts and len(shadows) < MAX_SHADOWS:
+            shadows.append((position, drafts))
+
+    def forget(self, handle: int) -> None:
+        self.requests.pop(handle, None)
+
+    # --- the plan ---------------------------------------------------------------------------
+
+    def plan(
+        self, candidates: Sequence[Candidate], other_decodes: int = 0, prefill_rows: int = 0
+    ) -> DraftPlan:
+        """Drafts per candidate for the next step, assumed to hold the same requests: the
+        candidates (one row each plus their drafts), `other_decodes` requests that decode
+        without drafts and `prefill_rows` rows of prompt chunks."""
+        self._steps += 1
+        for cand in candidates:
+            self._score_shadows(cand)
+        drafted_line = self.prefill_step if prefill_rows else self.verify_step
+        if not self.adaptive or not drafted_line.known:
+            # Nothing measured yet: verify everything, which is also how the costs get learnt.
+            verify = {c.handle: self.k for c in candidates}
+            self.stats.record(len(candidates), self.k * len(candidates))
+            return DraftPlan(verify, frozenset())
+        verify = self._choose(candidates, other_decodes, prefill_rows)
+        probing = self._steps % self.probe_every == 0
+        shadow = frozenset(
+            c.handle
+            for c in candidates
+            if not verify.get(c.handle)
+            and probing
+            and len(self._request(c.handle).shadows) < MAX_SHADOWS
+        )
+        self.stats.record(len(candidates), sum(verify.values()))
+        return DraftPlan(verify, shadow)
+
+    def _choose(
+        self, candidates: Sequence[Candidate], other_decodes: int, prefill_rows: int
+    ) -> dict[int, int]:
+        """The prefix of drafts, best first, with the most expected tokens per second."""
+        base_rows = len(candidates) + other_decodes + prefill_rows
+        verify: dict[int, int] = {}
+        forced_drafts = 0
+        tokens = float(len(candidates) + other_decodes)
+        gains: list[tuple[float, int, int]] = []  # (expected extra tokens, draft index, handle)
+        for cand in candidates:
+            p = 1.0
+            rates = self._request(cand.handle).rates
+            for j, rate in enumerate(rates, start=1):
+                p *= rate
+                if cand.fixed:
+                    tokens += p
+                else:
+                    gains.append((p, j, cand.handle))
+            if cand.fixed:
+                verify[cand.handle] = self.k
+                forced_drafts += self.k
+        gains.sort(key=lambda g: (-g[0], g[1]))
+        per_draft = self.drafting.slope()
+
+        def seconds(num_drafts: int) -> float:
+            if prefill_rows:
+                return self.prefill_step.predict(base_rows + num_drafts) + per_draft * num_drafts
+            if num_drafts == 0 and self.plain_step.known:
+                return self.plain_step.predict(base_rows)
+            return self.verify_step.predict(base_rows + num_drafts) + per_draft * num_drafts
+
+        best_rate, best_n = tokens / seconds(forced_drafts), 0
+        for n, (gain, _, _) in enumerate(gains, start=1):
+            tokens += gain
+            rate = tokens / seconds(forced_drafts + n)
+            if rate > best_rate:
+                best_rate, best_n = rate, n
+        for _, j, handle in gains[:best_n]:
+            verify[handle] = max(verify.get(handle, 0), j)
+        return verify
+
+    # --- acceptance -------------------------------------------------------------------------
+
+    def _request(self, handle: int) -> _RequestAcceptance:
+        state = self.requests.get(handle)
+        if state is None:
+            state = self.requests[handle] = _RequestAcceptance(list(self.prior))
+        return state
+
+    def _observe(self, state: _RequestAcceptance, num_drafts: int, num_accepted: int) -> None:
+        """Drafts 1..accepted were accepted and the next one (if any) rejected."""
+        for j in range(min(num_accepted + 1, num_drafts, self.k)):
+            outcome = 1.0 if j < num_accepted else 0.0
+            state.rates[j] += REQUEST_RATE_WEIGHT * (outcome - state.rates[j])
+            self.prior[j] += PRIOR_RATE_WEIGHT * (outcome - self.prior[j])
+
+    def _score_shadows(self, cand: Candidate) -> None:
+        state = self.requests.get(cand.handle)
+        if state is None or not state.shadows:
+            return
+        pending = []
+        for position, drafts in state.shadows:
+            produced = cand.token_ids[position : position + len(drafts)]
+            matched = next(
+                (i for i, (d, t) in enumerate(zip(drafts, produced, strict=False)) if d != t),
+                len(produced),
+            )
+            if matched < len(produced) or len(produced) == len(drafts):
+                self._observe(state, len(drafts), matched)
+            else:
+                pending.append((position, drafts))
+        state.shadows = pending
