@@ -9,6 +9,7 @@ import pytest
 
 from specserve.worker.spec_decode.policy import (
     INITIAL_RATE,
+    MIN_SPEEDUP,
     PRIOR_RATE_WEIGHT,
     REQUEST_RATE_WEIGHT,
     Candidate,
@@ -140,7 +141,11 @@ def test_the_choice_is_the_best_of_every_possible_one(plain, mixed, prefill):
         _throughput(policy, rates, dict(zip(rates, ks, strict=True)), prefill)
         for ks in itertools.product(range(K + 1), repeat=len(rates))
     )
-    assert _throughput(policy, rates, chosen, prefill) == pytest.approx(best, rel=1e-9)
+    plain = _throughput(policy, rates, dict.fromkeys(rates, 0), prefill)
+    if best < plain * MIN_SPEEDUP:  # not worth leaving decoding without drafts
+        assert not any(chosen.values())
+    else:
+        assert _throughput(policy, rates, chosen, prefill) == pytest.approx(best, rel=1e-9)
 
 
 def test_cheap_rows_verify_everything_and_costly_rows_nothing():
@@ -177,3 +182,22 @@ def test_fixed_policy_and_cold_start_verify_k_everywhere():
     cold = SpecPolicy(K, free_drafts=True)  # no step measured yet: verify, and learn the costs
     assert cold.plan([Candidate(1, [])]).verify == {1: K}
     assert fixed.stats.steps == {2: 1} and fixed.stats.drafts_verified == {2: 2 * K}
+
+
+def test_a_drafter_model_probes_less_often_while_its_drafts_do_not_pay():
+    policy = SpecPolicy(K, free_drafts=False)
+    _costs(policy, plain=(0.0066, 0.00076), mixed=(0.011, 0.00083))
+    candidates = [Candidate(h, []) for h in range(8)]
+    probes = []
+    for step in range(1, 200):
+        for h in range(8):
+            _set_rates(policy, h, [0.05] * K)
+            policy.requests[h].shadows.clear()
+        if policy.plan(candidates).shadow:
+            probes.append(step)
+    assert probes[:4] == [16, 48, 112, 176]  # every 16 steps, then 32, 64, 64
+    ngram = SpecPolicy(K, free_drafts=True)  # free drafts: shadows every step, no back-off
+    _costs(ngram, plain=(0.0066, 0.00076), mixed=(0.011, 0.00083))
+    for h in range(8):
+        _set_rates(ngram, h, [0.05] * K)
+    assert all(ngram.plan(candidates).shadow for _ in range(100))
