@@ -1,10 +1,18 @@
 """Router-side lookups: how many leading blocks of a prompt each live worker holds.
 
-One Lua call per lookup (one round trip): the script walks the chain from block 0 and stops as
-soon as no worker still matches, so a miss costs one key read instead of a pipeline of every
-block, and only (worker, count) pairs cross the network. Because hashes chain over the whole
-prefix, a worker's match is the number of leading blocks it holds contiguously; a later block it
-also holds after a gap cannot be used. Entries count only under the worker's live epoch.
+One Lua call per lookup (one round trip), and one pipeline of them for a burst. Because hashes
+chain over the whole prefix, a worker's match is the number of leading blocks it holds
+contiguously. Entries count only under the worker's live epoch.
+
+A worker's holdings of one chain are prefix-closed in a full-attention group: its block pool
+never evicts a block while a deeper block of the same chain stays cached, because a request frees
+its blocks tail first, freed blocks join the free queue's tail and eviction takes its head, and a
+prefix hit revives a chain's leading blocks only. So the script finds each worker's length by
+bisection over the chain (about log2(n) key reads for n blocks, shared by the workers whose search
+agrees) instead of reading every block, and a miss costs one read. For holdings with a gap (a
+sliding-window group, which frees blocks that leave its window, or a worker that broke the rule),
+the count is where bisection lands: the end of some held stretch that starts at block 0 or after
+a gap, possibly longer than the contiguous prefix; only the router's estimate is then off.
 
 The engine's own lookup stays the authority (it caps the hit at the prompt length minus one
 token, drops a block for EAGLE-style drafters and applies sliding-window rules); this is the
@@ -16,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from redis import Redis
+from redis.exceptions import NoScriptError
 
 from specserve.cache_index.client import check_client
 from specserve.cache_index.errors import unavailable_as_index_error
@@ -60,6 +69,30 @@ class IndexReader:
             )
         return out or {}
 
+    def longest_prefix_many(
+        self, prompts: Sequence[Sequence[BlockHash]], group: int = 0
+    ) -> list[dict[str, int]]:
+        """`longest_prefix` of each prompt, all in one round trip (a pipeline of the script):
+        what a burst of admissions needs, instead of one round trip per request."""
+        if not any(prompts):
+            return [{} for _ in prompts]
+        calls = [self._script_inputs({group: hashes}) for hashes in prompts]
+        with unavailable_as_index_error("prefix lookup"):
+            try:
+                replies = self._evalsha_pipeline(calls)
+            except NoScriptError:  # a fresh (or flushed) server: load it once, then again
+                self.client.script_load(self._script.script)
+                replies = self._evalsha_pipeline(calls)
+        return [self._parse([group], reply)[group] for reply in replies]
+
+    def _evalsha_pipeline(self, calls: list[tuple[list[bytes], list[int]]]) -> list:
+        """EVALSHA per call in one pipeline. (A pipeline given the `Script` object would first
+        ask SCRIPT EXISTS, one round trip more, every time.)"""
+        pipe = self.client.pipeline(transaction=False)
+        for keys, args in calls:
+            pipe.evalsha(self._script.sha, len(keys), *keys, *args)
+        return pipe.execute()
+
     def longest_prefix_by_group(
         self, hashes_by_group: Mapping[int, Sequence[BlockHash]]
     ) -> dict[int, dict[str, int]]:
@@ -67,14 +100,23 @@ class IndexReader:
         groups = list(hashes_by_group)
         if not any(hashes_by_group[g] for g in groups):
             return {g: {} for g in groups}
-        keys = [self.ns.live_key]
-        args: list[int] = [len(groups)]
-        for group in groups:
-            hashes = hashes_by_group[group]
-            keys.extend(self.ns.block_key(group, h) for h in hashes)
-            args.append(len(hashes))
+        keys, args = self._script_inputs(hashes_by_group)
         with unavailable_as_index_error("prefix lookup"):
             reply = self._script(keys, args)
+        return self._parse(groups, reply)
+
+    def _script_inputs(
+        self, hashes_by_group: Mapping[int, Sequence[BlockHash]]
+    ) -> tuple[list[bytes], list[int]]:
+        keys = [self.ns.live_key]
+        args: list[int] = [len(hashes_by_group)]
+        for group, hashes in hashes_by_group.items():
+            keys.extend(self.ns.block_key(group, h) for h in hashes)
+            args.append(len(hashes))
+        return keys, args
+
+    @staticmethod
+    def _parse(groups: Sequence[int], reply: list) -> dict[int, dict[str, int]]:
         out: dict[int, dict[str, int]] = {}
         pos = 0
         for group in groups:

@@ -99,49 +99,61 @@ return {removed, left}
 """
 
 # KEYS: live, then the block keys of every group, concatenated.  ARGV: number of groups, then
-# the number of block keys of each group.  Walks each chain from block 0 and stops once no live
-# worker still matches; a worker's entry counts only if it carries the worker's live epoch.
-# Returns, per group: the number of matching workers n, then n pairs (worker id, blocks).
+# the number of block keys of each group.  A worker's entry counts only if it carries the
+# worker's live epoch; the workers that hold block 0 are the candidates. A worker's holdings of a
+# chain are prefix-closed (reader.py says why), so each candidate's length is
+# found by bisection: the workers whose search interval is the same share one HMGET of its middle
+# block, so a prompt of n blocks costs about log2(n) reads when the workers agree, and never
+# more reads than blocks. Returns, per group: the number of matching workers m, then m pairs
+# (worker id, blocks).
 LONGEST_PREFIX = """
-local flat = redis.call('HGETALL', KEYS[1])
+local call, unpack, floor = redis.call, unpack, math.floor
+local flat = call('HGETALL', KEYS[1])
 local live = {}
 for i = 1, #flat, 2 do live[flat[i]] = flat[i + 1] end
 local out = {}
 local k = 2
 for g = 1, tonumber(ARGV[1]) do
   local n = tonumber(ARGV[g + 1])
-  local cand, counts, found = {}, {}, 0
+  local cand, found = {}, 0
   if n > 0 then
-    local first = redis.call('HGETALL', KEYS[k])
+    local first = call('HGETALL', KEYS[k])
     for i = 1, #first, 2 do
       local w = first[i]
       if live[w] == first[i + 1] then
-        cand[#cand + 1] = w
-        counts[w] = 1
         found = found + 1
+        cand[found] = w
       end
     end
-    local j = 2
-    while j <= n and #cand > 0 do
-      local vals = redis.call('HMGET', KEYS[k + j - 1], unpack(cand))
-      local keep = {}
-      for i = 1, #cand do
-        local w = cand[i]
-        if vals[i] == live[w] then
-          keep[#keep + 1] = w
-          counts[w] = j
+  end
+  out[#out + 1] = found
+  -- Searches: {lo, hi, workers}: each worker holds block lo (1-based) and not block hi.
+  local searches = {}
+  if found > 0 then searches[1] = {1, n + 1, cand} end
+  while #searches > 0 do
+    local next_searches = {}
+    for _, s in ipairs(searches) do
+      local lo, hi, ws = s[1], s[2], s[3]
+      if hi - lo <= 1 then
+        for i = 1, #ws do
+          out[#out + 1] = ws[i]
+          out[#out + 1] = lo
         end
+      else
+        local mid = floor((lo + hi) / 2)
+        local vals = call('HMGET', KEYS[k + mid - 1], unpack(ws))
+        local yes, no = {}, {}
+        for i = 1, #ws do
+          local w = ws[i]
+          if vals[i] == live[w] then yes[#yes + 1] = w else no[#no + 1] = w end
+        end
+        if #yes > 0 then next_searches[#next_searches + 1] = {mid, hi, yes} end
+        if #no > 0 then next_searches[#next_searches + 1] = {lo, mid, no} end
       end
-      cand = keep
-      j = j + 1
     end
+    searches = next_searches
   end
   k = k + n
-  out[#out + 1] = found
-  for w, c in pairs(counts) do
-    out[#out + 1] = w
-    out[#out + 1] = c
-  end
 end
 return out
 """

@@ -164,6 +164,7 @@ class ControlPlane:
             self._close_sockets()
             raise
         self._by_identity: dict[bytes, WorkerHandle] = {}  # worker socket identity -> worker
+        self._accepted: list[ClientRequest] = []  # accepted this pass, placed at its end
         if args.metrics_port is not None:
             self.metrics.serve(args.metrics_port)
         log.info(
@@ -237,6 +238,7 @@ class ControlPlane:
         socket must not keep the loop from dispatching steps and checking heartbeats."""
         self._drain_socket(self.worker_sock, self._on_worker_frame)
         self._drain_socket(self.sock, self._on_frame)
+        self._place_accepted()
         # Heartbeats that arrived while client frames were handled count before the heartbeat
         # check that follows: a slow client frame must not make a live worker look dead.
         self._drain_socket(self.worker_sock, self._on_worker_frame)
@@ -541,7 +543,7 @@ class ControlPlane:
             code = "overloaded" if isinstance(exc, Overloaded) else "invalid"
             self.frontend.reject(client, msg.request_id, str(exc), code)
             return
-        self._place(req)
+        self._accepted.append(req)  # placed with the rest of this pass (`_place_accepted`)
 
     def _status(self) -> ServiceStatus:
         lens = [w.info.max_model_len for w in self.workers.values()]
@@ -578,6 +580,25 @@ class ControlPlane:
             self.placement.place(req)
         except ValueError as exc:
             self.frontend.refuse(req, str(exc))
+
+    def _place_accepted(self) -> None:
+        """Place the requests accepted in this pass of the loop, with one index round trip."""
+        accepted, self._accepted = self._accepted, []
+        requests = self.frontend.requests
+        live = [req for req in accepted if requests.get(req.request_id) is req]  # not aborted
+        for req, exc in self.placement.place_many(live):
+            if isinstance(exc, ValueError):
+                self.frontend.refuse(req, str(exc))
+                continue
+            log.error(  # a bug: that request fails alone, the burst and the loop go on
+                "request.place_failed",
+                request_id=req.request_id,
+                error_type=type(exc).__name__,
+                exc_info=exc,
+            )
+            self._fail_generate(
+                req.client, req.request_id, f"internal error ({type(exc).__name__}): {exc}"
+            )
 
     # --- periodic work ----------------------------------------------------------------------
 

@@ -62,12 +62,13 @@ class IndexSync:
             if self.call("ping", client.ping) is None:
                 log.warning("index.unavailable", op="ping")
 
-    def lookup(self, ns: Namespace, hashes: list[BlockHash]) -> dict[str, int] | None:
-        """Per live worker, leading blocks of `hashes` it holds; None when Redis is away."""
+    def lookup(self, ns: Namespace, prompts: list[list[BlockHash]]) -> list[dict[str, int]] | None:
+        """Per prompt, per live worker, leading blocks it holds, in one round trip for them all;
+        None when Redis is away."""
         if not self.up or self.client is None:
             return None
         start = time.perf_counter()
-        found = self.call("lookup", IndexReader(self.client, ns).longest_prefix, hashes)
+        found = self.call("lookup", IndexReader(self.client, ns).longest_prefix_many, prompts)
         if found is not None:
             self.metrics.index_lookup.observe(time.perf_counter() - start)
         return found

@@ -1,10 +1,11 @@
 """Puts accepted client requests on workers.
 
 The prompt is hashed once per index namespace, exactly as the schedulers will hash it. Each
-worker's cached prefix comes from the Redis index in one round trip (from the control plane's own
-block pools while Redis is away), raised to what the router just sent there; the router weighs it
-against load. A request that could outgrow the chosen worker's whole KV cache is refused, since
-it could only preempt itself again and again.
+worker's cached prefix comes from the Redis index (from the control plane's own block pools while
+Redis is away), raised to what the router just sent there; the router weighs it against load. A
+burst of requests (all that one pass of the loop read) is looked up in one round trip and then
+routed one by one, each seeing where the ones before it went. A request that could outgrow the
+chosen worker's whole KV cache is refused, since it could only preempt itself again and again.
 """
 
 from __future__ import annotations
@@ -45,14 +46,40 @@ class Placement:
 
         Raises ValueError when the chosen worker cannot serve it.
         """
+        for _, error in self.place_many([req]):
+            raise error
+
+    def place_many(self, reqs: list[ClientRequest]) -> list[tuple[ClientRequest, Exception]]:
+        """`place` for a burst, with one index round trip for all of it; returns the requests
+        that failed, each with its error (ValueError: refused; anything else is a bug that
+        fails that request alone)."""
+        if not any(not w.failed for w in self.workers.values()):
+            for req in reqs:
+                self.pending.append(req)
+                req.worker_id = None
+            return []
+        token_ids = [req.prompt_token_ids + req.output_token_ids for req in reqs]
+        hashes = [
+            self._block_hashes(t, req.cache_salt) for t, req in zip(token_ids, reqs, strict=True)
+        ]
+        indexed = self._indexed_blocks(hashes)
+        refused = []
+        for req, tokens, req_hashes, held in zip(reqs, token_ids, hashes, indexed, strict=True):
+            try:
+                self._place(req, tokens, req_hashes, held)
+            except Exception as exc:
+                refused.append((req, exc))
+        return refused
+
+    def _place(
+        self,
+        req: ClientRequest,
+        token_ids: list[int],
+        hashes: dict[Namespace, list[BlockHash]],
+        indexed: dict[str, int] | None,
+    ) -> None:
         candidates = [Candidate(w.worker_id, w.load) for w in self.workers.values() if not w.failed]
-        if not candidates:
-            self.pending.append(req)
-            req.worker_id = None
-            return
-        token_ids = req.prompt_token_ids + req.output_token_ids
-        hashes = self._block_hashes(token_ids, req.cache_salt)
-        cached = self._cached_tokens(hashes, len(token_ids))
+        cached = self._cached_tokens(hashes, len(token_ids), indexed)
         decision = self.router.choose(candidates, len(token_ids), cached)
         worker = self.workers[decision.worker_id]
         _check_fits(worker, req)
@@ -100,18 +127,32 @@ class Placement:
                 out[worker.namespace] = worker.block_hashes(token_ids, salt)
         return out
 
+    def _indexed_blocks(
+        self, hashes: list[dict[Namespace, list[BlockHash]]]
+    ) -> list[dict[str, int] | None]:
+        """Per request, per worker, leading blocks the index says it holds (None: Redis is
+        away); one round trip per namespace for the whole burst."""
+        out: list[dict[str, int] | None] = [{} for _ in hashes]
+        namespaces = {ns for per_ns in hashes for ns in per_ns}
+        for ns in namespaces:
+            found = self.index.lookup(ns, [per_ns.get(ns, []) for per_ns in hashes])
+            if found is None:
+                return [None] * len(hashes)
+            for blocks, held in zip(out, found, strict=True):
+                assert blocks is not None
+                blocks.update(held)
+        return out
+
     def _cached_tokens(
-        self, hashes: dict[Namespace, list[BlockHash]], num_tokens: int
+        self,
+        hashes: dict[Namespace, list[BlockHash]],
+        num_tokens: int,
+        indexed: dict[str, int] | None,
     ) -> dict[str, int]:
         """Per worker, prompt tokens it caches: from the index (else from our own pools), or
         will cache once the requests just routed to it are scheduled."""
-        blocks: dict[str, int] = {}
-        for ns, ns_hashes in hashes.items():
-            found = self.index.lookup(ns, ns_hashes) if ns_hashes else {}
-            if found is None:
-                break
-            blocks.update(found)
-        if not self.index.up:
+        blocks = dict(indexed or {})
+        if indexed is None or not self.index.up:
             for worker in self.workers.values():
                 blocks[worker.worker_id] = worker.cached_blocks(hashes[worker.namespace])
         now = time.monotonic()

@@ -36,14 +36,29 @@ query = st.tuples(st.integers(0, 1), st.lists(st.integers(0, len(HASHES) - 1), m
 
 
 def expected_prefix(held: dict[str, Counter], group: int, chain: list[int]) -> dict[str, int]:
+    """Each worker's length as the lookup defines it: bisection over the chain from block 0.
+    For holdings that are prefix-closed (what a block pool keeps) it is the contiguous count,
+    which `contiguous_prefix` checks below."""
     out = {}
     for worker_id, counts in held.items():
-        n = 0
-        while n < len(chain) and counts[(group, chain[n])] > 0:
-            n += 1
-        if n:
-            out[worker_id] = n
+        if not chain or counts[(group, chain[0])] <= 0:
+            continue
+        lo, hi = 1, len(chain) + 1  # holds block lo - 1, not block hi - 1
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if counts[(group, chain[mid - 1])] > 0:
+                lo = mid
+            else:
+                hi = mid
+        out[worker_id] = lo
     return out
+
+
+def contiguous_prefix(counts: Counter, group: int, chain: list[int]) -> int:
+    n = 0
+    while n < len(chain) and counts[(group, chain[n])] > 0:
+        n += 1
+    return n
 
 
 def to_events(counts: Counter, spec: list) -> list:
@@ -94,7 +109,13 @@ def test_index_matches_model(session_client, steps, queries):
                 writers[worker_id].resync((g, HASHES[i]) for g, i in held[worker_id].elements())
             for group, chain in queries:
                 hashes = [HASHES[i] for i in chain]
-                assert reader.longest_prefix(hashes, group) == expected_prefix(held, group, chain)
+                found = reader.longest_prefix(hashes, group)
+                assert found == expected_prefix(held, group, chain)
+                for worker_id, counts in held.items():
+                    n = contiguous_prefix(counts, group, chain)
+                    closed = all(counts[(group, i)] <= 0 for i in chain[n:])
+                    if closed:  # no block held past the first gap: exactly the contiguous count
+                        assert found.get(worker_id, 0) == n
 
         # After the janitor, Redis holds exactly the model: no orphans from fenced epochs.
         cleanup_fenced(client, ns)

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import hashlib
 
-from specserve.cache_index import IndexReader, IndexWriter, register_worker, usable_hit_blocks
+from index_testing import command_calls
+
+from specserve.cache_index import (
+    IndexReader,
+    IndexWriter,
+    mark_dead,
+    register_worker,
+    usable_hit_blocks,
+)
 from specserve.shared.kv_events import BlockStored
 
 
@@ -49,6 +57,25 @@ def test_lookup_is_one_round_trip(round_trips, ns):
     assert round_trips.sends == 1
 
 
+def test_a_burst_of_lookups_is_one_round_trip(round_trips, ns):
+    client = round_trips.client
+    client.script_flush()  # the first burst loads the script and retries
+    for worker_id, held in (("a", range(8)), ("b", [0, 1, 3]), ("c", [1, 2, 3])):
+        store(client, ns, worker_id, held)
+    reader = IndexReader(client, ns)
+    prompts = [CHAIN, CHAIN[:3], [], CHAIN[1:], [digest(99)]]
+    expected = [reader.longest_prefix(p) for p in prompts]
+    assert expected[0] == {"a": 8, "b": 2} and expected[3] == {"a": 7, "b": 1, "c": 3}
+    client.script_flush()
+    assert reader.longest_prefix_many(prompts) == expected
+    round_trips.reset()
+    for _ in range(3):
+        assert reader.longest_prefix_many(prompts) == expected
+    assert round_trips.sends == 3
+    assert reader.longest_prefix_many([[], []]) == [{}, {}]
+    assert round_trips.sends == 3  # nothing to look up: no round trip
+
+
 def test_multi_group_takes_the_minimum(client, ns):
     a = store(client, ns, "a", range(6), group=0)
     a.apply([BlockStored(CHAIN[:2], [10, 11], None, 1)])
@@ -70,3 +97,27 @@ def test_usable_hit_blocks_mirrors_the_engine_caps():
     assert usable_hit_blocks(4, num_prompt_tokens=65, block_size=16) == 4
     assert usable_hit_blocks(4, num_prompt_tokens=65, block_size=16, drop_last=True) == 3
     assert usable_hit_blocks(0, num_prompt_tokens=65, block_size=16, drop_last=True) == 0
+
+
+def test_bisection_reads_about_log2_blocks_and_counts_prefix_closed_holdings_exactly(client, ns):
+    chain = [digest(1000 + i) for i in range(128)]
+    lengths = {f"w{i}": 128 - 9 * i for i in range(14)}  # prefix-closed, as a block pool keeps
+    for worker_id, n in lengths.items():
+        writer = IndexWriter(client, ns, worker_id, register_worker(client, ns, worker_id, {}))
+        writer.apply([BlockStored(chain[:n], list(range(n)), None, 0)])
+    reader = IndexReader(client, ns)
+    before = command_calls(client, "hmget")
+    assert reader.longest_prefix(chain) == lengths
+    assert command_calls(client, "hmget") - before <= 127  # never more reads than blocks
+    for i in range(50):  # 50 workers more that hold the whole chain
+        worker_id = f"all{i}"
+        writer = IndexWriter(client, ns, worker_id, register_worker(client, ns, worker_id, {}))
+        writer.apply([BlockStored(chain, list(range(128)), None, 0)])
+    for worker_id in lengths:
+        mark_dead(client, ns, worker_id)
+    before = command_calls(client, "hmget")
+    assert reader.longest_prefix(chain) == {f"all{i}": 128 for i in range(50)}
+    assert command_calls(client, "hmget") - before == 7  # log2(128): one read per halving
+    before = command_calls(client, "hmget")
+    assert reader.longest_prefix([digest(5000 + i) for i in range(128)]) == {}
+    assert command_calls(client, "hmget") - before == 0  # a miss reads block 0 only

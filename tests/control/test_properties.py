@@ -634,6 +634,22 @@ class Simulation:
                     )
         assert self.pool.num_cached_blocks() == sum(counts.values())
         assert counts == self.mirror, "the KV events disagree with the cache map"
+        self.check_prefix_closed()
+
+    def check_prefix_closed(self) -> None:
+        """What the Redis index's bisection relies on: in a full-attention group, no block of a
+        chain is cached while an earlier block of the same chain is not."""
+        for group, spec in enumerate(self.groups):
+            if spec.attention != FULL or spec.block_size != self.hash_bs:
+                continue
+            for request in self.all_requests.values():
+                held = [self.pool.get_cached_block(h, group) is not None
+                        for h in request.block_hashes]  # fmt: skip
+                gap = held.index(False) if False in held else len(held)
+                assert not any(held[gap:]), (
+                    f"group {group}: request {request.request_id}'s chain is cached past a gap "
+                    f"at block {gap}: {held}"
+                )
 
     def check_gone_requests(self) -> None:
         """Invariant 5: finished or aborted requests hold nothing; only running requests hold."""

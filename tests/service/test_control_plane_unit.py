@@ -70,6 +70,7 @@ class RecordingPlane(ControlPlane):
         params = SamplingParams(**{"temperature": 0.0, "ignore_eos": True, **sampling})
         self._on_generate(client, GenerateRequest(P, request_id, prompt_token_ids=prompt,
                                                   sampling=params))  # fmt: skip
+        self._place_accepted()  # as the loop does after each pass
 
     def batches(self, worker_id: str) -> list[StepBatch]:
         wid = worker_id.encode()
@@ -269,19 +270,20 @@ def test_an_exception_while_handling_a_request_fails_and_forgets_that_request(
     plane: RecordingPlane, monkeypatch
 ):
     plane.register("w0")
-    real_place = plane.placement.place
+    real_place = plane.placement._place
 
-    def place(req):
+    def place(req, *args):
         if req.request_id == "boom":
-            real_place(req)  # on the worker's scheduler already, then the failure
+            real_place(req, *args)  # on the worker's scheduler already, then the failure
             raise KeyError("lost")
-        real_place(req)
+        real_place(req, *args)
 
-    monkeypatch.setattr(plane.placement, "place", place)
+    monkeypatch.setattr(plane.placement, "_place", place)
     greedy = SamplingParams(temperature=0.0, ignore_eos=True)
     for rid, prompt in (("boom", [1, 2, 3]), ("fine", [4, 5, 6])):
         frame = encode(GenerateRequest(P, rid, prompt_token_ids=prompt, sampling=greedy))
         plane._on_frame(b"c1", frame)
+    plane._place_accepted()  # both in one burst: the failure of one leaves the other placed
     (error,) = plane.outputs()
     assert error == ErrorReply(P, "internal error (KeyError): 'lost'", "boom")
     assert list(plane.frontend.requests) == ["fine"]
