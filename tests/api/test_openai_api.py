@@ -21,7 +21,7 @@ from specserve.api.choices import plan_choices, run_choices
 from specserve.client import AsyncClient, Client, SamplingParams, get_status
 from specserve.launch.local_redis import free_port
 from specserve.shared.tokenizer import load_tokenizer
-from tests.service.service_harness import drop_model_keys, start_up
+from tests.service.service_harness import drop_model_keys, start_up, stop_up, wait_healthy
 
 MODEL = "smollm2-135m"
 BLOCK = 16  # the worker's default block size
@@ -33,19 +33,6 @@ class Running:
     api: str  # http://host:port
     metrics: str  # the control plane's Prometheus endpoint
     keys: str
-
-
-def wait_healthy(api: str, timeout_s: float = 120.0, want: int = 200) -> httpx.Response:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            response = httpx.get(f"{api}/health", timeout=2)
-            if response.status_code == want:
-                return response
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"{api}/health never answered {want}"
-        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -66,13 +53,7 @@ def served(redis_url: str) -> Iterator[Running]:
             os.environ["SPECSERVE_KEYS"],
         )  # fmt: skip
     finally:
-        up.terminate()
-        try:
-            up.wait(30)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            up.wait()
-        drop_model_keys(redis_url, MODEL)
+        stop_up(up, redis_url, MODEL, timeout_s=30)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import redis
 
 from specserve.cache_index.schema import key_model_name
@@ -41,6 +42,32 @@ def start_up(argv: list[str], timeout_s: float = 240.0) -> tuple[subprocess.Pope
         raise
     threading.Thread(target=lambda: lines.extend(up.stderr), daemon=True).start()
     return up, lines
+
+
+def stop_up(up: subprocess.Popen, redis_url: str, model: str, timeout_s: float = 60.0) -> None:
+    """SIGTERM to `specserve up` (killed if it has not stopped in `timeout_s`), then its index
+    keys dropped from the shared Redis."""
+    up.terminate()
+    try:
+        up.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        up.kill()
+        up.wait()
+    drop_model_keys(redis_url, model)
+
+
+def wait_healthy(api: str, timeout_s: float = 120.0, want: int = 200) -> httpx.Response:
+    """The HTTP API's /health reply once its status is `want`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            response = httpx.get(f"{api}/health", timeout=2)
+            if response.status_code == want:
+                return response
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"{api}/health never answered {want}"
+        time.sleep(0.2)
 
 
 def drop_model_keys(redis_url: str, model: str) -> None:

@@ -7,12 +7,11 @@ import asyncio
 import os
 import re
 import signal
-import subprocess
 import time
 
 import httpx
 import pytest
-from service_harness import drop_model_keys, start_up
+from service_harness import start_up, stop_up, wait_healthy
 
 from specserve.client import AsyncClient, SamplingParams, get_status
 from specserve.launch.local_redis import free_port
@@ -69,20 +68,10 @@ def streams_with_a_kill(urls: str | list[str], keys: str, pid: int) -> list[list
 
 def assert_the_api_serves(api_port: int, expected: list[list[int]]) -> None:
     api = f"http://127.0.0.1:{api_port}"
-    wait_for(lambda: _healthy(api), 60, "the API is not healthy")
+    wait_healthy(api, 60)
     body = {"prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
     reply = httpx.post(f"{api}/v1/completions", json=body, timeout=60).json()
     assert reply["usage"]["completion_tokens"] == len(expected[0])
-
-
-def stop_up(up: subprocess.Popen, redis_url: str, model: str) -> None:
-    up.send_signal(signal.SIGTERM)
-    try:
-        up.wait(60)
-    except subprocess.TimeoutExpired:
-        up.kill()
-        up.wait()
-    drop_model_keys(redis_url, model)
 
 
 def test_a_killed_worker_loses_no_request_and_comes_back(llama_ckpt, redis_url, expected):
@@ -106,20 +95,13 @@ def test_a_killed_worker_loses_no_request_and_comes_back(llama_ckpt, redis_url, 
 
         # the HTTP API too
         api = f"http://127.0.0.1:{api_port}"
-        wait_for(lambda: _healthy(api), 60, "the API never became healthy")
+        wait_healthy(api, 60)
         os.kill(child_pids(lines)["api"], signal.SIGKILL)
         wait_for(lambda: child_pids(lines)["api"] != first["api"], 30, "the API was not restarted")
         assert_the_api_serves(api_port, expected)  # the restarted API
         assert up.poll() is None  # still serving
     finally:
         stop_up(up, redis_url, str(llama_ckpt.path))
-
-
-def _healthy(api: str) -> bool:
-    try:
-        return httpx.get(f"{api}/health", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def free_ports_in_a_row(count: int) -> int:
