@@ -53,7 +53,7 @@ class Placement:
         """`place` for a burst, with one index round trip for all of it; returns the requests
         that failed, each with its error (ValueError: refused; anything else is a bug that
         fails that request alone)."""
-        if not any(not w.failed for w in self.workers.values()):
+        if all(w.failed for w in self.workers.values()):
             for req in reqs:
                 self.pending.append(req)
                 req.worker_id = None
@@ -62,7 +62,7 @@ class Placement:
         hashes = [
             self._block_hashes(t, req.cache_salt) for t, req in zip(token_ids, reqs, strict=True)
         ]
-        indexed = self._indexed_blocks(hashes)
+        indexed = self._indexed_blocks(hashes) or [None] * len(reqs)
         refused = []
         for req, tokens, req_hashes, held in zip(reqs, token_ids, hashes, indexed, strict=True):
             try:
@@ -129,17 +129,16 @@ class Placement:
 
     def _indexed_blocks(
         self, hashes: list[dict[Namespace, list[BlockHash]]]
-    ) -> list[dict[str, int] | None]:
+    ) -> list[dict[str, int]] | None:
         """Per request, per worker, leading blocks the index says it holds (None: Redis is
         away); one round trip per namespace for the whole burst."""
-        out: list[dict[str, int] | None] = [{} for _ in hashes]
+        out: list[dict[str, int]] = [{} for _ in hashes]
         namespaces = {ns for per_ns in hashes for ns in per_ns}
         for ns in namespaces:
             found = self.index.lookup(ns, [per_ns.get(ns, []) for per_ns in hashes])
             if found is None:
-                return [None] * len(hashes)
+                return None
             for blocks, held in zip(out, found, strict=True):
-                assert blocks is not None
                 blocks.update(held)
         return out
 
@@ -149,10 +148,11 @@ class Placement:
         num_tokens: int,
         indexed: dict[str, int] | None,
     ) -> dict[str, int]:
-        """Per worker, prompt tokens it caches: from the index (else from our own pools), or
-        will cache once the requests just routed to it are scheduled."""
+        """Per worker, prompt tokens it caches: from the index (`indexed`; None while Redis is
+        away, when our own pools say), or will cache once the requests just routed to it are
+        scheduled."""
         blocks = dict(indexed or {})
-        if indexed is None or not self.index.up:
+        if indexed is None:
             for worker in self.workers.values():
                 blocks[worker.worker_id] = worker.cached_blocks(hashes[worker.namespace])
         now = time.monotonic()

@@ -230,10 +230,12 @@ class ModelRunner:
 
         emitted, logprobs = self._sample(scheduled, row_starts, hidden)
         results = []
+        valid: list[int] = []  # rows per request whose tokens are now final
         for item in scheduled:
             state, n, k = item.state, item.num_tokens, item.num_spec
             tokens = emitted.get(state.handle, [])
             num_valid = n - k + max(len(tokens) - 1, 0)  # known tokens plus accepted drafts
+            valid.append(num_valid)
             state.num_computed_tokens += num_valid
             state.token_ids.extend(tokens)
             state.draft_token_ids = []
@@ -248,9 +250,10 @@ class ModelRunner:
         self.spec_policy.observe_step(len(input_ids), num_drafts, prefill, verified - started)
         plan = self._plan_drafts(scheduled, results)
         draft_inputs = []
-        for item, row_start, result in zip(scheduled, row_starts, results, strict=True):
-            state, n, k = item.state, item.num_tokens, item.num_spec
-            num_valid = n - k + max(len(result.sampled_token_ids) - 1, 0)
+        for item, row_start, result, num_valid in zip(
+            scheduled, row_starts, results, valid, strict=True
+        ):
+            state = item.state
             draft_inputs.append(
                 DraftInput(
                     handle=state.handle,

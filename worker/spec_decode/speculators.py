@@ -183,7 +183,11 @@ MAX_DEFERRED_ROWS = 64  # verified rows per request a drafter model may put asid
 @dataclass
 class _Deferred:
     start: int  # position of the first row put aside
-    rows: list[torch.Tensor]  # the target features of positions start.., in order
+    rows: list[torch.Tensor]  # the target features of positions start.., one tensor per step
+
+    @property
+    def num_rows(self) -> int:
+        return sum(r.shape[0] for r in self.rows)
 
 
 @dataclass(frozen=True)
@@ -242,14 +246,19 @@ class _DrafterSpeculator(Speculator, Generic[_D]):
         contexts = []
         for inp in inputs:
             rows = aux_hidden[inp.row_start : inp.row_start + inp.num_valid]
-            backlog = self.deferred.pop(inp.handle, None)
+            backlog = self.deferred.get(inp.handle)
+            held = backlog.num_rows if backlog is not None else 0
+            if inp.defer and not inp.num_drafts and held + rows.shape[0] <= MAX_DEFERRED_ROWS:
+                if backlog is None:
+                    self.deferred[inp.handle] = _Deferred(inp.start, [rows.clone()])
+                else:
+                    backlog.rows.append(rows.clone())  # joined only when taken
+                continue
             start = inp.start
             if backlog is not None:
+                del self.deferred[inp.handle]
                 start = backlog.start
                 rows = torch.cat([*backlog.rows, rows])
-            if inp.defer and not inp.num_drafts and rows.shape[0] <= MAX_DEFERRED_ROWS:
-                self.deferred[inp.handle] = _Deferred(start, [rows.clone()])
-                continue
             if rows.shape[0]:
                 contexts.append(_Context(inp, start, rows))
         return contexts
@@ -316,10 +325,11 @@ class Eagle3Speculator(_DrafterSpeculator[Eagle3Drafter]):
         active = proposing  # requests still drafting; each stops at its own num_drafts
         hidden = prenorm[last]
         pos = [inp.start + inp.num_valid - 1 for inp in proposing]
-        for depth in range(1, max(inp.num_drafts for inp in proposing) + 1):
+        deepest = max(inp.num_drafts for inp in proposing)
+        for depth in range(1, deepest + 1):
             for i, (inp, token) in enumerate(zip(active, tokens.tolist(), strict=True)):
                 drafts[inp.handle].add(token, None if probs is None else probs[i])
-            if depth == max(inp.num_drafts for inp in active):
+            if depth == deepest:
                 break
             keep = [i for i, inp in enumerate(active) if inp.num_drafts > depth]
             if len(keep) < len(active):
