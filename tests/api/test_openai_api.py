@@ -21,7 +21,7 @@ from specserve.api.choices import plan_choices, run_choices
 from specserve.client import AsyncClient, Client, SamplingParams, get_status
 from specserve.launch.local_redis import free_port
 from specserve.shared.tokenizer import load_tokenizer
-from tests.service.service_harness import drop_model_keys, start_up, stop_up, wait_healthy
+from tests.service.service_harness import drop_model_keys, start_up, stop_up, up_ports, wait_healthy
 
 MODEL = "smollm2-135m"
 BLOCK = 16  # the worker's default block size
@@ -38,7 +38,7 @@ class Running:
 @pytest.fixture(scope="module")
 def served(redis_url: str) -> Iterator[Running]:
     drop_model_keys(redis_url, MODEL)
-    port, api_port, metrics_port = free_port(), free_port(), free_port()
+    (port, api_port), metrics_port = up_ports(), free_port()
     argv = [
         "up", "--workers", "1", "--port", str(port), "--api-port", str(api_port),
         "--metrics-port", str(metrics_port), "--redis-url", redis_url, "--num-blocks", "512",

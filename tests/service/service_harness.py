@@ -16,8 +16,24 @@ import redis
 from specserve.cache_index.schema import key_model_name
 from specserve.control.control_plane import ControlArgs, ControlPlane
 from specserve.launch.local_redis import free_port
+from specserve.launch.up import LaunchError, check_port_free
 
 WORKER_ENGINE = dict(num_blocks=160, block_size=4, max_model_len=256, max_num_seqs=16)
+
+
+def up_ports(control_planes: int = 1) -> tuple[int, int]:
+    """`--port` and `--api-port` for `specserve up`: a run of free ports, since plane i listens on
+    port + 2i and port + 2i + 1; the API port follows the run (two independent free ports could
+    make the API port another's port + 1)."""
+    count = 2 * control_planes + 1
+    while True:
+        port = free_port()
+        try:
+            for offset in range(count):
+                check_port_free(port + offset)
+        except LaunchError:
+            continue
+        return port, port + count - 1
 
 
 def start_up(argv: list[str], timeout_s: float = 240.0) -> tuple[subprocess.Popen, list[str]]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from service_harness import drop_model_keys
+from service_harness import drop_model_keys, up_ports
 
 from specserve.cache_index import (
     IndexWriter,
@@ -346,10 +346,11 @@ def test_port_left_in_time_wait_by_a_previous_run_counts_as_free():
 
 
 def up_argv(ckpt: Path, *extra: str) -> list[str]:
+    port, api_port = up_ports()
     return [
-        "up", "--workers", "1", "--port", str(free_port()), "--model", str(ckpt),
+        "up", "--workers", "1", "--port", str(port), "--model", str(ckpt),
         "--num-blocks", "64", "--block-size", "4", "--max-model-len", "256",
-        "--api-port", str(free_port()), *extra,
+        "--api-port", str(api_port), *extra,
     ]  # fmt: skip
 
 
@@ -433,9 +434,10 @@ def test_up_serves_until_sigterm(llama_ckpt, llm_tokens, redis_url, model_keys_d
 
 def test_up_reports_a_worker_that_cannot_start(tmp_path, redis_url):
     """A checkpoint dir without weights: the worker exits, `up` says so and stops the rest."""
+    port, api_port = up_ports()
     proc = specserve(
-        "up", "--model", str(tmp_path), "--port", str(free_port()), "--redis-url",
-        redis_url, timeout=UP_TIMEOUT_S,
+        "up", "--model", str(tmp_path), "--port", str(port), "--api-port", str(api_port),
+        "--redis-url", redis_url, timeout=UP_TIMEOUT_S,
     )  # fmt: skip
     assert_user_error(proc, "worker-0 exited with status")
     assert_gone(started_pids(proc.stderr))

@@ -16,13 +16,12 @@ import msgspec
 import pytest
 import zmq
 from hf_reference import hf_greedy
-from service_harness import Service, start_up
+from service_harness import Service, start_up, up_ports
 from zmq.utils.monitor import recv_monitor_message
 
 from specserve.cache_index import IndexReader, connect
 from specserve.client import Client, RequestFailed
 from specserve.control.limits import ServiceLimits
-from specserve.launch.local_redis import free_port
 from specserve.shared import protocol
 from specserve.shared.config import AttentionType, KVGroupSpec
 from specserve.shared.curve import CLIENTS, PeerKeys
@@ -327,13 +326,13 @@ def test_an_oversized_registration_is_refused_fast_and_nothing_is_kept(
 
 
 def test_specserve_up_shrugs_off_a_hostile_socket(llama_ckpt, redis_url) -> None:
-    port = free_port()
+    port, api_port = up_ports()
     url = f"tcp://127.0.0.1:{port}"
     argv = [
         "up", "--workers", "1", "--port", str(port), "--model", str(llama_ckpt.path),
         "--redis-url", redis_url, "--num-blocks", "64", "--block-size", "4",
         "--max-model-len", "256", "--max-message-bytes", str(1 << 20),
-        "--api-port", str(free_port()),
+        "--api-port", str(api_port),
     ]  # fmt: skip
     up, lines = start_up(argv)
     try:

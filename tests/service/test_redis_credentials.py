@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import redis
 from hf_reference import hf_greedy
-from service_harness import start_up
+from service_harness import start_up, up_ports
 
 from specserve.cache_index import connect
 from specserve.cache_index.redis_url import REDIS_URL_ENV, redact, resolve_redis_url
 from specserve.cli import build_parser
 from specserve.client import Client
-from specserve.launch.local_redis import LocalRedis, RedisNotFound, free_port
+from specserve.launch.local_redis import LocalRedis, RedisNotFound
 from specserve.shared.protocol import SamplingParams
 
 PASSWORD = "s3cret-Pw"
@@ -127,12 +127,12 @@ def test_cache_views_read_the_password_from_a_file_or_the_environment(secured):
 
 def test_up_gives_its_control_plane_the_password_by_environment_only(secured, llama_ckpt):
     url, path = secured
-    port = free_port()
+    port, api_port = up_ports()
     argv = [
         "up", "--workers", "1", "--port", str(port), "--model", str(llama_ckpt.path),
         "--redis-url-file", str(path), "--num-blocks", "64", "--block-size", "4",
         "--max-model-len", "256",
-        "--api-port", str(free_port()),
+        "--api-port", str(api_port),
     ]  # fmt: skip
     # Serving means the worker is live in the index: the control plane authenticated.
     up, lines = start_up(argv)

@@ -11,11 +11,9 @@ import time
 
 import httpx
 import pytest
-from service_harness import start_up, stop_up, wait_healthy
+from service_harness import start_up, stop_up, up_ports, wait_healthy
 
 from specserve.client import AsyncClient, SamplingParams, get_status
-from specserve.launch.local_redis import free_port
-from specserve.launch.up import LaunchError, check_port_free
 from specserve.shared.cpus import SPIN_COUNT, usable_cpus
 
 PROMPTS = [[1 + i, 7, 3 + (i * 5) % 50, 11, 2 + i % 9] for i in range(20)]
@@ -75,7 +73,7 @@ def assert_the_api_serves(api_port: int, expected: list[list[int]]) -> None:
 
 
 def test_a_killed_worker_loses_no_request_and_comes_back(llama_ckpt, redis_url, expected):
-    port, api_port = free_port(), free_port()
+    port, api_port = up_ports()
     url = f"tcp://127.0.0.1:{port}"
     argv = [
         "up", "--workers", "2", "--port", str(port), "--api-port", str(api_port),
@@ -104,23 +102,11 @@ def test_a_killed_worker_loses_no_request_and_comes_back(llama_ckpt, redis_url, 
         stop_up(up, redis_url, str(llama_ckpt.path))
 
 
-def free_ports_in_a_row(count: int) -> int:
-    """A port with the `count - 1` ports after it free too."""
-    while True:
-        port = free_port()
-        try:
-            for offset in range(count):
-                check_port_free(port + offset)
-        except LaunchError:
-            continue
-        return port
-
-
 def test_up_with_two_control_planes_survives_kill_9_of_one(llama_ckpt, redis_url, expected):
     """`up --control-planes 2`: kill -9 of the first plane mid-stream; the SDK's streams resume
     on the second (every one exact), the first plane's worker moves there, `up` restarts the
     dead plane, the worker goes back home to it, and the HTTP API still answers."""
-    port, api_port = free_ports_in_a_row(4), free_port()  # two planes: two ports each
+    port, api_port = up_ports(control_planes=2)
     urls = [f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port + 2}"]
     argv = [
         "up", "--workers", "2", "--control-planes", "2", "--port", str(port),
