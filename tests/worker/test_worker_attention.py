@@ -13,7 +13,8 @@ from transformers.masking_utils import sliding_window_causal_mask_function
 
 from specserve.shared.config import AttentionType
 from specserve.worker.attention.base import SequenceStep
-from specserve.worker.attention.torch_backend import TorchAttentionBackend
+from specserve.worker.attention.metadata import kv_span
+from specserve.worker.attention.torch_backend import LONG_QUERY_ROWS, TorchAttentionBackend
 from specserve.worker.kv_cache import (
     NULL_BLOCK,
     PagedKVCache,
@@ -51,8 +52,9 @@ def _run_case(
     rng = random.Random(0)
     kind = AttentionType.FULL if window is None else AttentionType.SLIDING
     group = KVLayerGroup(kind, window, (0,))
-    cache = PagedKVCache([group], 64, block_size, HKV, head_dim, dtype, "cpu")
-    free = list(range(1, 64))
+    num_blocks = max(64, 1 + sum(-(-seq_len // block_size) for _, seq_len, _ in specs))
+    cache = PagedKVCache([group], num_blocks, block_size, HKV, head_dim, dtype, "cpu")
+    free = list(range(1, num_blocks))
     rng.shuffle(free)  # scattered, non-contiguous block tables
     steps, queries, expected = [], [], []
     for q_len, seq_len, causal in specs:
@@ -94,6 +96,48 @@ MIXED = [
 @pytest.mark.parametrize("window", [None, 3, 5])
 def test_mixed_batch_matches_dense_reference(window: int | None) -> None:
     out, expected = _run_case(MIXED, window)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+
+
+LONG = LONG_QUERY_ROWS
+LONG_MIXED = [
+    (LONG + 8, LONG + 8, True),  # a prompt's first chunk: SDPA's causal kernel, no mask
+    (1, 7, True),  # decode
+    (LONG, 3 * LONG + 5, True),  # a later chunk: causal mask over the earlier context
+    (3, 9, True),  # verification block (padded batch)
+    (LONG + 1, 2 * LONG, False),  # a long draft block over context: no mask
+    (LONG, LONG, False),  # a long draft block alone: no mask
+]
+
+
+@pytest.mark.parametrize("window", [None, 3, LONG + 20, 4 * LONG])
+def test_prompt_chunks_are_attended_alone_and_match_dense_reference(window: int | None) -> None:
+    """Queries of LONG_QUERY_ROWS rows or more get one SDPA call each, over exactly their keys
+    (no padding to the step's longest request), beside the padded decode and short batches."""
+    out, expected = _run_case(LONG_MIXED, window)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+    group = KVLayerGroup(AttentionType.SLIDING if window else AttentionType.FULL, window, (0,))
+    steps = [SequenceStep(q, n, [list(range(-(-n // BS)))], c) for q, n, c in LONG_MIXED]
+    meta = TorchAttentionBackend().build_metadata(steps, [group], BS, "cpu").groups[0]
+    assert [b.query_index.shape for b in meta.batches] == [(1, 1), (1, 3)]
+    keys = [kv_span(s, BS, window).kv_len for s in steps if s.query_len >= LONG]
+    assert [lq.num_keys for lq in meta.long_queries] == keys
+    paths = [(lq.start, lq.is_causal, lq.mask is not None) for lq in meta.long_queries]
+    # With a window of 3 every long query needs a mask; a window longer than the first chunk
+    # still leaves it to the causal kernel, though it hides keys of the later chunk.
+    first = (0, window != 3, window == 3)
+    later = (LONG + 9, False, True)
+    draft = (2 * LONG + 12, False, window in (3, LONG + 20))
+    alone = (3 * LONG + 13, False, window == 3)
+    assert paths == [first, later, draft, alone]
+
+
+def test_one_prompt_chunk_is_the_whole_step() -> None:
+    steps = [SequenceStep(LONG + 3, LONG + 3, [list(range(1, 20))])]
+    group = KVLayerGroup(AttentionType.FULL, None, (0,))
+    meta = TorchAttentionBackend().build_metadata(steps, [group], BS, "cpu").groups[0]
+    assert meta.whole and not meta.batches and len(meta.long_queries) == 1
+    out, expected = _run_case([(LONG + 3, LONG + 3, True)], None)
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
 
 
