@@ -166,6 +166,35 @@ def test_packed_linear_equals_f_linear(
     assert (got.double() - expected).abs().max().item() <= tol * scale
 
 
+@pytest.mark.parametrize("dtype", PANEL_DTYPES)
+def test_panels_hand_prompt_sized_inputs_to_onednn(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From PANEL_MAX_ROWS rows on, a panel-packed layer runs oneDNN's GEMM on its plain weight
+    (same result within the GEMM's rounding); below, the panel kernel."""
+    if not linear_module._onednn_runs(torch.empty(2, 2, dtype=dtype)):
+        pytest.skip(f"oneDNN does not run {dtype} here")
+    layer = Linear(576, 960, dtype=dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(960, 576, generator=torch.Generator().manual_seed(1)) / 24)
+        layer.bias.uniform_(-1, 1)
+    (packed,) = layer.pack_weights()
+    assert packed.panels and packed.large_rows_onednn
+    panel_rows = []
+    panel_linear = kernels.panel_linear
+
+    def spy(x, *args):  # type: ignore[no-untyped-def]
+        panel_rows.append(x.shape[0])
+        return panel_linear(x, *args)
+
+    monkeypatch.setattr(kernels, "panel_linear", spy)
+    limit = linear_module.PANEL_MAX_ROWS
+    for rows in (limit - 1, limit, 3 * limit):
+        x = torch.randn(rows, 576).to(dtype)
+        _assert_panel_result(layer(x), _reference(x, layer.weight, layer.bias), dtype)
+    assert panel_rows == [limit - 1]
+
+
 def test_weights_oneDNN_cannot_run_stay_unpacked() -> None:
     assert pack_weight(torch.randn(8, 4, dtype=torch.float64)) is None
     assert pack_weight(torch.randn(8, 4, dtype=torch.float16)) is None

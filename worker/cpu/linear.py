@@ -6,8 +6,15 @@ every call, which is slow for the few rows of a decode step. So each weight gets
 - on AVX-512 CPUs, panels for specserve's own kernel (`kernels.panel_linear`): it streams
   each weight once per 16 rows at about the CPU's peak. For SmolLM2's 121 matmuls (LM head
   included) on a 2-core AMD Zen 4: 23.6 ms at 16 rows in float32 (oneDNN packed: 29.7 ms) and
-  13.1 ms in bfloat16 (17.3 ms); 11.8 ms (20.7 ms) at one row; on par (+-10%) from 64 rows
-  on, so prefill chunks use it too (`bench/linear.py`, docs/benchmarks.md).
+  13.1 ms in bfloat16 (17.3 ms); 11.8 ms (20.7 ms) at one row; on par (+-10%) at 64 to 256
+  rows (`bench/linear.py`, docs/benchmarks.md). From `PANEL_MAX_ROWS` rows on (prompt
+  chunks) oneDNN's GEMM on the plain weight takes over: streaming each weight once per 16 rows
+  stops paying there, and in a real prefill between the model's other ops the panels ran at
+  about 290 GFLOP/s where oneDNN ran at about 450 (64 ShareGPT prompts: 1,000 prompt tokens/s
+  against 1,540 in float32, 1,600 against 2,400 in bfloat16). oneDNN is reached through
+  `F.linear` in bfloat16 and `torch.ops.mkldnn._linear_pointwise` in float32, whose `F.linear`
+  goes to a slower GEMM (860 tokens/s); both reorder the weight per call, which costs little
+  beside a GEMM of that many rows and needs no third copy of the weights.
 - elsewhere, oneDNN's blocked layout (`torch.ops.mkldnn`), 1.5-3x faster than `F.linear` at
   16 rows (13.6 ms instead of 40.6 ms on a Zen 5 machine, 36 ms instead of 57 ms on an Intel
   one; see docs/benchmarks.md).
@@ -55,6 +62,7 @@ _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 # matmuls are too short for the choice to matter, and tests of small models stay deterministic.
 CALIBRATE_MIN_BYTES = 32 * 2**20
 CALIBRATION_ROWS = (1, 2, 4, 8, 16)
+PANEL_MAX_ROWS = 256  # from this many rows on, panel-packed weights run oneDNN's GEMM instead
 CALIBRATION_FILE = "linear_calibration.json"  # in `cache_root()`
 
 
@@ -68,10 +76,16 @@ class PackedWeight:
     min_rows: int = 1
     panels: bool = False
 
+    large_rows_onednn: bool = False  # panels hand PANEL_MAX_ROWS rows and more to oneDNN
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.panels:
-            return kernels.panel_linear(x, self.tensor, bias, self.weight.shape[0])
-        return torch.ops.mkldnn._linear_pointwise(x, self.tensor, bias, "none", [], "")
+        if not self.panels:
+            return torch.ops.mkldnn._linear_pointwise(x, self.tensor, bias, "none", [], "")
+        if self.large_rows_onednn and x.numel() >= PANEL_MAX_ROWS * x.shape[-1]:
+            if x.dtype == torch.bfloat16:
+                return F.linear(x, self.weight, bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
+        return kernels.panel_linear(x, self.tensor, bias, self.weight.shape[0])
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -106,7 +120,10 @@ def pack_weight(weight: torch.Tensor, min_rows: int = 1) -> PackedWeight | None:
     """The weight laid out for the panel kernel or oneDNN, or None where `F.linear` must be
     used."""
     if _panel_kernel_runs(weight):
-        return PackedWeight(kernels.pack_panels(weight), weight, min_rows, panels=True)
+        panels = kernels.pack_panels(weight)
+        return PackedWeight(
+            panels, weight, min_rows, panels=True, large_rows_onednn=_onednn_runs(weight)
+        )
     if not _onednn_runs(weight):
         return None
     try:
