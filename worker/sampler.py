@@ -103,8 +103,7 @@ def sample(
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
         probs = filtered_probs(logits[rows], [params[i] for i in random_rows])
-        noise = _exponential_noise(probs, [generators[i] for i in random_rows])
-        token_ids[rows] = argmax_rows(probs / noise)
+        token_ids[rows] = _draw_tokens(probs, [generators[i] for i in random_rows])
     return token_logprobs(logits, token_ids, params)
 
 
@@ -163,20 +162,34 @@ def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
-def _exponential_noise(
-    probs: torch.Tensor, generators: Sequence[torch.Generator | None]
-) -> torch.Tensor:
-    """One Exp(1) draw per vocabulary entry per row, each row from its own generator."""
-    noise = torch.empty_like(probs)
+def unseeded_exponential(rows: int, vocab: int, device: torch.device | str) -> torch.Tensor:
+    """`[rows, vocab]` Exp(1) draws (float32) from the default generator, as `-log(U)` for
+    uniforms U in [0, 1) drawn in float64 (a U of 0 gives inf, a token that cannot win).
+
+    `Tensor.exponential_` draws one value at a time on CPU: 23 ms for 32 x 49,152 draws (a
+    batch of 32 requests over SmolLM2's vocabulary), against 8 ms here."""
+    uniform = torch.rand(rows, vocab, dtype=torch.float64, device=device)
+    return uniform.log_().neg_().to(torch.float32)
+
+
+def _draw_tokens(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of `probs [N, V]`. A seeded row runs an exponential race (argmax of
+    p / Exp(1) noise) on its own generator, so its tokens do not depend on the batch; the others
+    invert their CDF at one uniform each (float64 sums), which costs one draw per row instead of
+    one per vocabulary entry."""
+    token_ids = torch.empty(len(generators), dtype=torch.int64, device=probs.device)
+    seeded = [i for i, g in enumerate(generators) if g is not None]
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if unseeded:
-        noise[unseeded] = torch.empty(
-            len(unseeded), probs.shape[-1], device=probs.device
-        ).exponential_()
-    for i, generator in enumerate(generators):
-        if generator is not None:
-            noise[i].exponential_(generator=generator)
-    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # p / 0 would win every race
+        cdf = probs[unseeded].cumsum(dim=-1, dtype=torch.float64)
+        point = torch.rand(len(unseeded), 1, dtype=torch.float64, device=probs.device)
+        picked = torch.searchsorted(cdf, point * cdf[:, -1:], right=True)  # first cdf > point
+        token_ids[unseeded] = picked.squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+    for i in seeded:
+        noise = torch.empty_like(probs[i]).exponential_(generator=generators[i])
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # p / 0 would win every race
+        token_ids[i] = argmax_rows((probs[i] / noise)[None])[0]
+    return token_ids
 
 
 class PenaltyLike(Protocol):

@@ -14,6 +14,7 @@ from specserve.worker.sampler import (
     filtered_probs,
     make_generator,
     sample,
+    unseeded_exponential,
     validate_sampling,
 )
 
@@ -105,6 +106,40 @@ def test_samples_follow_filtered_distribution() -> None:
     expected = torch.tensor([0.0, 0.5 / 0.9, 0.15 / 0.9, 0.25 / 0.9])
     assert counts[0] == 0
     torch.testing.assert_close(counts, expected, atol=0.02, rtol=0)
+
+
+def test_unseeded_rows_draw_from_their_distribution_over_a_large_vocabulary() -> None:
+    """Unseeded rows invert their CDF: tokens with probability 0 (between others and at the
+    end of a 49,152-entry vocabulary) are never drawn, the others at their rates."""
+    n, batch, vocab = 6000, 500, 49152
+    logits = torch.full((vocab,), -math.inf)
+    picks = {7: 0.2, 8: 0.5, 20000: 0.299, vocab - 2: 0.001}
+    for token, prob in picks.items():
+        logits[token] = math.log(prob)
+    rows = [RowSampling()] * batch
+    tokens = torch.cat(
+        [sample(logits.expand(batch, -1), rows).token_ids for _ in range(n // batch)]
+    )
+    counts = torch.bincount(tokens, minlength=vocab).double() / n
+    assert set(torch.nonzero(counts).flatten().tolist()) <= set(picks)
+    expected = torch.zeros(vocab, dtype=torch.float64)
+    expected[list(picks)] = torch.tensor(list(picks.values()), dtype=torch.float64)
+    torch.testing.assert_close(counts, expected, atol=0.02, rtol=0)
+
+
+def test_unseeded_noise_is_exponential() -> None:
+    """The race's noise is Exp(1): P(E > t) = e^-t in the tails too (within 5 standard errors
+    of 10^6 draws), positive and float32."""
+    torch.manual_seed(0)
+    noise = unseeded_exponential(100, 10_000, "cpu")
+    assert noise.dtype == torch.float32 and noise.shape == (100, 10_000)
+    assert bool((noise > 0).all())
+    n = noise.numel()
+    for t in (0.01, 0.5, 1.0, 3.0, 8.0):
+        p = math.exp(-t)
+        tail = (noise > t).sum().item() / n
+        assert abs(tail - p) <= 5 * math.sqrt(p * (1 - p) / n), t
+    assert abs(noise.double().mean().item() - 1.0) < 5e-3
 
 
 def test_logprobs_chosen_and_top_n() -> None:

@@ -33,6 +33,7 @@ from specserve.worker.sampler import (
     SamplingLike,
     argmax_rows,
     filtered_probs,
+    unseeded_exponential,
     validate_sampling,
 )
 
@@ -273,7 +274,7 @@ def _draw(
         per_request = torch.tensor(unseeded, device=device)
         per_draft = torch.repeat_interleave(per_request, torch.tensor(counts, device=device))
         uniforms[per_draft] = torch.rand(int(per_draft.sum()), device=device)
-        noise[per_request] = torch.empty(sum(unseeded), vocab, device=device).exponential_()
+        noise[per_request] = unseeded_exponential(sum(unseeded), vocab, device)
     start = 0
     for i, (count, generator) in enumerate(zip(counts, generators, strict=True)):
         if generator is not None:
