@@ -64,6 +64,7 @@ class ClientRequest:
     text: list[str] = field(default_factory=list)  # kept only when not streaming
     worker_id: str | None = None
     num_cached_tokens: int | None = None
+    prompt_logprobs: TokenLogprobs | None = None  # held until the next output carries them
     announced_worker: str | None = None  # the worker id last sent to the client
     sent_first: bool = False
     offsets: DetokenizeOffsets | None = None
@@ -340,6 +341,8 @@ class Frontend:
                 continue  # e.g. a prefill chunk: nothing to send, no text to decode
             if new:
                 self._record_tokens(req, new, now)
+            if update.prompt_logprobs is not None:
+                req.prompt_logprobs = update.prompt_logprobs
             logprobs = [update.logprobs] if update.logprobs is not None else []
             text, stopped = self.text_delta(req, final=update.finished)
             if stopped and not update.finished:
@@ -449,6 +452,7 @@ class Frontend:
     ) -> RequestOutput:
         first = not req.sent_first
         req.sent_first = True
+        prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
         worker = req.worker_id if req.worker_id != req.announced_worker else None
         req.announced_worker = req.worker_id
         return RequestOutput(
@@ -462,6 +466,7 @@ class Frontend:
             logprobs=logprobs,
             prompt_token_ids=req.prompt_token_ids if first else None,
             num_cached_tokens=req.num_cached_tokens if first else None,
+            prompt_logprobs=prompt_logprobs,
             worker_id=worker,
             spec=spec,
             resumable=resumable,

@@ -108,9 +108,10 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> CacheHit:
         """Longest usable prefix hit; touches nothing, so an unscheduled lookup leaves no trace.
 
-        The last token is always recomputed: the step needs its logits.
+        The last token is always recomputed: the step needs its logits. A request that still
+        needs prompt logprobs gets no hit: every prompt row must be computed.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.needs_prompt_logprobs:
             return CacheHit.empty(self.num_groups)
         self.hash_request(request)
         blocks, num_tokens = self.coordinator.find_longest_cache_hit(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+import msgspec
 import structlog
 
 from specserve.cache_index import Namespace
@@ -182,11 +183,15 @@ def _check_fits(worker: WorkerHandle, req: ClientRequest) -> None:
 
 
 def _scheduler_request(req: ClientRequest) -> Request:
-    """The scheduler's view of `req`, with the tokens generated so far when it resumes."""
+    """The scheduler's view of `req`, with the tokens generated so far when it resumes (its
+    prompt logprobs, if it asked, went with the first of them)."""
+    sampling = req.sampling
+    if req.output_token_ids and sampling.prompt_logprobs is not None:
+        sampling = msgspec.structs.replace(sampling, prompt_logprobs=None)
     request = Request(
         req.request_id,
         req.prompt_token_ids,
-        req.sampling,
+        sampling,
         eos_token_id=req.eos_token_id,
         priority=req.priority,
         cache_salt=req.cache_salt,

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from specserve.shared.hashing import BlockHash
-from specserve.shared.protocol import SamplingParams
+from specserve.shared.protocol import SamplingParams, TokenLogprobs
 
 
 class RequestStatus(enum.IntEnum):
@@ -103,10 +103,22 @@ class Request:
     handle: int = -1  # the integer id the worker knows this request by
     spec_stats: SpecDecodingStats = field(default_factory=SpecDecodingStats)
     prefix_stats_recorded: bool = False
+    # Prompt logprobs received from the worker, for prompt tokens 1, 2, ... (when asked for);
+    # sent with the first output tokens
+    prompt_logprobs: TokenLogprobs | None = None
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs that are not all in: its prompt is computed, not cached."""
+        if self.sampling.prompt_logprobs is None:
+            return False
+        have = 0 if self.prompt_logprobs is None else len(self.prompt_logprobs.chosen)
+        return have < self.num_prompt_tokens - 1
 
     @property
     def num_tokens(self) -> int:

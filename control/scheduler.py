@@ -54,6 +54,7 @@ class RequestUpdate:
     logprobs: TokenLogprobs | None = None
     error: str | None = None
     spec_stats: SpecDecodingStats | None = None  # the request's own, once it finished
+    prompt_logprobs: TokenLogprobs | None = None  # with the first output tokens, when asked
 
 
 class Scheduler:
@@ -401,6 +402,16 @@ class Scheduler:
             return RequestUpdate(
                 request.request_id, [], True, RequestStatus.FINISHED_ERROR, error=res.error
             )
+        if (
+            res.prompt_logprobs is not None
+            and request.sampling.prompt_logprobs is not None
+            and not _add_prompt_logprobs(request, res.prompt_logprobs_from, res.prompt_logprobs)
+        ):
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+            error = f"worker returned prompt logprobs from token {res.prompt_logprobs_from}"
+            return RequestUpdate(
+                request.request_id, [], True, RequestStatus.FINISHED_ERROR, error=error
+            )
         generated = res.sampled_token_ids
         drafts = step.spec_token_ids.get(request.request_id)
         all_token_ids = request.all_token_ids
@@ -449,6 +460,10 @@ class Scheduler:
             logprobs = TokenLogprobs(
                 logprobs.chosen[:n], logprobs.top_ids[:n], logprobs.top_logprobs[:n]
             )
+        prompt_logprobs = None
+        if request.sampling.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            request.prompt_logprobs_sent = True
+            prompt_logprobs = request.prompt_logprobs or TokenLogprobs([], [], [])
         return RequestUpdate(
             request.request_id,
             new_tokens,
@@ -456,6 +471,7 @@ class Scheduler:
             request.status,
             logprobs,
             spec_stats=request.spec_stats if finished else None,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _no_stop_possible(
@@ -509,3 +525,21 @@ class Scheduler:
 
     def take_kv_events(self) -> list[KVEvent]:
         return self.kv.take_events()
+
+
+def _add_prompt_logprobs(request: Request, first: int, got: TokenLogprobs) -> bool:
+    """Append the worker's prompt logprobs for prompt tokens `first ..`, skipping those already
+    in (a preempted request computes its prompt again); False for a gap or a ragged result."""
+    have = request.prompt_logprobs or TokenLogprobs([], [], [])
+    skip = len(have.chosen) + 1 - first
+    n = len(got.chosen)
+    if first < 1 or skip < 0 or not n == len(got.top_ids) == len(got.top_logprobs):
+        return False
+    if len(have.chosen) + max(n - skip, 0) > request.num_prompt_tokens - 1:
+        return False
+    request.prompt_logprobs = TokenLogprobs(
+        have.chosen + got.chosen[skip:],
+        have.top_ids + got.top_ids[skip:],
+        have.top_logprobs + got.top_logprobs[skip:],
+    )
+    return True

@@ -106,6 +106,9 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; N: the chosen token's plus the top N
+    # None: none; N: each prompt token's logprob (from the second on) plus the top N at its
+    # position. Such a prompt is computed whole: prefix-cache hits are not used for it.
+    prompt_logprobs: int | None = None
     # Text that ends the request where it first appears; the text sent stops before it (held
     # back while it could still be the start of one, so none of it ever reaches a stream).
     stop: tuple[str, ...] = ()
@@ -138,8 +141,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unk
             )
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (0 <= value <= 20):
+                raise ValueError(f"{name} must be in [0, 20], got {value}")
         check_stop_strings(self.stop)
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -218,6 +223,10 @@ class RequestResult(msgspec.Struct, frozen=True, array_like=True, forbid_unknown
     draft_token_ids: list[int] | None = None  # proposals for the next step
     logprobs: TokenLogprobs | None = None
     error: str | None = None  # this request failed; the others in the step are unaffected
+    # Logprobs of prompt tokens `prompt_logprobs_from ..` (indices into the prompt, >= 1), as
+    # far as this step's rows reach (a request that asked for them)
+    prompt_logprobs: TokenLogprobs | None = None
+    prompt_logprobs_from: int = 0
 
 
 class StepResult(msgspec.Struct, frozen=True, tag="result", forbid_unknown_fields=True):
@@ -361,6 +370,8 @@ class RequestOutput(msgspec.Struct, frozen=True, tag="output", forbid_unknown_fi
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None
     prompt_token_ids: list[int] | None = None  # on the first output only
+    # Logprobs of prompt tokens 1.. (the first has none), on the first output, when asked for
+    prompt_logprobs: TokenLogprobs | None = None
     num_cached_tokens: int | None = None  # prefix-cache hit at admission (first output only)
     worker_id: str | None = None  # the worker serving it (first output, and after a resume)
     spec: SpecStats | None = None  # on the last output, when speculation ran

@@ -24,6 +24,7 @@ class GenerationOutput:
     logprobs: list[TokenLogprobs]
     error: str | None = None
     spec_stats: SpecDecodingStats | None = None
+    prompt_logprobs: TokenLogprobs | None = None  # prompt tokens 1.., when asked for
 
 
 class LLM:
@@ -74,6 +75,8 @@ class LLM:
                 out.token_ids.extend(update.new_token_ids)
                 if update.logprobs is not None:
                     out.logprobs.append(update.logprobs)
+                if update.prompt_logprobs is not None:
+                    out.prompt_logprobs = update.prompt_logprobs
                 if update.finished:
                     out.finish_reason = update.status.finish_reason
                     out.error = update.error

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgspec
 import torch
 
 from specserve.shared.config import AttentionType
@@ -56,6 +57,9 @@ def forward_step(
     if fused is not None:
         return fused
     return model.forward_with_aux(input_ids, positions, metadata, kv_cache, aux_layers)
+
+
+PROMPT_LOGPROB_ROWS = 256  # prompt rows whose logits are held at once (49k floats each)
 
 
 @dataclass
@@ -228,6 +232,7 @@ class ModelRunner:
         if self.recorder is not None:
             self._record(scheduled, row_starts, hidden, aux)
 
+        prompt_logprobs = self._prompt_logprobs(scheduled, row_starts, hidden)
         emitted, logprobs = self._sample(scheduled, row_starts, hidden)
         results = []
         valid: list[int] = []  # rows per request whose tokens are now final
@@ -240,7 +245,16 @@ class ModelRunner:
             state.token_ids.extend(tokens)
             state.draft_token_ids = []
             state.draft_probs = None
-            results.append(RequestResult(state.handle, tokens, logprobs=logprobs.get(state.handle)))
+            first, prompt = prompt_logprobs.get(state.handle, (0, None))
+            results.append(
+                RequestResult(
+                    state.handle,
+                    tokens,
+                    logprobs=logprobs.get(state.handle),
+                    prompt_logprobs=prompt,
+                    prompt_logprobs_from=first,
+                )
+            )
         if self.speculator is None:
             return results
         assert self.spec_policy is not None
@@ -328,6 +342,41 @@ class ModelRunner:
                 features[rows],
                 hidden[rows],
             )
+
+    def _prompt_logprobs(
+        self, scheduled: Sequence[_Scheduled], row_starts: Sequence[int], hidden: torch.Tensor
+    ) -> dict[int, tuple[int, TokenLogprobs]]:
+        """For each request that asked: the logprobs of the prompt tokens this step's rows
+        predict (row p predicts token p + 1), with the index of the first, and the top N at
+        each. The LM head runs on those rows in slices, so a long chunk never holds all its
+        logits at once."""
+        out: dict[int, tuple[int, TokenLogprobs]] = {}
+        for item, row_start in zip(scheduled, row_starts, strict=True):
+            state, n_top = item.state, item.state.sampling.prompt_logprobs
+            start = state.num_computed_tokens
+            end = min(start + item.num_tokens - item.num_spec, state.num_prompt_tokens - 1)
+            if n_top is None or end <= start:
+                continue
+            params = [msgspec.structs.replace(state.sampling, logprobs=n_top)]
+            chosen: list[float] = []
+            top_ids: list[list[int]] = []
+            top_lps: list[list[float]] = []
+            for lo in range(start, end, PROMPT_LOGPROB_ROWS):
+                hi = min(lo + PROMPT_LOGPROB_ROWS, end)
+                rows = torch.arange(row_start + lo - start, row_start + hi - start)
+                logits = self.model.compute_logits(hidden[rows.to(self.device)]).float()
+                targets = torch.tensor(state.token_ids[lo + 1 : hi + 1], device=self.device)
+                got = token_logprobs(logits, targets, params * (hi - lo))
+                assert got.logprobs is not None
+                chosen += got.logprobs.tolist()
+                if n_top > 0 and got.top_token_ids is not None and got.top_logprobs is not None:
+                    top_ids += got.top_token_ids[:, :n_top].tolist()
+                    top_lps += got.top_logprobs[:, :n_top].tolist()
+                else:
+                    top_ids += [[] for _ in range(hi - lo)]
+                    top_lps += [[] for _ in range(hi - lo)]
+            out[state.handle] = (start + 1, TokenLogprobs(chosen, top_ids, top_lps))
+        return out
 
     def _sample(
         self, scheduled: Sequence[_Scheduled], row_starts: Sequence[int], hidden: torch.Tensor

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -325,12 +326,10 @@ def create_app(settings: ApiSettings) -> FastAPI:
         formatter = _admit(state, body.model)
         if body.suffix:
             raise ApiError(400, "suffix is not supported", param="suffix")
-        if body.echo and body.logprobs is not None:
-            raise ApiError(
-                400, "echo with logprobs (prompt logprobs) is not supported", param="echo"
-            )
         try:
             sampling = body.sampling(_max_tokens(state, body.max_tokens), body.logprobs)
+            if body.echo and body.logprobs is not None:  # the prompt's logprobs are echoed too
+                sampling = msgspec.structs.replace(sampling, prompt_logprobs=body.logprobs)
             prompts = body.prompts()
         except ParameterError as exc:
             raise from_service_error(exc) from None

@@ -10,8 +10,9 @@ from typing import Any, Protocol
 from specserve.shared.protocol import RequestOutput, SpecStats
 from specserve.shared.tokenizer import Tokenizer
 
-# (token id, its logprob, [(alternative id, its logprob), ...])
-LogprobEntry = tuple[int, float, list[tuple[int, float]]]
+# (token id, its logprob, [(alternative id, its logprob), ...]); a prompt's first token has
+# neither (None, None)
+LogprobEntry = tuple[int, float | None, list[tuple[int, float]] | None]
 
 
 @dataclass
@@ -26,11 +27,14 @@ class ChoiceState:
     finish_reason: str | None = None
     spec: SpecStats | None = None
     logprob_entries: list[LogprobEntry] = field(default_factory=list)
+    prompt_entries: list[LogprobEntry] = field(default_factory=list)  # when prompt logprobs came
 
     def add(self, output: RequestOutput) -> tuple[str, list[LogprobEntry]]:
         """Fold in one output; returns its new text and logprob entries."""
         if output.prompt_token_ids is not None:
             self.prompt_token_ids = list(output.prompt_token_ids)
+        if output.prompt_logprobs is not None and self.prompt_token_ids:
+            self.prompt_entries = _prompt_entries(self.prompt_token_ids, output)
         if output.num_cached_tokens is not None:
             self.num_cached_tokens = output.num_cached_tokens
         new_text = output.text or ""
@@ -63,6 +67,18 @@ def _logprob_entries(output: RequestOutput) -> list[LogprobEntry]:
             top = list(zip(step.top_ids[j], step.top_logprobs[j], strict=False))
             entries.append((output.token_ids[k], chosen, top))
             k += 1
+    return entries
+
+
+def _prompt_entries(prompt: list[int], output: RequestOutput) -> list[LogprobEntry]:
+    """The prompt's tokens with their logprobs: none for the first, then one per later token."""
+    lps = output.prompt_logprobs
+    assert lps is not None
+    entries: list[LogprobEntry] = [(prompt[0], None, None)]
+    for token, chosen, ids, values in zip(
+        prompt[1:], lps.chosen, lps.top_ids, lps.top_logprobs, strict=False
+    ):
+        entries.append((token, chosen, list(zip(ids, values, strict=False))))
     return entries
 
 
@@ -115,17 +131,27 @@ class Formatter:
 
     # --- completions ------------------------------------------------------------------------
 
-    def completion_logprobs(self, entries: list[LogprobEntry], offset: int) -> dict[str, Any]:
+    def completion_logprobs(
+        self, entries: list[LogprobEntry], offset: int, prompt: list[LogprobEntry] | None = None
+    ) -> dict[str, Any]:
+        """OpenAI's legacy logprobs object; with `prompt` (echo), the prompt's tokens come first,
+        their text offsets from 0, and the generated ones from `offset`."""
         tokens, offsets = [], []
-        for token_id, _, _ in entries:
-            text = self.token_text(token_id)
-            tokens.append(text)
-            offsets.append(offset)
-            offset += len(text)
+        spans = [(prompt, 0)] if prompt is not None else []
+        for part, start in [*spans, (entries, offset)]:
+            for token_id, _, _ in part:
+                text = self.token_text(token_id)
+                tokens.append(text)
+                offsets.append(start)
+                start += len(text)
+        every = [*(prompt or []), *entries]
         return {
             "tokens": tokens,
-            "token_logprobs": [lp for _, lp, _ in entries],
-            "top_logprobs": [{self.token_text(t): lp for t, lp in top} for _, _, top in entries],
+            "token_logprobs": [lp for _, lp, _ in every],
+            "top_logprobs": [
+                None if top is None else {self.token_text(t): lp for t, lp in top}
+                for _, _, top in every
+            ],
             "text_offset": offsets,
         }
 
@@ -136,7 +162,10 @@ class Formatter:
         body_choices = []
         for c in choices:
             prefix = echo[c.index // n] if echo is not None else ""
-            entries = self.completion_logprobs(c.logprob_entries, len(prefix)) if logprobs else None
+            entries = None
+            if logprobs:
+                prompt = c.prompt_entries if echo is not None else None
+                entries = self.completion_logprobs(c.logprob_entries, len(prefix), prompt)
             body_choices.append({
                 "index": c.index,
                 "text": prefix + c.text,
@@ -247,8 +276,12 @@ class CompletionChunks:
     echo: list[str] | None  # per prompt
     n: int
 
+    echoed: set[int] = field(default_factory=set)  # choices whose echo went with a chunk
+
     def opening(self, index: int) -> dict[str, Any] | None:
-        if self.echo is None:
+        """The echoed prompt, first; with logprobs it waits for the first chunk instead, since
+        the prompt's logprobs arrive with the first tokens."""
+        if self.echo is None or self.logprobs:
             return None
         text = self.echo[index // self.n]
         return self.formatter.completion_chunk(
@@ -258,7 +291,16 @@ class CompletionChunks:
     def chunk(
         self, choice: ChoiceState, text: str, entries: list[LogprobEntry], offset: int
     ) -> dict[str, Any]:
-        logprobs = self.formatter.completion_logprobs(entries, offset) if self.logprobs else None
+        logprobs = None
+        if self.logprobs:
+            prompt = None
+            if self.echo is not None:  # text offsets count the echoed prompt
+                prefix = self.echo[choice.index // self.n]
+                offset += len(prefix)
+                if choice.index not in self.echoed:
+                    self.echoed.add(choice.index)
+                    prompt, text = choice.prompt_entries, prefix + text
+            logprobs = self.formatter.completion_logprobs(entries, offset, prompt)
         return self.formatter.completion_chunk(
             self.request_id, self.created, choice.index, text, logprobs, choice.finish_reason
         )

@@ -29,6 +29,8 @@ class Completion:
     text: str | None = None  # None when the control plane has no tokenizer
     finish_reason: str | None = None  # stop | length | abort
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Prompt tokens 1.. (the first has none), when `SamplingParams.prompt_logprobs` asked
+    prompt_logprobs: TokenLogprobs | None = None
     num_cached_tokens: int | None = None
     worker_id: str | None = None  # the worker that served the request last
     spec: SpecStats | None = None
@@ -42,6 +44,8 @@ class Completion:
             self.logprobs.extend(output.logprobs)
         if output.prompt_token_ids is not None:
             self.prompt_token_ids = list(output.prompt_token_ids)
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         if output.num_cached_tokens is not None and self.num_cached_tokens is None:
             self.num_cached_tokens = output.num_cached_tokens
         if output.worker_id is not None:  # a resumed request may move to another worker

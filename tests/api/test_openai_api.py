@@ -262,6 +262,37 @@ def test_logprobs_follow_the_tokens(oai: openai.OpenAI) -> None:
         assert bytes(entry.bytes) == entry.token.encode()
 
 
+def test_echo_with_logprobs_gives_the_prompts_logprobs(oai: openai.OpenAI, sdk: Client) -> None:
+    """echo + logprobs: the prompt's tokens lead the logprobs (the first without one), with the
+    values the SDK gets from `prompt_logprobs`; streamed, the echo and the prompt's logprobs come
+    with the first chunk, and the stream adds up to the whole response."""
+    prompt = "Water boils at"
+    params = msgspec.structs.replace(GREEDY, max_tokens=6, logprobs=2, prompt_logprobs=2)
+    want = sdk.generate(prompt, params)
+    n_prompt = len(want.prompt_token_ids)
+    assert want.prompt_logprobs is not None and len(want.prompt_logprobs.chosen) == n_prompt - 1
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=2, echo=True)
+    got = oai.completions.create(**kwargs)
+    choice = got.choices[0]
+    lp = choice.logprobs
+    assert choice.text == prompt + want.text
+    assert len(lp.tokens) == n_prompt + len(want.token_ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n_prompt] == pytest.approx(want.prompt_logprobs.chosen)
+    for top, ids in zip(lp.top_logprobs[1:n_prompt], want.prompt_logprobs.top_ids, strict=True):
+        assert len(top) == len(ids) == 2
+    generated = [c for step in want.logprobs for c in step.chosen]
+    assert lp.token_logprobs[n_prompt:] == pytest.approx(generated)
+    assert "".join(lp.tokens[n_prompt:]) == want.text
+    assert lp.text_offset[n_prompt] == len(prompt)
+    chunks = list(oai.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [t for s in streamed for t in s.token_logprobs] == lp.token_logprobs
+    assert [t for s in streamed for t in s.text_offset] == lp.text_offset
+
+
 # --- errors, over raw HTTP ----------------------------------------------------------------------
 
 

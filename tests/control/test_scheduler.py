@@ -18,6 +18,7 @@ from specserve.shared.protocol import (
     RequestResult,
     SamplingParams,
     StepResult,
+    TokenLogprobs,
 )
 
 GREEDY = SamplingParams(max_tokens=50, temperature=0.0)
@@ -352,6 +353,42 @@ def test_worker_returning_too_many_tokens_fails_only_that_request():
     updates = s.update_from_output(step, ScriptedWorker(s).result(step, {"a": [1, 2], "b": [9]}))
     assert updates[0].status == RequestStatus.FINISHED_ERROR and "at most 1" in updates[0].error
     assert updates[1].new_token_ids == [9] and other.status == RequestStatus.RUNNING
+
+
+def _prompt_lps(first: float, count: int) -> TokenLogprobs:
+    return TokenLogprobs([first - i for i in range(count)], [[]] * count, [[]] * count)
+
+
+def test_prompt_logprobs_are_joined_deduplicated_and_sent_once():
+    """Chunks' prompt logprobs are joined in order; a recomputed chunk's repeats are dropped; a
+    gap fails the request; the whole arrives once, with the first output token."""
+    s = make_scheduler(max_num_batched_tokens=4)
+    sampling = SamplingParams(max_tokens=5, temperature=0.0, prompt_logprobs=0)
+    req = add(s, "a", list(range(10, 17)), sampling)  # prompt tokens 1..6 have logprobs
+    step = s.schedule()  # positions 0-3: tokens 1-4
+    lps = RequestResult(req.handle, [], prompt_logprobs=_prompt_lps(-1, 4), prompt_logprobs_from=1)
+    assert s.update_from_output(step, StepResult(PROTOCOL_VERSION, step.batch.step_id, [lps])) == []
+    step = s.schedule()  # positions 4-6: tokens 5-6, then the first output token
+    again = _prompt_lps(-4, 3)  # tokens 4-6, token 4 already in
+    result = RequestResult(req.handle, [9], prompt_logprobs=again, prompt_logprobs_from=4)
+    (update,) = s.update_from_output(
+        step, StepResult(PROTOCOL_VERSION, step.batch.step_id, [result])
+    )
+    assert update.new_token_ids == [9]
+    assert update.prompt_logprobs is not None
+    assert update.prompt_logprobs.chosen == [-1, -2, -3, -4, -5, -6]
+    step = s.schedule()
+    (update,) = s.update_from_output(step, ScriptedWorker(s).result(step))
+    assert update.prompt_logprobs is None  # sent once
+    b = add(s, "b", list(range(10, 17)), sampling)
+    step = s.schedule()
+    gap = RequestResult(b.handle, [], prompt_logprobs=_prompt_lps(-1, 2), prompt_logprobs_from=3)
+    results = ScriptedWorker(s).result(step).results  # "a" decodes beside it
+    results = [gap if r.handle == b.handle else r for r in results]
+    updates = s.update_from_output(step, StepResult(PROTOCOL_VERSION, step.batch.step_id, results))
+    (failed,) = [u for u in updates if u.request_id == "b"]
+    assert failed.status == RequestStatus.FINISHED_ERROR
+    assert "prompt logprobs from token 3" in failed.error
 
 
 def test_prefix_cache_statistics():

@@ -169,10 +169,10 @@ def test_array_structs_refuse_extra_elements():
             "type": "result",
             "version": 1,
             "step_id": 1,
-            "results": [[1, [2], None, None, None, "extra"]],
+            "results": [[1, [2], None, None, None, None, 0, "extra"]],
         }
     )
-    message = r"^malformed 'result' message: Expected `array` of at most length 5, got 6"
+    message = r"^malformed 'result' message: Expected `array` of at most length 7, got 8"
     with pytest.raises(p.ProtocolError, match=message):
         p.decode(frame)
 

@@ -103,3 +103,59 @@ def test_seeded_sampling_survives_preemption_and_resumption(llama_ckpt):
         for update in engine.step():
             continued.extend(update.new_token_ids)
     assert continued == roomy[0][15:]
+
+
+def _hf_prompt_logprobs(model, prompt: list[int], top: int):
+    """transformers' log-softmax at each prompt position: the next prompt token's logprob and
+    the top `top` (ids, logprobs)."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, :-1].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(-1, torch.tensor(prompt[1:])[:, None]).squeeze(-1)
+    values, ids = logprobs.topk(top, dim=-1)
+    return chosen.tolist(), ids.tolist(), values.tolist()
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_prompt_logprobs_match_transformers_across_chunks_and_a_cached_prefix(request, name):
+    """Every prompt token's logprob (from the second) and the top 3 at its position, for a prompt
+    chunked over steps and for one whose prefix is cached: that prefix is computed again, and
+    the prompt logprobs arrive once, with the first output token."""
+    ckpt = request.getfixturevalue(name)
+    (prefix, tail) = prompts([24, 13], seed=3)
+    llm = _llm(ckpt, max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    llm.generate(prefix + prompts([5], seed=4)[0], GREEDY64)  # caches the prefix's blocks
+    hits_before = llm.engine.scheduler.kv.stats.hits
+    (out,) = llm.generate(prefix + tail, params)
+    assert llm.engine.scheduler.kv.stats.hits == hits_before  # computed, not taken from cache
+    prompt = prefix + tail
+    assert out.token_ids == hf_greedy(ckpt.hf_model, prompt, 4)
+    got = out.prompt_logprobs
+    assert got is not None and len(got.chosen) == len(prompt) - 1
+    chosen, top_ids, top_lps = _hf_prompt_logprobs(ckpt.hf_model, prompt, 3)
+    assert got.chosen == pytest.approx(chosen, abs=1e-4)
+    assert got.top_ids == top_ids
+    assert [v for row in got.top_logprobs for v in row] == pytest.approx(
+        [v for row in top_lps for v in row], abs=1e-4
+    )
+    (plain,) = llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0.0))
+    assert plain.prompt_logprobs is None
+
+
+def test_prompt_logprobs_survive_preemption(llama_ckpt):
+    """Requests preempted by recompute compute their prompts again; their prompt logprobs still
+    arrive once, whole and equal to transformers'."""
+    batch = prompts([10, 14, 18, 22], seed=5)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    llm = _llm(llama_ckpt, num_blocks=28, max_num_batched_tokens=16)
+    outs = llm.generate(batch, params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for prompt, out in zip(batch, outs, strict=True):
+        assert out.token_ids == hf_greedy(llama_ckpt.hf_model, prompt, 40)
+        chosen, _, _ = _hf_prompt_logprobs(llama_ckpt.hf_model, prompt, 1)
+        assert out.prompt_logprobs is not None
+        assert out.prompt_logprobs.chosen == pytest.approx(chosen, abs=1e-4)
+        assert out.prompt_logprobs.top_ids == [[] for _ in chosen]
