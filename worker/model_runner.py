@@ -358,24 +358,18 @@ class ModelRunner:
             if n_top is None or end <= start:
                 continue
             params = [msgspec.structs.replace(state.sampling, logprobs=n_top)]
-            chosen: list[float] = []
-            top_ids: list[list[int]] = []
-            top_lps: list[list[float]] = []
+            joined = TokenLogprobs([], [], [])
             for lo in range(start, end, PROMPT_LOGPROB_ROWS):
                 hi = min(lo + PROMPT_LOGPROB_ROWS, end)
                 rows = torch.arange(row_start + lo - start, row_start + hi - start)
                 logits = self.model.compute_logits(hidden[rows.to(self.device)]).float()
                 targets = torch.tensor(state.token_ids[lo + 1 : hi + 1], device=self.device)
                 got = token_logprobs(logits, targets, params * (hi - lo))
-                assert got.logprobs is not None
-                chosen += got.logprobs.tolist()
-                if n_top > 0 and got.top_token_ids is not None and got.top_logprobs is not None:
-                    top_ids += got.top_token_ids[:, :n_top].tolist()
-                    top_lps += got.top_logprobs[:, :n_top].tolist()
-                else:
-                    top_ids += [[] for _ in range(hi - lo)]
-                    top_lps += [[] for _ in range(hi - lo)]
-            out[state.handle] = (start + 1, TokenLogprobs(chosen, top_ids, top_lps))
+                part = _rows_logprobs(got, slice(0, hi - lo), n_top)
+                joined.chosen.extend(part.chosen)
+                joined.top_ids.extend(part.top_ids)
+                joined.top_logprobs.extend(part.top_logprobs)
+            out[state.handle] = (start + 1, joined)
         return out
 
     def _sample(
@@ -488,13 +482,19 @@ def _logprobs_by_request(
     for state, n in zip(states, rows_per_request, strict=True):
         n_top = state.sampling.logprobs
         if n_top is not None and out.logprobs is not None:
-            rows = slice(row, row + n)
-            top_ids, top_lps = out.top_token_ids, out.top_logprobs
-            has_top = n_top > 0 and top_ids is not None and top_lps is not None
-            result[state.handle] = TokenLogprobs(
-                out.logprobs[rows].tolist(),
-                top_ids[rows, :n_top].tolist() if has_top else [[] for _ in range(n)],
-                top_lps[rows, :n_top].tolist() if has_top else [[] for _ in range(n)],
-            )
+            result[state.handle] = _rows_logprobs(out, slice(row, row + n), n_top)
         row += n
     return result
+
+
+def _rows_logprobs(out: SamplerOutput, rows: slice, n_top: int) -> TokenLogprobs:
+    """The chosen logprobs of sampler output `rows`, with the top `n_top` of each."""
+    assert out.logprobs is not None
+    n = rows.stop - rows.start
+    top_ids, top_lps = out.top_token_ids, out.top_logprobs
+    has_top = n_top > 0 and top_ids is not None and top_lps is not None
+    return TokenLogprobs(
+        out.logprobs[rows].tolist(),
+        top_ids[rows, :n_top].tolist() if has_top else [[] for _ in range(n)],
+        top_lps[rows, :n_top].tolist() if has_top else [[] for _ in range(n)],
+    )

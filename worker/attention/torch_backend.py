@@ -64,14 +64,7 @@ class PaddedBatch:
     whole: bool
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """`mask` as 0 / -inf in the model's dtype: SDPA's CPU kernel takes it faster than a
-        boolean mask, which it would convert in every layer."""
-
-        def build() -> torch.Tensor:
-            zeros = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
-            return zeros.masked_fill_(~self.mask, float("-inf"))
-
-        return once_per_step(self, ("additive_mask", dtype), build)
+        return _additive_mask(self, self.mask, dtype)
 
 
 @dataclass(frozen=True)
@@ -92,15 +85,18 @@ class LongQuery:
     is_causal: bool
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
-        if self.mask is None:
-            return None
-        mask = self.mask
+        return None if self.mask is None else _additive_mask(self, self.mask, dtype)
 
-        def build() -> torch.Tensor:
-            zeros = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-            return zeros.masked_fill_(~mask, float("-inf"))
 
-        return once_per_step(self, ("additive_mask", dtype), build)
+def _additive_mask(owner: object, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`mask` as 0 / -inf in the model's dtype, once per step for `owner`: SDPA's CPU kernel
+    takes it faster than a boolean mask, which it would convert in every layer."""
+
+    def build() -> torch.Tensor:
+        zeros = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+        return zeros.masked_fill_(~mask, float("-inf"))
+
+    return once_per_step(owner, ("additive_mask", dtype), build)
 
 
 @dataclass(frozen=True)
