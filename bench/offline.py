@@ -33,6 +33,7 @@ from machine import cpu_model
 
 from specserve.shared.tokenizer import load_tokenizer
 from specserve.training.corpus import read_sharegpt
+from specserve.training.evaluate import first_turn_prompts
 
 SETTINGS = dict(max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=2048)
 CASES = ("prefill", "batch 1", "batch 16", "all")
@@ -117,19 +118,6 @@ def log(msg: str) -> None:
     print(f"[offline-bench] {msg}", file=sys.stderr, flush=True)
 
 
-def sharegpt_token_prompts(model: Path, count: int, max_prompt_tokens: int) -> list[list[int]]:
-    tokenizer = load_tokenizer(str(model))
-    prompts = []
-    for chat in read_sharegpt():
-        text = next(t for role, t in chat.turns if role == "user")
-        ids = tokenizer.encode_prompt(text, chat=True)
-        if len(ids) <= max_prompt_tokens:
-            prompts.append(ids)
-        if len(prompts) == count:
-            break
-    return prompts
-
-
 def run_engine(engine: str, args: dict, tmp: Path) -> dict:
     if engine == "specserve":
         python, env, body = sys.executable, dict(os.environ), SPECSERVE
@@ -158,7 +146,8 @@ def main() -> None:
     if not (PEER_BIN / "python").exists():
         sys.exit("no .venv-peer: run `bash scripts/setup_peer.sh` first")
     model = peer_model_dir()
-    prompts = sharegpt_token_prompts(model, args.prompts, args.max_prompt_tokens)
+    tokenizer = load_tokenizer(str(model))
+    prompts = first_turn_prompts(tokenizer, read_sharegpt(), args.prompts, args.max_prompt_tokens)
     job = dict(model=str(model), dtype=args.dtype, prompts=prompts,
                max_tokens=args.max_tokens, settings=SETTINGS)  # fmt: skip
     rates: dict[str, list[dict[str, float]]] = {"specserve": [], "vllm": []}

@@ -106,7 +106,6 @@ class Request:
     # Prompt logprobs received from the worker, for prompt tokens 1, 2, ... (when asked for);
     # sent with the first output tokens
     prompt_logprobs: TokenLogprobs | None = None
-    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -461,8 +461,8 @@ class Scheduler:
                 logprobs.chosen[:n], logprobs.top_ids[:n], logprobs.top_logprobs[:n]
             )
         prompt_logprobs = None
-        if request.sampling.prompt_logprobs is not None and not request.prompt_logprobs_sent:
-            request.prompt_logprobs_sent = True
+        first_output = request.num_output_tokens == len(new_tokens)
+        if request.sampling.prompt_logprobs is not None and first_output:
             prompt_logprobs = request.prompt_logprobs or TokenLogprobs([], [], [])
         return RequestUpdate(
             request.request_id,

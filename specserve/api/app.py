@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -327,9 +326,8 @@ def create_app(settings: ApiSettings) -> FastAPI:
         if body.suffix:
             raise ApiError(400, "suffix is not supported", param="suffix")
         try:
-            sampling = body.sampling(_max_tokens(state, body.max_tokens), body.logprobs)
-            if body.echo and body.logprobs is not None:  # the prompt's logprobs are echoed too
-                sampling = msgspec.structs.replace(sampling, prompt_logprobs=body.logprobs)
+            echoed = body.logprobs if body.echo else None  # the prompt's logprobs, echoed too
+            sampling = body.sampling(_max_tokens(state, body.max_tokens), body.logprobs, echoed)
             prompts = body.prompts()
         except ParameterError as exc:
             raise from_service_error(exc) from None

@@ -47,7 +47,9 @@ class _Sampling(BaseModel):
     best_of: int | None = None
     user: str | None = None
 
-    def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """The request's `SamplingParams`; `ParameterError` for what cannot be served."""
         if not 1 <= self.n <= MAX_N:
             raise ParameterError(f"n must be in [1, {MAX_N}], got {self.n}", "n")
@@ -66,6 +68,7 @@ class _Sampling(BaseModel):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             stop=stop,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
