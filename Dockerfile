@@ -1,7 +1,6 @@
 # One image for the specserve control plane and workers (the Helm chart runs both from it).
 #   docker build -t specserve:0.1.0 .                                  # CPU torch
-#   docker build -t specserve:0.1.0-cu128 --build-arg EXTRAS=gpu \
-#     --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 .  # CUDA torch + FlashInfer
+# GPU workers: docker/cuda.Dockerfile (CUDA base, FlashInfer's kernels compiled at build time).
 FROM python:3.11-slim
 
 ARG TORCH_VERSION=2.13.0

@@ -632,7 +632,9 @@ def _add_cache(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_kernels(sub: argparse._SubParsersAction) -> None:
-    kernels = sub.add_parser("kernels", help="build or inspect the CPU kernels")
+    kernels = sub.add_parser(
+        "kernels", help="build or inspect the CPU kernels; prebuild the FlashInfer kernels"
+    )
     actions = kernels.add_subparsers(dest="action", required=True)
     helps = {
         "build": "compile the CPU kernels for this CPU ahead of time (e.g. in an image build) "
@@ -652,6 +654,25 @@ def _add_kernels(sub: argparse._SubParsersAction) -> None:
                 "--force", action="store_true", help="compile even if the library is there"
             )
         action.set_defaults(func=cmd_kernels_build if name == "build" else cmd_kernels_status)
+    text = (
+        "compile FlashInfer's attention kernels ahead of time (no GPU needed; nvcc and the CUDA "
+        "toolkit are) and install them where FlashInfer loads them without compiling"
+    )
+    flashinfer = actions.add_parser("flashinfer", help=text, description=text)
+    flashinfer.add_argument(
+        "--arch",
+        nargs="+",
+        default=["9.0a"],
+        help="CUDA targets, as FLASHINFER_CUDA_ARCH_LIST names them (default: 9.0a, "
+        "H100/H200; 8.0 for A100, 8.9 for L4/L40S)",
+    )
+    flashinfer.add_argument(
+        "--head-dims", nargs="+", type=int, default=[64, 128, 256], help="model head dims"
+    )
+    flashinfer.add_argument(
+        "--dtypes", nargs="+", default=["bfloat16"], choices=["bfloat16", "float16"]
+    )
+    flashinfer.set_defaults(func=cmd_kernels_flashinfer)
 
 
 def _add_keys(sub: argparse._SubParsersAction) -> None:
@@ -1146,6 +1167,19 @@ def cmd_kernels_build(args: argparse.Namespace) -> int:
     except kernels.KernelsUnavailable as exc:
         raise CliError(f"cannot build the CPU kernels: {exc}") from None
     print(path)
+    return 0
+
+
+def cmd_kernels_flashinfer(args: argparse.Namespace) -> int:
+    _check_worker_installed()
+    import importlib.util
+
+    if importlib.util.find_spec("flashinfer") is None:
+        raise CliError("FlashInfer is not installed: pip install 'specserve[gpu]'")
+    from specserve.worker.attention import flashinfer_aot
+
+    for path in flashinfer_aot.build(args.head_dims, args.dtypes, args.arch):
+        print(path)
     return 0
 
 

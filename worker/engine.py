@@ -14,7 +14,8 @@ import torch
 
 from specserve.shared import protocol
 from specserve.shared.config import SpecConfig, SpecMethod
-from specserve.worker.attention.selection import select_backend
+from specserve.worker.attention.flashinfer_backend import FlashInferBackend
+from specserve.worker.attention.selection import missing_flashinfer_kernels, select_backend
 from specserve.worker.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
 from specserve.worker.memory import kv_budget_bytes
 from specserve.worker.model_registry import LoadedModel, load_target, model_dtype
@@ -82,6 +83,11 @@ class WorkerEngine:
             )
         self.max_model_len = max_model_len
         drafter = load_drafter(method, args.drafter, model)
+        if isinstance(model.backend, FlashInferBackend):
+            head_dims = {config.head_dim} | ({drafter.config.layer.head_dim} if drafter else set())
+            reason = missing_flashinfer_kernels(head_dims, model.dtype, args.device)
+            if reason is not None:
+                raise RuntimeError(reason)
         self.num_blocks = args.num_blocks or self._blocks_for_budget(model, drafter)
         kv_cache = PagedKVCache(
             config.kv_groups, self.num_blocks, args.block_size, config.num_kv_heads,

@@ -49,3 +49,32 @@ def test_the_image_constraints_pin_every_dependency_exactly():
         name = re.sub(r"[-_.]+", "-", re.split(r"[<>=!~\[ ]", requirement)[0]).lower()
         assert name == "torch" or name in pinned, f"{name} is not pinned"
     assert "torch" not in pinned
+
+
+def test_the_gpu_image_prebuilds_flashinfer_kernels_on_pinned_bases():
+    """docker/cuda.Dockerfile: both bases pinned by digest, every package folder copied, torch
+    pinned from a CUDA index, FlashInfer at the `gpu` extra's version with its dependencies
+    pinned, its kernels compiled in the build stage (where nvcc is) and the runtime stage free
+    of a compiler."""
+    dockerfile = (ROOT / "docker" / "cuda.Dockerfile").read_text()
+    bases = re.findall(r"^ARG CUDA_\w+=(\S+)$", dockerfile, re.MULTILINE)
+    assert len(bases) == 2 and all(re.search(r"@sha256:[0-9a-f]{64}$", b) for b in bases)
+    assert any("-devel-" in b for b in bases) and any("-runtime-" in b for b in bases)
+    package_dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"
+    ]
+    copied = set(re.findall(r"^COPY (\S+) \1$", dockerfile, re.MULTILINE))
+    assert set(package_dirs.values()) <= copied
+    assert re.search(r'pip install "torch==\$\{TORCH_VERSION\}" --index-url', dockerfile)
+    assert "download.pytorch.org/whl/cu" in dockerfile
+    assert 'pip install -c constraints.txt -c constraints-gpu.txt ".[worker,gpu]"' in dockerfile
+    build, runtime = dockerfile.split("\nFROM ${CUDA_RUNTIME}")
+    assert "specserve kernels flashinfer --arch" in build
+    assert "gcc" not in runtime and "COPY --from=build /opt/venv /opt/venv" in runtime
+    gpu_extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]["gpu"]
+    pins = (ROOT / "docker" / "constraints-gpu.txt").read_text().splitlines()
+    assert gpu_extra == [pin for pin in pins if pin.startswith("flashinfer-python==")]
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert not set(package_dirs.values()) & set(ignored)

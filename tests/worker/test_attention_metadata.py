@@ -663,10 +663,16 @@ def test_flashinfer_needs_nvcc_or_its_prebuilt_kernels(tmp_path):
     def no_module(_name: str) -> bool:
         return False
 
-    reason_for = partial(flashinfer_build_unavailable_reason, default_nvcc=str(tmp_path / "no"))
+    reason_for = partial(
+        flashinfer_build_unavailable_reason,
+        default_nvcc=str(tmp_path / "no"),
+        has_prebuilt=lambda: False,
+    )
     reason = reason_for({}, nothing, no_module)
     assert reason is not None and "nvcc" in reason and "--attention-backend torch" in reason
+    assert "specserve kernels flashinfer" in reason
     assert reason_for({}, nothing, lambda name: name == "flashinfer_jit_cache") is None
+    assert reason_for({}, nothing, no_module, has_prebuilt=lambda: True) is None
     cuda = tmp_path / "cuda-13.0"
     (cuda / "bin").mkdir(parents=True)
     nvcc = cuda / "bin" / "nvcc"
@@ -675,4 +681,7 @@ def test_flashinfer_needs_nvcc_or_its_prebuilt_kernels(tmp_path):
         assert reason_for(env, nothing, no_module) is None, env
     assert reason_for({}, lambda _: str(nvcc), no_module) is None  # on PATH
     assert reason_for({"CUDA_HOME": str(tmp_path / "nowhere")}, nothing, no_module) is not None
-    assert flashinfer_build_unavailable_reason({}, nothing, no_module, str(nvcc)) is None
+    assert (
+        flashinfer_build_unavailable_reason({}, nothing, no_module, str(nvcc), lambda: False)
+        is None
+    )

@@ -286,3 +286,20 @@ def test_random_hybrid_model_greedy_tokens_match(fi, tmp_path, spec):
     torch_out = _greedy(str(path), "torch", prompts, "float16", 40, **kw)
     fi_out = _greedy(str(path), "flashinfer", prompts, "float16", 40, **kw)
     assert fi_out == torch_out
+
+
+def test_a_head_dim_without_prebuilt_kernels_is_refused_without_nvcc(fi, monkeypatch):
+    """With no compiler, a worker must not start on kernels that were not built ahead of time:
+    the reason names the command that builds them (float16 / head_dim 128 is not prebuilt by
+    the GPU check's kernel set)."""
+    from specserve.worker.attention import flashinfer_aot, selection
+
+    monkeypatch.setattr(selection, "has_nvcc", lambda *args: False)
+    requests = flashinfer_aot.module_requests(
+        [128], ["float16"], flashinfer_aot.device_targets(DEV)
+    )
+    if not flashinfer_aot.missing_modules(requests):
+        pytest.skip("float16 / head_dim 128 kernels are prebuilt here")
+    reason = selection.missing_flashinfer_kernels([128], torch.float16, DEV)
+    assert reason is not None
+    assert "specserve kernels flashinfer --arch" in reason and "--head-dims 128" in reason

@@ -5,12 +5,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import structlog
 import torch
 
+from specserve.worker.attention import flashinfer_aot
 from specserve.worker.attention.base import AttentionBackend
 from specserve.worker.attention.flashinfer_backend import (
     INSTALL_HINT,
@@ -65,27 +66,64 @@ def flashinfer_build_unavailable_reason(
     which: Callable[[str], str | None] = shutil.which,
     has_module: Callable[[str], bool] = lambda name: importlib.util.find_spec(name) is not None,
     default_nvcc: str = "/usr/local/cuda/bin/nvcc",
+    has_prebuilt: Callable[[], bool] = flashinfer_aot.has_prebuilt_modules,
 ) -> str | None:
     """Why FlashInfer could not build its kernels here, or None if it can.
 
-    FlashInfer compiles its attention kernels with nvcc on first use unless its ahead-of-time
-    kernels (`flashinfer-jit-cache`) are installed; an image without the CUDA toolkit would
-    fail then, in the middle of serving. nvcc is looked for where FlashInfer looks:
-    FLASHINFER_NVCC, $CUDA_HOME/bin, $CUDA_PATH/bin, PATH, /usr/local/cuda/bin.
+    FlashInfer compiles its attention kernels with nvcc on first use unless they were built
+    ahead of time (`specserve kernels flashinfer`, or the `flashinfer-jit-cache` package); an
+    image without the CUDA toolkit would fail then, in the middle of serving. nvcc is looked
+    for where FlashInfer looks: FLASHINFER_NVCC, $CUDA_HOME/bin, $CUDA_PATH/bin, PATH,
+    /usr/local/cuda/bin.
     """
-    if has_module("flashinfer_jit_cache"):
+    if has_module("flashinfer_jit_cache") or has_prebuilt() or has_nvcc(env, which, default_nvcc):
         return None
+    return (
+        "FlashInfer compiles its kernels on first use with nvcc, and none was found "
+        "(FLASHINFER_NVCC, CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda): install the CUDA "
+        "toolkit, build the kernels ahead of time (specserve kernels flashinfer), or use "
+        "--attention-backend torch"
+    )
+
+
+def has_nvcc(
+    env: Mapping[str, str] = os.environ,
+    which: Callable[[str], str | None] = shutil.which,
+    default_nvcc: str = "/usr/local/cuda/bin/nvcc",
+) -> bool:
+    """Whether FlashInfer finds nvcc where it looks: FLASHINFER_NVCC, $CUDA_HOME/bin,
+    $CUDA_PATH/bin, PATH, /usr/local/cuda/bin."""
     candidates = [env.get("FLASHINFER_NVCC")]
     candidates += [
         str(Path(env[var]) / "bin" / "nvcc") for var in ("CUDA_HOME", "CUDA_PATH") if env.get(var)
     ]
     candidates += [which("nvcc"), default_nvcc]
-    if any(c and Path(c).is_file() for c in candidates):
+    return any(c and Path(c).is_file() for c in candidates)
+
+
+def missing_flashinfer_kernels(
+    head_dims: Iterable[int], dtype: torch.dtype, device: torch.device | str
+) -> str | None:
+    """Why FlashInfer would need a compiler at the first request and has none: the kernels
+    built ahead of time lack one of these head dims (None when nvcc or flashinfer-jit-cache is
+    there, or every module is prebuilt). Checked once the models are loaded, so a worker
+    fails at start, not in the middle of serving."""
+    if importlib.util.find_spec("flashinfer_jit_cache") is not None or has_nvcc():
         return None
+    head_dims = sorted(set(head_dims))
+    dtype_name = str(dtype).removeprefix("torch.")
+    targets = flashinfer_aot.device_targets(device)
+    missing = flashinfer_aot.missing_modules(
+        flashinfer_aot.module_requests(head_dims, [dtype_name], targets)
+    )
+    if not missing:
+        return None
+    dims = " ".join(map(str, head_dims))
     return (
-        "FlashInfer compiles its kernels on first use with nvcc, and none was found "
-        "(FLASHINFER_NVCC, CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda): install the CUDA "
-        "toolkit or flashinfer-jit-cache, or use --attention-backend torch"
+        f"FlashInfer has no prebuilt kernels for head dims {dims} in {dtype_name} on this GPU "
+        f"({targets[0]}; missing: {', '.join(missing)}) and no nvcc to compile them: run "
+        f"`specserve kernels flashinfer --arch {targets[0]} --head-dims {dims} --dtypes "
+        f"{dtype_name}` where nvcc is, or use --attention-backend torch"
     )
 
 
