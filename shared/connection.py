@@ -15,7 +15,21 @@ from zmq.utils.monitor import parse_monitor_message
 
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 3000
+# Why a control plane refused a handshake, by monitor event. ZeroMQ retries a refused handshake
+# for ever, so without these a peer with the wrong keys only ever saw its own timeout. Which of
+# the first two a missing key gives varies (a keyless peer has been seen to get either).
+_KEYS_MISMATCH = (
+    "the CURVE handshake failed: it requires keys that were not given here (keys=..., --keys), "
+    "or the keys given are not this service's (its public key, or this peer's pair)"
+)
+HANDSHAKE_REFUSALS = {
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: _KEYS_MISMATCH,
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: _KEYS_MISMATCH,
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "it does not accept this key (not among its authorised keys)",
+}
 CONNECTION_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+for _event in HANDSHAKE_REFUSALS:
+    CONNECTION_EVENTS |= _event
 
 
 def heartbeat(sock: zmq.Socket) -> None:

@@ -35,7 +35,13 @@ import torch
 import zmq
 
 from specserve.shared import protocol
-from specserve.shared.connection import heartbeat, next_url, pending_events, watch_connection
+from specserve.shared.connection import (
+    HANDSHAKE_REFUSALS,
+    heartbeat,
+    next_url,
+    pending_events,
+    watch_connection,
+)
 from specserve.shared.curve import PeerKeys
 from specserve.shared.protocol import PROTOCOL_VERSION
 from specserve.shared.ready_file import ReadyFile
@@ -252,6 +258,7 @@ class WorkerServer:
         self._monitor: zmq.Socket | None = None
         self._poller = zmq.Poller()
         self._connected = False  # a handshake with the control plane in use succeeded
+        self._refusal: str | None = None  # why the control plane refused the last handshake
         self._connected_at = 0.0  # when the sockets to the control plane in use were made
         self._heartbeater: _Heartbeater | None = None
         self._ctx: zmq.Context | None = None
@@ -350,10 +357,14 @@ class WorkerServer:
         assert self._monitor is not None
         lost = False
         for event in pending_events(self._monitor):
+            refusal = HANDSHAKE_REFUSALS.get(event)
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._connected = True
+                self._connected, self._refusal = True, None
             elif event == zmq.EVENT_DISCONNECTED and self._connected:
                 self._connected, lost = False, True
+            elif refusal is not None and refusal != self._refusal:  # once, not at each retry
+                self._refusal = refusal
+                log.error("worker.handshake_refused", control=self.control_url, reason=refusal)
         return lost
 
     def _summary(self) -> dict[str, object]:

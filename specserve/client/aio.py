@@ -14,7 +14,7 @@ import zmq
 import zmq.asyncio
 
 from specserve.client.core import DEFAULT_TIMEOUT, DEFAULT_URL, ClientCore
-from specserve.client.errors import ServiceError, ServiceUnreachable, unreachable_message
+from specserve.client.errors import ServiceError, ServiceUnreachable
 from specserve.client.state import Completion
 from specserve.client.steps import Run, Send, Step, Steps, Wait
 from specserve.client.wire import ConnectOptions, abort_frame
@@ -24,6 +24,7 @@ from specserve.shared.protocol import GenerateRequest, RequestOutput
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
+REFUSAL_CHECK_S = 0.05  # how often a send waiting for a connection looks for a refused handshake
 
 
 class AsyncClient(
@@ -75,7 +76,10 @@ class AsyncClient(
         if self._closed:
             return
         for frame in self._aborts_on_close():
-            await self._send(frame)
+            try:
+                await self._send(frame)
+            except ServiceUnreachable:  # a control plane it cannot reach holds nothing to abort
+                break
         self._mark_closed()
         if self._receiver is not None:
             self._receiver.cancel()
@@ -180,6 +184,19 @@ class AsyncClient(
         await self._file_waiting()  # what arrived before the connection dropped comes first
         return self._on_connection_events(events)
 
+    async def _wait_writable(self, wait: float | None) -> bool:
+        """Wait up to `wait` seconds for a connection to send on; False if none came, or as
+        soon as the only control plane refused the handshake (the receiving task reads the
+        connection's events; this looks at what it found every REFUSAL_CHECK_S)."""
+        deadline = None if wait is None else time.monotonic() + wait
+        while not self._refused_for_good():
+            left = REFUSAL_CHECK_S if deadline is None else deadline - time.monotonic()
+            if await self._socket.poll(int(min(max(left, 0), REFUSAL_CHECK_S) * 1000), zmq.POLLOUT):
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+        return False
+
     async def _send_all(self, frames: list[bytes]) -> None:
         for frame in frames:
             await self._send(frame)
@@ -189,9 +206,8 @@ class AsyncClient(
         # A DEALER blocks on send while it has no connection: wait only as long as the client's
         # timeout, and once that failed, not again until a send gets through.
         wait = 0.0 if self._unreachable else self.timeout
-        wait_ms = None if wait is None else int(wait * 1000)
-        if not await self._socket.poll(wait_ms, zmq.POLLOUT):
+        if not await self._wait_writable(wait):
             self._unreachable = True
-            raise ServiceUnreachable(unreachable_message(self.url, wait))
+            raise self._unreachable_error(wait)
         self._unreachable = False
         await self._socket.send(frame, zmq.NOBLOCK)

@@ -17,7 +17,7 @@ from typing import Any, Generic, TypeVar, Unpack
 import structlog
 import zmq
 
-from specserve.client.errors import ServiceError
+from specserve.client.errors import ServiceError, ServiceUnreachable, unreachable_message
 from specserve.client.state import Completion, Deadline, RequestState, resolve_timeout
 from specserve.client.steps import Send, Steps, Wait
 from specserve.client.tombstones import Tombstones
@@ -34,7 +34,7 @@ from specserve.client.wire import (
     request_args,
 )
 from specserve.shared import protocol
-from specserve.shared.connection import next_url, watch_connection
+from specserve.shared.connection import HANDSHAKE_REFUSALS, next_url, watch_connection
 from specserve.shared.protocol import GenerateRequest, RequestOutput, SamplingParams
 
 log = structlog.get_logger(__name__)
@@ -87,6 +87,8 @@ class ClientCore(ABC, Generic[CompletionT, IdT, OutputsT]):
         connect_dealer(self._socket, self.url, **connect)
         self._lost_at: float | None = time.monotonic()  # None while a control plane answers
         self._unreachable = False  # the last send found no connection
+        self._refusal: str | None = None  # why the control plane refused the last handshake
+        self._early_events: list[int] = []  # read by a blocking send, for the receive loop
         self._heard = False  # whether anything at all came from the control plane
         self._requests: dict[str, RequestState] = {}
         self._tombstones = Tombstones(on_clear=self._wake)
@@ -262,6 +264,9 @@ class ClientCore(ABC, Generic[CompletionT, IdT, OutputsT]):
         """News of the connection (from its monitor; the replies that arrived before it must be
         filed first): the frames to send because of it."""
         lost = False
+        self._note_handshakes(events)
+        if self._refused_for_good():
+            self._refuse_all()
         for event in events:
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._lost_at = None
@@ -271,6 +276,33 @@ class ClientCore(ABC, Generic[CompletionT, IdT, OutputsT]):
                 lost = True
                 self._lost_at = time.monotonic()
         return self._connection_lost() if lost else []
+
+    def _note_handshakes(self, events: list[int]) -> None:
+        """Keep why the latest handshake was refused (None once one succeeds); logged once per
+        change, not at every one of ZeroMQ's retries."""
+        for event in events:
+            refusal = HANDSHAKE_REFUSALS.get(event)
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED or refusal is not None:
+                if refusal is not None and refusal != self._refusal:
+                    log.warning("client.handshake_refused", url=self.url, reason=refusal)
+                self._refusal = refusal
+
+    def _refuse_all(self) -> None:
+        """Fail the requests in flight now, not at their timeouts: what they sent waits in the
+        socket for a handshake that the only control plane keeps refusing."""
+        for request_id, state in self._requests.items():
+            if state.resumable:
+                message = unreachable_message(self.url, None, self._refusal)
+                state.file(ServiceUnreachable(message, request_id))
+                self._wake(request_id)
+
+    def _unreachable_error(self, waited_s: float | None) -> ServiceUnreachable:
+        return ServiceUnreachable(unreachable_message(self.url, waited_s, self._refusal))
+
+    def _refused_for_good(self) -> bool:
+        """A send need not wait out its timeout: the only control plane refused the handshake,
+        and it will until its keys or this client's change (with several, the next may not)."""
+        return self._refusal is not None and len(self.urls) == 1
 
     def _connection_lost(self) -> list[bytes]:
         """The control plane went away, and with it every request it held: send each again,
@@ -301,6 +333,7 @@ class ClientCore(ABC, Generic[CompletionT, IdT, OutputsT]):
     def _switch_control_plane(self) -> None:
         old = self.url
         self.url = next_url(self.urls, old)
+        self._refusal = None  # that was the last plane's answer
         self._socket.disconnect(old)
         self._socket.connect(self.url)
         log.warning("client.failover", left=old, to=self.url)

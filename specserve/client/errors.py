@@ -21,7 +21,8 @@ class RequestTimeout(ServiceError):
 
 class ServiceUnreachable(ServiceError):
     """Nothing could be sent: no connection to the control plane came up within the client's
-    timeout (it is not running, or it requires keys this client does not have)."""
+    timeout (it is not running), or, at once, the control plane refused the handshake (it
+    requires keys this client does not have, or does not accept the ones it has)."""
 
 
 class RequestFailed(ServiceError):
@@ -41,6 +42,8 @@ UNREACHABLE_HINT = (
 )
 
 
-def unreachable_message(url: str, waited_s: float | None) -> str:
+def unreachable_message(url: str, waited_s: float | None, refusal: str | None = None) -> str:
+    if refusal is not None:
+        return f"the control plane at {url} refused the connection: {refusal}"
     waited = "" if not waited_s else f" within {waited_s:g} s"
     return f"no connection to the control plane at {url}{waited}: {UNREACHABLE_HINT}"

@@ -12,7 +12,7 @@ from typing import TypeVar
 import zmq
 
 from specserve.client.core import ClientCore
-from specserve.client.errors import ServiceUnreachable, unreachable_message
+from specserve.client.errors import ServiceUnreachable
 from specserve.client.state import Completion
 from specserve.client.steps import Run, Send, Step, Steps
 from specserve.client.wire import abort_frame
@@ -52,6 +52,14 @@ class Client(ClientCore[Completion, str, Iterator[RequestOutput]]):
         poller.register(self._monitor, zmq.POLLIN)
         return poller
 
+    @functools.cached_property
+    def _send_poller(self) -> zmq.Poller:
+        """A connection to send on, and changes of the connection, waited for together."""
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLOUT)
+        poller.register(self._monitor, zmq.POLLIN)
+        return poller
+
     def abort(self, request_id: str) -> None:
         """Ask the control plane to stop a request. A submitted request stays collectable: its
         last output (finish_reason "abort", unless it had already finished) ends `result`."""
@@ -62,7 +70,10 @@ class Client(ClientCore[Completion, str, Iterator[RequestOutput]]):
         if self._closed:
             return
         for frame in self._aborts_on_close():
-            self._send(frame)
+            try:
+                self._send(frame)
+            except ServiceUnreachable:  # a control plane it cannot reach holds nothing to abort
+                break
         self._mark_closed()
         self._close_sockets()
 
@@ -114,9 +125,9 @@ class Client(ClientCore[Completion, str, Iterator[RequestOutput]]):
         if failover_at is not None:
             until = failover_at if until is None else min(until, failover_at)
         timeout_ms = None if until is None else max(1, math.ceil((until - self._now()) * 1000))
-        ready = dict(self._poller.poll(timeout_ms))
+        ready = dict(self._poller.poll(0 if self._early_events else timeout_ms))
         self._file_waiting()
-        if self._monitor in ready:
+        if self._monitor in ready or self._early_events:
             self._send_all(self._connection_news())
         self._send_all(self._failover())
 
@@ -128,7 +139,8 @@ class Client(ClientCore[Completion, str, Iterator[RequestOutput]]):
                 return
 
     def _connection_news(self) -> list[bytes]:
-        events = pending_events(self._monitor)
+        events = self._early_events + pending_events(self._monitor)
+        self._early_events = []
         self._file_waiting()  # what arrived before the connection dropped comes first
         return self._on_connection_events(events)
 
@@ -141,9 +153,29 @@ class Client(ClientCore[Completion, str, Iterator[RequestOutput]]):
         # A DEALER blocks on send while it has no connection: wait only as long as the client's
         # timeout, and once that failed, not again until a send gets through.
         wait = 0.0 if self._unreachable else self.timeout
-        wait_ms = None if wait is None else int(wait * 1000)
-        if not self._socket.poll(wait_ms, zmq.POLLOUT):
+        if not self._wait_writable(wait):
             self._unreachable = True
-            raise ServiceUnreachable(unreachable_message(self.url, wait))
+            raise self._unreachable_error(wait)
         self._unreachable = False
         self._socket.send(frame, zmq.NOBLOCK)
+
+    def _wait_writable(self, wait: float | None) -> bool:
+        """Wait up to `wait` seconds for a connection to send on; False if none came, or if the
+        only control plane refused the handshake. The connection events read meanwhile are
+        kept for `_receive`, which acts on them."""
+        deadline = None if wait is None else self._now() + wait
+        self._read_connection_events()  # a refusal, or a handshake that succeeded since
+        while not self._refused_for_good():
+            left_ms = None if deadline is None else max(0, int((deadline - self._now()) * 1000))
+            ready = dict(self._send_poller.poll(left_ms))
+            if ready.get(self._socket, 0) & zmq.POLLOUT:
+                return True
+            self._read_connection_events()
+            if deadline is not None and self._now() >= deadline:
+                return False
+        return False
+
+    def _read_connection_events(self) -> None:
+        events = pending_events(self._monitor)
+        self._early_events += events
+        self._note_handshakes(events)

@@ -6,6 +6,8 @@ and a legitimate client gets exactly the greedy tokens transformers computes on 
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import os
 import signal
 import stat
@@ -22,7 +24,7 @@ import zmq
 from hf_reference import hf_greedy
 from service_harness import Service
 
-from specserve.client import Client, RequestTimeout, ServiceUnreachable
+from specserve.client import AsyncClient, Client, ServiceUnreachable
 from specserve.control.control_plane import ControlArgs, ControlPlane
 from specserve.launch.local_redis import free_port
 from specserve.shared import protocol
@@ -136,20 +138,54 @@ def test_the_client_key_is_served_exactly(svc, keys, expected) -> None:
     assert_still_serving(svc, keys, expected)
 
 
-@pytest.mark.parametrize("who", ["no key", "unknown key", "worker key"])
-def test_a_client_without_a_client_key_gets_nothing(svc, keys, expected, tmp_path, who) -> None:
-    if who == "unknown key":
-        generate_keys(tmp_path / "stranger")
-        client_keys = PeerKeys.load(tmp_path / "stranger", CLIENTS, "client")
-    elif who == "worker key":
-        client_keys = PeerKeys.load(keys, WORKERS, "worker")
-    else:
-        client_keys = None
-    with (
-        Client(svc.url, timeout=NO_REPLY_S, keys=client_keys) as client,
-        pytest.raises((ServiceUnreachable, RequestTimeout)),
-    ):
-        client.generate(PROMPT, greedy(N))
+REFUSALS = {
+    "no key": "the CURVE handshake failed: it requires keys that were not given here",
+    "unknown key": "does not accept this key",
+    "worker key": "does not accept this key",  # a worker's key is no client's
+    "wrong control key": "the CURVE handshake failed: it requires keys that were not given here",
+}
+
+
+def stranger_keys(keys: Path, tmp_path: Path, who: str) -> PeerKeys | None:
+    """What a client without a client key of this service connects with."""
+    generate_keys(tmp_path / "stranger")
+    real = PeerKeys.load(keys, CLIENTS, "client")
+    other = PeerKeys.load(tmp_path / "stranger", CLIENTS, "client")
+    if who == "unknown key":  # the service's public key, a pair it has never seen
+        return dataclasses.replace(real, pair=other.pair)
+    if who == "worker key":
+        return PeerKeys.load(keys, WORKERS, "worker")
+    if who == "wrong control key":  # a real client pair, another service's public key
+        return dataclasses.replace(real, server=other.server)
+    return None
+
+
+@pytest.mark.parametrize("who", sorted(REFUSALS))
+def test_a_client_without_a_client_key_is_refused_at_once(
+    svc, keys, expected, tmp_path, who
+) -> None:
+    """Refused by the handshake, and told so at the first send with the reason, not after the
+    client's timeout (60 s here); nothing reaches the service, which goes on serving."""
+    client_keys = stranger_keys(keys, tmp_path, who)
+    with Client(svc.url, timeout=60, keys=client_keys) as client:
+        start = time.monotonic()
+        with pytest.raises(ServiceUnreachable, match=REFUSALS[who]):
+            client.generate(PROMPT, greedy(N))
+        assert time.monotonic() - start < 5
+        with pytest.raises(ServiceUnreachable, match=REFUSALS[who]):  # and again, at once
+            client.generate(PROMPT, greedy(N), timeout=60)
+    assert_still_serving(svc, keys, expected)
+
+
+def test_an_async_client_without_a_key_is_refused_at_once(svc, keys, expected) -> None:
+    async def run() -> None:
+        async with AsyncClient(svc.url, timeout=60) as client:
+            with pytest.raises(ServiceUnreachable, match=REFUSALS["no key"]):
+                await client.generate(PROMPT, greedy(N))
+
+    start = time.monotonic()
+    asyncio.run(run())
+    assert time.monotonic() - start < 5
     assert_still_serving(svc, keys, expected)
 
 
