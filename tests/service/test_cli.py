@@ -455,3 +455,11 @@ def test_api_keys_come_from_a_file_or_the_environment(tmp_path, monkeypatch):
     assert api_keys(parse("api", "--api-key-file", str(keys))) == ("sk-a", "sk-b")  # file wins
     up = parse("up", "--api-key-file", str(keys))
     assert "--api-key-file" in up_plan(up).api_flags
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("flashinfer") is not None, reason="FlashInfer is installed here"
+)
+def test_prebuilding_flashinfer_kernels_without_flashinfer_is_a_clear_error():
+    proc = specserve("kernels", "flashinfer", "--arch", "9.0a", "--head-dims", "64")
+    assert_user_error(proc, "FlashInfer is not installed: pip install 'specserve[gpu]'")
