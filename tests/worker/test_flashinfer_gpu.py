@@ -26,7 +26,7 @@ from specserve.worker.model_config import KVLayerGroup
 pytestmark = pytest.mark.gpu
 
 BS = 16
-NUM_BLOCKS = 1024
+NUM_BLOCKS = 4096  # room for the largest batch below (64 requests of up to 600 tokens)
 ATOL = RTOL = 2e-2
 DEV = "cuda"
 
@@ -198,12 +198,39 @@ def test_build_and_forward_do_not_synchronise(backend):
 
 
 def _greedy(model: str, backend: str, prompts, dtype: str, max_tokens: int = 24, **kw):
+    """Greedy outputs, each with the gap between its two most likely tokens at every step."""
     from specserve.llm import LLM
     from specserve.shared.protocol import SamplingParams
 
     llm = LLM(model, dtype=dtype, device=DEV, attention_backend=backend, **kw)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return [o.token_ids for o in llm.generate(prompts, params)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
+    outputs = llm.generate(prompts, params)
+    return [
+        (o.token_ids, [step.top_logprobs[0][0] - step.top_logprobs[0][1] for step in o.logprobs])
+        for o in outputs
+    ]
+
+
+# Two kernels round differently (fp16/bf16 outputs, other summation orders): where the two most
+# likely tokens are this close in log-probability, either may be the greedy choice. A near tie in
+# a random model at fp16 was seen on an H200: gap 0.012 nats in float32, decided one way by
+# FlashInfer (as float32 does) and the other by the torch backend run in fp16.
+NEAR_TIE = 0.05
+
+
+def _assert_same_greedy(got, expected) -> None:
+    """Equal tokens, except that a sequence may part ways at a near tie of the reference (and is
+    compared no further: after it the two continue from different text)."""
+    parted = 0
+    for (tokens, _), (ref_tokens, ref_gaps) in zip(got, expected, strict=True):
+        assert len(tokens) == len(ref_tokens)
+        first = next(
+            (i for i, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)) if a != b), None
+        )
+        if first is not None:
+            assert ref_gaps[first] < NEAR_TIE, (first, ref_gaps[first], tokens, ref_tokens)
+            parted += 1
+    assert parted <= len(expected) // 4, f"{parted} of {len(expected)} sequences parted ways"
 
 
 def test_smollm2_greedy_tokens_match(fi):
@@ -222,7 +249,7 @@ def test_smollm2_greedy_tokens_match(fi):
     kw = dict(block_size=16, num_blocks=512, max_num_batched_tokens=16)  # chunked prefill
     torch_out = _greedy("smollm2-135m", "torch", prompts, "bfloat16", **kw)
     fi_out = _greedy("smollm2-135m", "flashinfer", prompts, "bfloat16", **kw)
-    assert fi_out == torch_out
+    _assert_same_greedy(fi_out, torch_out)
 
 
 def _random_qwen3_hybrid(path, seed: int = 0):
@@ -285,7 +312,7 @@ def test_random_hybrid_model_greedy_tokens_match(fi, tmp_path, spec):
     prompts = [[rng.randrange(512) for _ in range(n)] for n in (3, 30, 70, 9, 130, 1, 45, 16)]
     torch_out = _greedy(str(path), "torch", prompts, "float16", 40, **kw)
     fi_out = _greedy(str(path), "flashinfer", prompts, "float16", 40, **kw)
-    assert fi_out == torch_out
+    _assert_same_greedy(fi_out, torch_out)
 
 
 def test_a_head_dim_without_prebuilt_kernels_is_refused_without_nvcc(fi, monkeypatch):
