@@ -24,8 +24,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PATH=/opt/venv/bin:$PATH \
     CUDA_HOME=/usr/local/cuda
 
+# Ubuntu 24.04's current versions, pinned (`apt-cache policy <package>` in the base gives newer
+# ones when an update replaces them and this step stops finding the pinned version).
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv gcc g++ libc6-dev \
+    && apt-get install -y --no-install-recommends python3=3.12.3-0ubuntu2.1 \
+        python3-venv=3.12.3-0ubuntu2.1 gcc=4:13.2.0-7ubuntu1 g++=4:13.2.0-7ubuntu1 \
+        libc6-dev=2.39-0ubuntu8.12 \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv
 WORKDIR /opt/specserve
@@ -57,7 +61,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     SPECSERVE_KERNELS_DIR=/opt/specserve/kernels \
     FLASHINFER_WORKSPACE_BASE=/tmp
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 \
+    && apt-get install -y --no-install-recommends python3=3.12.3-0ubuntu2.1 \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build /opt/specserve/kernels /opt/specserve/kernels

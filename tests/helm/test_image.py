@@ -6,6 +6,8 @@ import re
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -78,3 +80,23 @@ def test_the_gpu_image_prebuilds_flashinfer_kernels_on_pinned_bases():
     assert gpu_extra == [pin for pin in pins if pin.startswith("flashinfer-python==")]
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert not set(package_dirs.values()) & set(ignored)
+
+
+@pytest.mark.parametrize("path", ["Dockerfile", "docker/cuda.Dockerfile"])
+def test_every_install_in_the_images_is_pinned(path):
+    """Bases by digest, apt packages by version, pip packages by version or a constraints file."""
+    text = (ROOT / path).read_text().replace("\\\n", " ")
+    froms = re.findall(r"^FROM (\S+)", text, re.MULTILINE)
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.MULTILINE))
+    for base in froms:
+        base = args.get(base.strip("${}"), base)
+        assert re.search(r"@sha256:[0-9a-f]{64}$", base), base
+    for packages in re.findall(r"apt-get install -y --no-install-recommends ([^&]+)", text):
+        for package in packages.split():
+            assert re.fullmatch(r"[\w.+-]+=[\w.:+~-]+", package), f"{path}: {package} unpinned"
+    for command in re.findall(r"pip install ([^&\n]+)", text):
+        if "-c constraints.txt" in command:
+            continue
+        requirements = [a for a in command.split() if not a.startswith("-") and "/" not in a]
+        requirements = [r for r in requirements if not r.startswith('"${')]
+        assert requirements and all("==" in r for r in requirements), f"{path}: {command}"
