@@ -347,6 +347,9 @@ def _container(deployment: dict[str, Any]) -> dict[str, Any]:
 WRITABLE = ["/tmp", "/var/cache/specserve"]  # emptyDirs under a read-only root filesystem
 
 
+COPY_MODEL = ["--set", "model.copyFrom.image=registry.example.com/models/llama-3.1-8b:v1"]
+
+
 def _volumes(deployment: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
 
@@ -568,6 +571,11 @@ def test_helm_template_gpu_spec_decoding_and_pvcs() -> None:
         # (refused by values.schema.json before any template runs)
         (["--set", "worker.spec.method=medusa"], "at '/worker/spec/method': value must be one"),
         (["--set", "control.routing=random"], "at '/control/routing': value must be one of"),
+        (
+            ["--set", "model.pvc=models,model.path=/models/m", *COPY_MODEL],
+            "set model.pvc or model.copyFrom.image, not both",
+        ),
+        (COPY_MODEL, "model.path is required with model.copyFrom.image"),
     ],
 )
 def test_helm_template_refuses_bad_values(set_args: list[str], message: str) -> None:
@@ -624,6 +632,8 @@ def test_the_default_values_meet_the_schema() -> None:
         ("api.maxConcurrentRequests", 0, "api/maxConcurrentRequests: 0 is less than the minimum"),
         ("redis.url", "http://r:6379", "redis/url: 'http://r:6379' does not match"),
         ("image.pullPolicy", "Sometimes", "image/pullPolicy: 'Sometimes' is not one of"),
+        ("model.copyFrom.sizeLimit", "lots", "model/copyFrom/sizeLimit: 'lots' does not match"),
+        ("model.copyFrom.sourcePath", "model", "model/copyFrom/sourcePath: 'model' does not match"),
     ],
 )
 def test_misspelt_or_impossible_values_are_refused(path: str, value: Any, error: str) -> None:
@@ -744,8 +754,16 @@ KUBERNETES = "1.30"  # the oldest Kubernetes the chart supports
         ],
         ["--set", "auth.secretName=,auth.insecure=true,api.enabled=false"],
         ["--set", "redis.auth.existingSecret=redis-auth"],
+        [*COPY_MODEL, "--set", "model.path=/models/llama"],
     ],
-    ids=["default", "external-redis", "gpu-eagle3-api-keys", "insecure-no-api", "redis-auth"],
+    ids=[
+        "default",
+        "external-redis",
+        "gpu-eagle3-api-keys",
+        "insecure-no-api",
+        "redis-auth",
+        "model-copied-from-an-image",
+    ],
 )
 def test_rendered_manifests_meet_the_kubernetes_schemas(set_args: list[str]) -> None:
     """Every rendered object is valid for Kubernetes 1.30, strictly (no unknown fields), as
@@ -758,3 +776,47 @@ def test_rendered_manifests_meet_the_kubernetes_schemas(set_args: list[str]) -> 
             kubernetes_validate.validate(obj, KUBERNETES, strict=True)
         except kubernetes_validate.ValidationError as exc:
             pytest.fail(f"{kind} {name}: {exc.message} at {list(exc.path)}")
+
+
+@needs_helm
+def test_the_model_is_copied_out_of_an_image_before_the_pods_start(tmp_path: Path) -> None:
+    """With model.copyFrom.image, each control, worker and API pod gets an init container that
+    copies the checkpoint into an emptyDir, run as restricted as the rest; the pods mount it
+    read-only and get --model inside it. The rendered copy command, run here with real `cp` on a
+    checkpoint directory (paths mapped to tmp_path), puts the files where --model points."""
+    objs = _render(
+        *COPY_MODEL,
+        "--set",
+        "model.path=/models/llama,model.copyFrom.sourcePath=/model/,model.copyFrom.sizeLimit=20Gi",
+        "--set",
+        "api.apiKeySecret=api-keys",
+    )
+    commands = set()
+    for name in ("control", "worker", "api"):
+        pod = objs[("Deployment", f"{FULLNAME}-{name}")]["spec"]["template"]["spec"]
+        (init,) = pod["initContainers"]
+        assert init["image"] == "registry.example.com/models/llama-3.1-8b:v1"
+        assert (
+            init["securityContext"]
+            == _container({"spec": {"template": {"spec": pod}}})["securityContext"]
+        )
+        assert init["volumeMounts"] == [{"name": "model", "mountPath": "/models"}]
+        assert _volumes({"spec": {"template": {"spec": pod}}})["model"] == {
+            "name": "model",
+            "emptyDir": {"sizeLimit": "20Gi"},
+        }
+        (main,) = pod["containers"]
+        assert {"name": "model", "mountPath": "/models", "readOnly": True} in main["volumeMounts"]
+        if name != "api":
+            assert _flag(main["args"], "--model") == "/models/llama"
+        commands.add(tuple(init["command"]))
+    (command,) = commands
+    assert list(command) == ["cp", "-R", "/model/.", "/models/"]
+
+    image_root, pod_root = tmp_path / "image", tmp_path / "pod"
+    (image_root / "model" / "llama").mkdir(parents=True)
+    (image_root / "model" / "llama" / "config.json").write_text("{}")
+    (pod_root / "models").mkdir(parents=True)
+    mapped = [command[0], command[1], str(image_root) + command[2], str(pod_root) + command[3]]
+    subprocess.run(mapped, check=True)
+    assert (pod_root / "models" / "llama" / "config.json").read_text() == "{}"

@@ -138,22 +138,55 @@ The --model argument: model.path when set, else the bundled model.name.
 {{- end }}
 
 {{/*
-The model PVC's volume and mount (nothing when model.pvc is empty).
+Where the pods find checkpoints (model.path, drafters aside): a PersistentVolumeClaim mounted
+read-only (model.pvc), or an emptyDir that an init container fills by copying the checkpoint out of
+an image that holds it (model.copyFrom.image). Nothing when neither is set.
 */}}
+{{- define "specserve.hasModelVolume" -}}
+{{- if or .Values.model.pvc .Values.model.copyFrom.image }}true{{ end }}
+{{- end }}
+
 {{- define "specserve.modelVolume" -}}
+{{- if and .Values.model.pvc .Values.model.copyFrom.image }}
+{{- fail "set model.pvc or model.copyFrom.image, not both" }}
+{{- end }}
+{{- if and .Values.model.copyFrom.image (not .Values.model.path) }}
+{{- fail "model.path is required with model.copyFrom.image: the checkpoint's directory under model.mountPath" }}
+{{- end }}
 {{- if .Values.model.pvc -}}
 - name: model
   persistentVolumeClaim:
     claimName: {{ .Values.model.pvc }}
     readOnly: true
+{{- else if .Values.model.copyFrom.image -}}
+- name: model
+  emptyDir:
+    sizeLimit: {{ .Values.model.copyFrom.sizeLimit }}
 {{- end }}
 {{- end }}
 
 {{- define "specserve.modelVolumeMount" -}}
-{{- if .Values.model.pvc -}}
 - name: model
   mountPath: {{ .Values.model.mountPath }}
   readOnly: true
+{{- end }}
+
+{{/*
+The init container that copies model.copyFrom.sourcePath's contents out of model.copyFrom.image
+into the model emptyDir, as the pod's non-root user (the files must be readable by it). The image
+needs a `cp` (busybox or any distribution base).
+*/}}
+{{- define "specserve.modelInitContainers" -}}
+{{- with .Values.model.copyFrom.image }}
+initContainers:
+  - name: copy-model
+    image: {{ . | quote }}
+    imagePullPolicy: {{ $.Values.model.copyFrom.pullPolicy }}
+    command: ["cp", "-R", "{{ trimSuffix "/" $.Values.model.copyFrom.sourcePath }}/.", "{{ $.Values.model.mountPath }}/"]
+    {{- include "specserve.containerSecurityContext" $ | nindent 4 }}
+    volumeMounts:
+      - name: model
+        mountPath: {{ $.Values.model.mountPath }}
 {{- end }}
 {{- end }}
 
