@@ -138,9 +138,10 @@ def _add_engine_args(p: ArgTarget) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument(
         "--attention-backend",
-        default="torch",
+        default="auto",
         choices=["auto", "torch", "flashinfer"],
-        help="auto picks FlashInfer on a supported GPU (default: torch)",
+        help="auto (the default): FlashInfer on a supported GPU where its kernels are prebuilt or "
+        "nvcc can build them, else the torch backend (always on CPU)",
     )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument(

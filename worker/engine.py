@@ -53,7 +53,8 @@ class EngineArgs:
     drafter: str | None = None  # drafter checkpoint dir (eagle3, dflash)
     num_spec_tokens: int = 0
     drafter_max_model_len: int | None = None  # None: the drafter checkpoint's limit
-    attention_backend: str = "torch"  # torch | flashinfer | auto (FlashInfer where it can run)
+    # auto: FlashInfer where it can run, else torch; or torch, flashinfer
+    attention_backend: str = "auto"
     sample_drafts: bool = False  # sample drafts (verified with their probabilities), not argmax
     # adaptive: verify per step the drafts that pay at this batch size (spec_decode/policy.py);
     # fixed: always K
@@ -86,8 +87,8 @@ class WorkerEngine:
         if isinstance(model.backend, FlashInferBackend):
             head_dims = {config.head_dim} | ({drafter.config.layer.head_dim} if drafter else set())
             reason = missing_flashinfer_kernels(head_dims, model.dtype, args.device)
-            if reason is not None:
-                raise RuntimeError(reason)
+            if reason is not None:  # a setting the user can fix: a clear error, no traceback
+                raise ValueError(reason)
         self.num_blocks = args.num_blocks or self._blocks_for_budget(model, drafter)
         kv_cache = PagedKVCache(
             config.kv_groups, self.num_blocks, args.block_size, config.num_kv_heads,
@@ -110,6 +111,8 @@ class WorkerEngine:
         log.info(
             "engine.ready",
             model=loaded.name,
+            device=str(args.device),
+            attention="flashinfer" if isinstance(model.backend, FlashInferBackend) else "torch",
             kv_blocks=self.num_blocks,
             block_size=args.block_size,
             max_model_len=max_model_len,
