@@ -13,6 +13,7 @@ that of a large device-to-device copy (bytes read + bytes written per second).
 
     python bench/gpu.py
     python bench/gpu.py --models smollm2 --batches 1 16 64 --context 2048 --steps 32
+    python bench/gpu.py --models llama3-8b --profile   # where each step's time goes
 """
 
 from __future__ import annotations
@@ -192,6 +193,32 @@ def run_decode(
     }
 
 
+def profile_decode(model: DecoderModel, batch: int, context: int, steps: int = 10) -> str:
+    """Where a step's time goes: wall time against the GPU's kernel time, and kernel launches
+    (a step far above its kernel time is bound by the host issuing them)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    run_decode(model, batch, context, 3, 3)  # warm the shapes first
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        run_decode(model, batch, context, steps, 0)
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) / steps * 1e3
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
+    launches = sum(e.count for e in kernels) / steps
+    top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:5]
+    lines = [
+        f"  profile: wall {wall_ms:.2f} ms/step (under the profiler), GPU kernels {gpu_ms:.2f} "
+        f"ms/step, {launches:.0f} launches/step"
+    ]
+    for e in top:
+        lines.append(f"    {e.self_device_time_total / 1e3 / steps:7.3f} ms  {e.key[:90]}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -200,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="after each timed run, profile 10 steps: wall time against GPU kernel time",
+    )
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -243,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"host build {r['build_s'] * 1e3:.2f} ms, floor {floor * 1e3:.2f} ms "
                     f"({floor / r['step_s']:.0%} of floor speed)"
                 )
+                if args.profile:
+                    log(profile_decode(model, batch, args.context))
             del model, backend
             gc.collect()
             torch.cuda.empty_cache()

@@ -206,7 +206,7 @@ def _greedy(model: str, backend: str, prompts, dtype: str, max_tokens: int = 24,
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
     outputs = llm.generate(prompts, params)
     return [
-        (o.token_ids, [step.top_logprobs[0][0] - step.top_logprobs[0][1] for step in o.logprobs])
+        (o.token_ids, [top[0] - top[1] for step in o.logprobs for top in step.top_logprobs])
         for o in outputs
     ]
 
@@ -223,7 +223,7 @@ def _assert_same_greedy(got, expected) -> None:
     compared no further: after it the two continue from different text)."""
     parted = 0
     for (tokens, _), (ref_tokens, ref_gaps) in zip(got, expected, strict=True):
-        assert len(tokens) == len(ref_tokens)
+        assert len(tokens) == len(ref_tokens) == len(ref_gaps)
         first = next(
             (i for i, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)) if a != b), None
         )
