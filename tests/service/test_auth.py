@@ -24,7 +24,7 @@ import zmq
 from hf_reference import hf_greedy
 from service_harness import Service
 
-from specserve.client import AsyncClient, Client, ServiceUnreachable
+from specserve.client import AsyncClient, Client, ServiceUnreachable, fetch_status, get_status
 from specserve.control.control_plane import ControlArgs, ControlPlane
 from specserve.launch.local_redis import free_port
 from specserve.shared import protocol
@@ -326,3 +326,18 @@ def test_keys_generate_writes_private_pairs_and_never_overwrites(tmp_path) -> No
     again = subprocess.run(cmd, capture_output=True, text=True)
     assert again.returncode == 2 and "never overwritten" in again.stderr
     assert (root / "control.key_secret").read_bytes() == before
+
+
+def test_a_status_probe_without_a_key_is_refused_at_once(svc, keys, expected) -> None:
+    """`get_status` / `fetch_status` say why at once, not after their timeout."""
+    for probe in (
+        lambda: get_status(svc.url, timeout=30),
+        lambda: asyncio.run(fetch_status(svc.url, timeout=30)),
+    ):
+        start = time.monotonic()
+        with pytest.raises(ServiceUnreachable, match=REFUSALS["no key"]):
+            probe()
+        assert time.monotonic() - start < 5
+    status = get_status(svc.url, keys=PeerKeys.load(keys, CLIENTS, "client"))
+    assert status.live_workers == 1
+    assert_still_serving(svc, keys, expected)
