@@ -47,16 +47,16 @@ class Client(ClientCore[Completion, str, Iterator[RequestOutput]]):
     @functools.cached_property
     def _poller(self) -> zmq.Poller:
         """Replies and changes of the connection, waited for together."""
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        return poller
+        return self._with_connection_changes(zmq.POLLIN)
 
     @functools.cached_property
     def _send_poller(self) -> zmq.Poller:
         """A connection to send on, and changes of the connection, waited for together."""
+        return self._with_connection_changes(zmq.POLLOUT)
+
+    def _with_connection_changes(self, socket_events: int) -> zmq.Poller:
         poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLOUT)
+        poller.register(self._socket, socket_events)
         poller.register(self._monitor, zmq.POLLIN)
         return poller
 

@@ -96,14 +96,16 @@ def device_targets(device: torch.device | str) -> list[str]:
     return [f"{major}.{minor}a" if (major, minor) == (9, 0) else f"{major}.{minor}"]
 
 
+def installed_path(folder: Path, name: str) -> Path:
+    """Where FlashInfer looks for the prebuilt module `name` in its ahead-of-time `folder`."""
+    return folder / name / f"{name}.so"
+
+
 def missing_modules(requests: Iterable[ModuleRequest]) -> list[str]:
     """Names of the requested modules that are not installed ahead of time."""
-    missing = []
-    for request in requests:
-        spec = request.spec()
-        if not (aot_dir() / spec.name / f"{spec.name}.so").is_file():
-            missing.append(spec.name)
-    return missing
+    folder = aot_dir()
+    names = [request.spec().name for request in requests]
+    return [name for name in names if not installed_path(folder, name).is_file()]
 
 
 def build(
@@ -124,7 +126,7 @@ def build(
     installed = []
     for i, request in enumerate(requests, 1):
         spec = request.spec()
-        dest = target / spec.name / f"{spec.name}.so"
+        dest = installed_path(target, spec.name)
         if dest.is_file():
             progress(f"[{i}/{len(requests)}] {spec.name}: already installed")
             installed.append(dest)
