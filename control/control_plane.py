@@ -78,6 +78,7 @@ from specserve.shared.protocol import (
     StatusRequest,
     StepResult,
     Welcome,
+    WorkerInfo,
     check_worker_id,
 )
 from specserve.shared.ready_file import ReadyFile
@@ -372,6 +373,7 @@ class ControlPlane:
             return
         if old is not None:  # the same connection registering again
             self._remove_worker(old, "re-registered")
+        adopted = self._adopt_kept(info, msg, scheduler)
         namespace = Namespace.for_cache(key_model_name(info.model), scheduler.kv.config)
         worker = WorkerHandle(
             info,
@@ -397,30 +399,48 @@ class ControlPlane:
             epoch=worker.epoch,
             pid=info.pid,
             key=key or None,
+            adopted_blocks=adopted,
         )
         for req in self.placement.take_pending():
             self._place(req)
-        self._rebalance(worker)
+        self._rebalance(worker, everything=adopted > 0)
 
-    def _rebalance(self, joined: WorkerHandle) -> None:
+    def _adopt_kept(self, info: WorkerInfo, msg: Register, scheduler: Scheduler) -> int:
+        """The KV the worker kept from its last control plane (it moved, or this plane
+        restarted) becomes its new pool's cached prefixes, so the resumed requests that follow
+        hit it instead of computing their prompts again; claims beyond the worker's own limits
+        are ignored (logged), never trusted. Returns the blocks adopted."""
+        if not msg.kept:
+            return 0
+        try:
+            self.args.limits.check_kept(msg.kept, info)
+        except ValueError as exc:
+            log.warning("worker.kept_kv_ignored", worker=info.worker_id, reason=str(exc))
+            return 0
+        return scheduler.kv.adopt(msg.kept)
+
+    def _rebalance(self, joined: WorkerHandle, everything: bool) -> None:
         """A worker joined: the later half of each other worker's queued requests that never
         started there are placed again, so the newcomer takes queued load at once (the router
-        may still keep one where its prefix is cached)."""
+        may still keep one where its prefix is cached). `everything`: all of them, since the
+        newcomer brought KV that requests placed before it came (resumed ones) may hit."""
         requests = self.frontend.requests
         moved = 0
         for other in list(self.workers.values()):
             if other is joined or other.failed:
                 continue
             queued = other.scheduler.unstarted_waiting()
-            for request_id in queued[len(queued) // 2 :]:
+            for request_id in queued if everything else queued[len(queued) // 2 :]:
                 req = requests.get(request_id)
                 if req is None:
                     continue
                 other.scheduler.abort_requests([request_id])
+                tokens = req.prompt_token_ids + req.output_token_ids
+                other.forget_routed(other.block_hashes(tokens, req.cache_salt))
                 req.num_resumptions += 1  # counted once, at its first placement
                 req.num_cached_tokens = None  # it has not started: the new placement's hit
                 self._place(req)
-                moved += 1
+                moved += req.worker_id != other.worker_id
         if moved:
             log.info("worker.rebalanced", worker=joined.worker_id, requests=moved)
 
@@ -613,6 +633,8 @@ class ControlPlane:
                 # Alive (it heartbeats) but stuck, e.g. a hung device: its requests move on.
                 self._remove_worker(worker, f"no step result for {now - worker.sent_at:.0f}s")
         self.index.tick(now)
+        for req in self.placement.expired_holds(now):
+            self._place(req)
         self.ready.set(bool(self.workers))
         if len(self._reregistered) > 1024:
             self._reregistered = {k: t for k, t in self._reregistered.items() if now - t < 60}

@@ -71,6 +71,8 @@ class ClientRequest:
     held_text: str = ""  # decoded but not sent: it could be the start of a stop string
     last_token_time: float | None = None
     num_resumptions: int = 0  # moves to another worker on this control plane
+    resumed: bool = False  # its client resumed it here after losing another control plane
+    hold_until: float | None = None  # waiting (resumed) for the worker that holds its KV
     client_key: str = ""  # the client's authenticated CURVE key ("" without authentication)
 
 
@@ -192,6 +194,7 @@ class Frontend:
         if len(done) >= max_tokens:
             raise ValueError(f"resume: {len(done)} output tokens already, max_tokens {max_tokens}")
         req.output_token_ids = done
+        req.resumed = True
         req.sent_first = True  # the client has the first output's metadata, or asked for none
         req.last_token_time = req.arrival
         self.metrics.resumed.inc()

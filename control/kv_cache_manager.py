@@ -17,6 +17,7 @@ from specserve.control.request import Request
 from specserve.shared.config import AttentionType, CacheConfig
 from specserve.shared.hashing import BlockHash, BlockHasher, extend_block_hashes
 from specserve.shared.kv_events import KVEvent
+from specserve.shared.protocol import KeptRequest
 
 
 @dataclass
@@ -210,6 +211,21 @@ class KVCacheManager:
         """
         for manager in self.coordinator.managers:
             manager.uncache_from(request.request_id, num_computed)
+
+    def adopt(self, kept: Sequence[KeptRequest]) -> int:
+        """Take over the KV a registering worker kept from its last control plane: the full
+        blocks of each request's computed tokens become cached prefixes here, so a resumed
+        request hits them instead of computing its prompt again. `kept` must have passed
+        `ServiceLimits.check_kept`. Returns how many blocks were cached; emits no index events
+        (registering the worker writes its whole pool to the index)."""
+        if not self.enable_caching:
+            return 0
+        before = self.pool.num_cached_blocks()
+        for req in kept:
+            hashes = self.block_hashes(req.token_ids, req.cache_salt)
+            self.coordinator.adopt(req.block_ids, hashes, len(req.token_ids))
+        self.pool.take_events()
+        return self.pool.num_cached_blocks() - before
 
     def free(self, request: Request) -> None:
         self.coordinator.free(request.request_id)

@@ -155,6 +155,28 @@ class KVCoordinator:
                 limit = min(num_tokens, aligned + m.block_size)
             m.cache_blocks(req_id, lambda m=m: self._hashes_for(m, block_hashes()), limit)
 
+    def adopt(
+        self, block_ids: Sequence[Sequence[int]], block_hashes: Sequence[BlockHash], num_tokens: int
+    ) -> None:
+        """Cache the full blocks of `num_tokens` tokens whose KV a worker computed under another
+        scheduler (`block_ids`: one table per group) as evictable prefixes, the way a request
+        that ran here would have left them. A block this pool already caches under another hash
+        or at another position ends the adopted prefix there: one block never holds two keys."""
+        tables = [[self.pool.blocks[i] for i in ids] for ids in block_ids]
+        for m, table in zip(self.managers, tables, strict=True):
+            hashes = self._hashes_for(m, block_hashes)
+            num_blocks = min(len(table), num_tokens // m.block_size)
+            usable = _consistent_blocks(table, hashes, num_blocks, m.group)
+            num_tokens = min(num_tokens, usable * m.block_size)
+        req_id = "#adopted"  # held only within this call
+        for m, table in zip(self.managers, tables, strict=True):
+            kept = table[: num_tokens // m.block_size]
+            self.pool.touch(kept)
+            m.req_blocks[req_id] = kept
+            m.num_cached[req_id] = sum(1 for b in kept if b.block_hash is not None)
+        self.cache_blocks(req_id, lambda: block_hashes, num_tokens)
+        self.free(req_id)
+
     def free(self, req_id: str) -> None:
         for m in self.managers:
             m.free(req_id)
@@ -164,3 +186,19 @@ class KVCoordinator:
 
     def holds(self, req_id: str) -> bool:
         return req_id in self.managers[0].req_blocks
+
+
+def _consistent_blocks(
+    table: Sequence[KVBlock], hashes: Sequence[BlockHash], num_blocks: int, group: int
+) -> int:
+    """How many leading blocks of `table` can be adopted with `hashes`: the ones already cached
+    must be exactly those under their own hash (a prefix shared with an adopted request), and
+    the rest not cached at all. Returned in blocks of the table."""
+    n = 0
+    while n < num_blocks and table[n].block_hash is not None:
+        if table[n].block_hash != hashes[n] or table[n].group != group:
+            return n
+        n += 1
+    while n < num_blocks and table[n].block_hash is None:
+        n += 1
+    return n

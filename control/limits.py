@@ -10,7 +10,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from specserve.shared.protocol import MAX_NESTING_DEPTH, WorkerInfo
+from specserve.shared.protocol import (
+    MAX_NESTING_DEPTH,
+    KeptRequest,
+    WorkerInfo,
+    check_token_ids,
+)
 from specserve.shared.socket_limits import DEFAULT_HWM, DEFAULT_MAX_MESSAGE_BYTES
 
 MAX_VOCAB = 1 << 31
@@ -67,6 +72,38 @@ class ServiceLimits:
         for name, value, low, high in bounds:
             if not low <= value <= high:
                 raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+
+    @staticmethod
+    def check_kept(kept: list[KeptRequest], info: WorkerInfo) -> None:
+        """ValueError naming the first KV claim of a registering worker (`Register.kept`) that
+        its own limits rule out: more requests than it runs, tokens beyond its context or
+        vocabulary, block tables that do not cover exactly the tokens' full blocks, block ids
+        outside its cache or repeated in one table. Runs after `check_worker`."""
+        if len(kept) > info.max_num_seqs:
+            raise ValueError(f"{len(kept)} kept requests; the worker runs {info.max_num_seqs}")
+        for req in kept:
+            if len(req.token_ids) > info.max_model_len:
+                raise ValueError(
+                    f"a kept request has {len(req.token_ids)} tokens; max_model_len is "
+                    f"{info.max_model_len}"
+                )
+            if len(req.block_ids) != len(info.kv_groups):
+                raise ValueError(
+                    f"a kept request has {len(req.block_ids)} block tables for "
+                    f"{len(info.kv_groups)} KV groups"
+                )
+            check_token_ids(req.token_ids, info.vocab_size, "kept token ids")
+            for spec, ids in zip(info.kv_groups, req.block_ids, strict=True):
+                if len(ids) != len(req.token_ids) // spec.block_size:
+                    raise ValueError(
+                        f"a kept request's {len(req.token_ids)} tokens fill "
+                        f"{len(req.token_ids) // spec.block_size} blocks; its table has {len(ids)}"
+                    )
+                if len(set(ids)) != len(ids) or not all(0 < i < info.num_blocks for i in ids):
+                    raise ValueError(
+                        "a kept block table repeats a block or names one outside "
+                        f"[1, {info.num_blocks})"
+                    )
 
 
 def clip(text: str, limit: int = 64) -> str:

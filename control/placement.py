@@ -10,6 +10,7 @@ chosen worker's whole KV cache is refused, since it could only preempt itself ag
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 
@@ -26,6 +27,8 @@ from specserve.control.worker_handle import WorkerHandle
 from specserve.shared.hashing import BlockHash
 
 log = structlog.get_logger(__name__)
+
+RESUME_HOLD_S = 1.0  # how long a resumed request waits for the worker that holds its KV
 
 
 class Placement:
@@ -81,6 +84,10 @@ class Placement:
     ) -> None:
         candidates = [Candidate(w.worker_id, w.load) for w in self.workers.values() if not w.failed]
         cached = self._cached_tokens(hashes, len(token_ids), indexed)
+        if self._awaits_holder(req, hashes, indexed, cached):
+            self.pending.append(req)
+            req.worker_id = None
+            return
         decision = self.router.choose(candidates, len(token_ids), cached)
         worker = self.workers[decision.worker_id]
         _check_fits(worker, req)
@@ -97,13 +104,48 @@ class Placement:
             self.metrics.prompt_tokens.inc(len(token_ids))
             self.metrics.prefix_query_tokens.inc(len(token_ids))
             self.metrics.prefix_hit_tokens.inc(decision.cached_tokens)
-        log.debug(
+        # A request that goes on from output already delivered (moved or resumed) is logged:
+        # its prefix hit is what a failover costs.
+        (log.info if req.output_token_ids else log.debug)(
             "request.routed",
             request_id=req.request_id,
             worker=worker.worker_id,
             cached_tokens=decision.cached_tokens,
             resumption=req.num_resumptions,
         )
+
+    def _awaits_holder(
+        self,
+        req: ClientRequest,
+        hashes: dict[Namespace, list[BlockHash]],
+        indexed: dict[str, int] | None,
+        cached: dict[str, int],
+    ) -> bool:
+        """Whether a resumed request should wait (up to RESUME_HOLD_S) for the worker that holds
+        more of its KV than any worker here: the index names one that is not registered here
+        (it is moving here after its control plane died, or this plane just restarted and it
+        has not re-registered yet). Placed elsewhere, it would compute all its tokens again."""
+        if not req.resumed or not indexed:
+            return False
+        now = time.monotonic()
+        if req.hold_until is not None and now >= req.hold_until:
+            return False
+        block_size = next(iter(hashes)).block_size
+        away = max((n for wid, n in indexed.items() if wid not in self.workers), default=0)
+        if away * block_size <= max(cached.values(), default=0) + block_size:
+            return False
+        if req.hold_until is None:
+            req.hold_until = now + RESUME_HOLD_S
+            log.info("request.awaits_holder", request_id=req.request_id, cached_blocks=away)
+        return True
+
+    def expired_holds(self, now: float) -> list[ClientRequest]:
+        """The held requests whose wait for their KV's worker is over, to place anywhere."""
+        expired = [r for r in self.pending if r.hold_until and -math.inf < r.hold_until <= now]
+        for req in expired:
+            self.pending.remove(req)
+            req.hold_until = -math.inf  # over: placing it again must not hold it again
+        return expired
 
     def take_pending(self) -> list[ClientRequest]:
         """The requests held for want of a worker, to place again."""

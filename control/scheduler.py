@@ -286,6 +286,7 @@ class Scheduler:
                     block_ids=self.kv.block_ids(request),
                     num_computed_tokens=num_computed,
                     num_scheduled_tokens=n,
+                    cache_salt=request.cache_salt,
                 )
             )
             request.num_computed_tokens = num_computed + n

@@ -74,6 +74,11 @@ class WorkerHandle:
         while len(routed) > ROUTED_HINT_MAX:
             routed.popitem(last=False)
 
+    def forget_routed(self, hashes: list[BlockHash]) -> None:
+        """A request routed here moved on before it ran: its prefix will not be cached here."""
+        for block_hash in hashes:
+            self.routed.pop(block_hash, None)
+
     def routed_prefix(self, hashes: list[BlockHash], now: float) -> int:
         n = 0
         for block_hash in hashes:

@@ -169,7 +169,7 @@ def check_stop_strings(stop: tuple[str, ...]) -> None:
             raise ValueError(f"stop strings must each have 1-{MAX_STOP_CHARS} characters")
 
 
-class NewRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class NewRequest(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
     """A request the worker has no state for: first admission, or resumption after preemption."""
 
     handle: int
@@ -180,6 +180,9 @@ class NewRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_ids: list[list[int]]  # one block table per KV group
     num_computed_tokens: int  # KV already present (prefix-cache hit)
     num_scheduled_tokens: int
+    # Part of its blocks' hashes: a worker that moves to another control plane reports it with
+    # the blocks it keeps (`KeptRequest`), so that plane can hash them as this one did.
+    cache_salt: str | None = None
 
 
 class RunningDelta(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -255,11 +258,22 @@ class WorkerInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pid: int = 0
 
 
+class KeptRequest(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """The KV a registering worker still holds for a request of its last control plane: the
+    tokens whose KV is computed and, per KV group, the blocks holding their full blocks."""
+
+    token_ids: list[int]
+    block_ids: list[list[int]]
+    cache_salt: str | None = None
+
+
 class Register(msgspec.Struct, frozen=True, tag="register", forbid_unknown_fields=True):
-    """Worker -> control: join (or rejoin) with these capabilities; all old state is void."""
+    """Worker -> control: join (or rejoin) with these capabilities. Its requests are void, but
+    the KV of `kept` ones may be adopted as cached prefixes (their resumptions then hit it)."""
 
     version: int
     info: WorkerInfo
+    kept: list[KeptRequest] = []
 
 
 class Welcome(msgspec.Struct, frozen=True, tag="welcome", forbid_unknown_fields=True):

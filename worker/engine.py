@@ -170,6 +170,17 @@ class WorkerEngine:
     def execute(self, batch: protocol.StepBatch) -> protocol.StepResult:
         return self.runner.execute(batch)
 
+    def kept_requests(self) -> list[protocol.KeptRequest]:
+        """The KV of the requests held now, for the next control plane to adopt (none without
+        prefix caching: that plane could not reuse it)."""
+        if not self.args.enable_prefix_caching:
+            return []
+        return self.runner.kept_requests()
+
+    def forget(self, handles: list[int]) -> None:
+        """Drop these requests' state (their step failed; it may be half updated)."""
+        self.runner.drop(handles)
+
     def reset(self) -> None:
         """Forget every request (a new control-plane session starts from an empty block pool)."""
         self.runner.drop_all()

@@ -18,6 +18,7 @@ import torch
 from specserve.shared.config import AttentionType
 from specserve.shared.protocol import (
     PROTOCOL_VERSION,
+    KeptRequest,
     NewRequest,
     RequestResult,
     SamplingParams,
@@ -72,6 +73,7 @@ class RequestState:
     block_tables: list[list[int]]
     num_computed_tokens: int
     generator: torch.Generator | None = None
+    cache_salt: str | None = None
     draft_token_ids: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None  # [len(draft_token_ids), vocab] when sampled
 
@@ -160,9 +162,35 @@ class ModelRunner:
         results = self._run(scheduled) if scheduled else []
         return StepResult(PROTOCOL_VERSION, batch.step_id, results + failed)
 
+    def kept_requests(self) -> list[KeptRequest]:
+        """The KV this runner holds, for a control plane to adopt as cached prefixes: per
+        request, its tokens whose KV is computed (never an unverified draft's) and the blocks
+        holding their full blocks. Only full-attention models report any: a sliding window's
+        older blocks may already hold another request's KV."""
+        groups = self.config.kv_groups
+        if any(g.attention != AttentionType.FULL for g in groups):
+            return []
+        block_size = self.kv_cache.block_size
+        kept = []
+        for state in self.requests.values():
+            num_full = state.num_computed_tokens // block_size
+            if num_full == 0:
+                continue
+            kept.append(
+                KeptRequest(
+                    token_ids=state.token_ids[: num_full * block_size],
+                    block_ids=[table[:num_full] for table in state.block_tables],
+                    cache_salt=state.cache_salt,
+                )
+            )
+        return kept
+
     def drop_all(self) -> None:
         """Forget every request, e.g. when a new scheduler takes over with an empty block pool."""
-        for handle in list(self.requests):
+        self.drop(list(self.requests))
+
+    def drop(self, handles: list[int]) -> None:
+        for handle in handles:
             self._drop(handle)
 
     def _drop(self, handle: int) -> None:
@@ -192,6 +220,7 @@ class ModelRunner:
             block_tables=[list(t) for t in new.block_ids],
             num_computed_tokens=new.num_computed_tokens,
             generator=generator,
+            cache_salt=new.cache_salt,
         )
         self.requests[new.handle] = state
         return state

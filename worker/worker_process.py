@@ -434,9 +434,15 @@ class WorkerServer:
         now = time.monotonic()
         if self._registered or now - self._last_register < REGISTER_RETRY_S:
             return
-        if _try_send(sock, protocol.Register(PROTOCOL_VERSION, self.info)):
+        kept = self.engine.kept_requests()
+        if _try_send(sock, protocol.Register(PROTOCOL_VERSION, self.info, kept)):
             self._last_register = now
-            log.info("worker.register_sent", worker_id=self.worker_id, url=self.control_url)
+            log.info(
+                "worker.register_sent",
+                worker_id=self.worker_id,
+                url=self.control_url,
+                kept_requests=len(kept),
+            )
 
     def _handle(self, frames: list[bytes]) -> int | None:
         """Act on one message; return an exit code when the worker must stop."""
@@ -473,7 +479,8 @@ class WorkerServer:
         log.warning("worker.bad_frame", worker_id=self.worker_id, reason=reason)
 
     def _welcome(self, msg: protocol.Welcome) -> None:
-        """A new control-plane session starts with an empty block pool and fresh handles."""
+        """A new control-plane session starts with fresh handles and a block pool that holds at
+        most the KV offered in Register as cached prefixes."""
         self.engine.reset()
         self.session = msg.session
         assert self._heartbeater is not None
@@ -517,6 +524,8 @@ class WorkerServer:
         except Exception as exc:  # fail the batch's requests, keep serving
             error = exc
             result = failed_result(batch, str(exc) or type(exc).__name__)
+            # Their state may be half updated; the control plane fails them all anyway.
+            self.engine.forget([r.handle for r in result.results])
         execute_s = time.monotonic() - received
         self._reply(batch.step_id, result)  # before logging: a traceback takes time to render
         if error is not None:

@@ -1,9 +1,10 @@
 import pytest
 
 from specserve.control.kv_cache_manager import KVCacheManager
+from specserve.control.limits import ServiceLimits
 from specserve.control.request import Request
 from specserve.shared.config import CacheConfig, KVGroupSpec
-from specserve.shared.protocol import SamplingParams
+from specserve.shared.protocol import KeptRequest, SamplingParams, WorkerInfo
 
 FULL16 = (KVGroupSpec("full", 16),)
 
@@ -171,3 +172,85 @@ def test_routing_hashes_and_cached_blocks_agree_with_the_scheduler():
     assert hashes == req.block_hashes
     assert kv.cached_blocks(hashes) == 2
     assert kv.cached_blocks(kv.block_hashes(list(range(40)), None)) == 0
+
+
+def _kept(tokens: list[int], block_ids: list[int], salt: str | None = None) -> KeptRequest:
+    return KeptRequest(tokens, [block_ids], salt)
+
+
+def test_adopted_kv_is_a_prefix_hit_on_the_blocks_the_worker_kept():
+    """A worker that moved reports the full blocks of its requests' computed tokens; the new
+    pool caches them where they lie, so the resumed request hits exactly those block ids."""
+    kv = _manager()
+    tokens = list(range(100, 148))  # 3 full blocks
+    assert kv.adopt([_kept(tokens, [7, 3, 9], salt="t1")]) == 3
+    resumed = Request("r", [*tokens, 5, 6], SamplingParams(), cache_salt="t1")
+    hit = kv.get_computed_blocks(resumed)
+    assert hit.num_tokens == 48
+    assert [b.block_id for b in hit.blocks[0]] == [7, 3, 9]
+    assert kv.take_events() == []  # the registration writes the whole pool to the index
+    other_salt = Request("s", [*tokens, 5], SamplingParams(), cache_salt="t2")
+    assert kv.get_computed_blocks(other_salt).num_tokens == 0
+    # Adopted blocks are evicted last: fresh allocations take every other free block first.
+    fresh = _request("f", list(range(16 * 16)))
+    new = kv.allocate_slots(fresh, fresh.num_tokens)
+    assert new is not None and not {7, 3, 9} & set(new[0])
+    assert kv.get_computed_blocks(resumed).num_tokens == 48
+
+
+def test_adopted_requests_share_their_common_prefix_blocks():
+    kv = _manager()
+    head = list(range(32))
+    a, b = head + list(range(500, 516)), head + list(range(600, 616))
+    assert kv.adopt([_kept(a, [4, 5, 6]), _kept(b, [4, 5, 8])]) == 4
+    assert [x.block_id for x in kv.get_computed_blocks(_request("b", [*b, 1])).blocks[0]] == [
+        4,
+        5,
+        8,
+    ]
+
+
+def test_a_block_claimed_at_two_places_ends_the_later_claim_there():
+    """One block never holds two keys: a second request that claims an adopted block for other
+    tokens keeps only the blocks before it."""
+    kv = _manager()
+    a = list(range(48))
+    b = list(range(1000, 1048))
+    assert kv.adopt([_kept(a, [4, 5, 6]), _kept(b, [9, 5, 10])]) == 4
+    assert kv.get_computed_blocks(_request("b", [*b, 1])).num_tokens == 16
+    assert kv.get_computed_blocks(_request("a", [*a, 1])).num_tokens == 48
+
+
+def test_adoption_without_prefix_caching_adopts_nothing():
+    kv = _manager(caching=False)
+    assert kv.adopt([_kept(list(range(16)), [3])]) == 0
+
+
+@pytest.mark.parametrize(
+    ("kept", "message"),
+    [
+        ([KeptRequest(list(range(32)), [[1, 2]])] * 5, "5 kept requests"),
+        ([KeptRequest([1] * 80, [[1, 2, 3, 4, 5]])], "80 tokens; max_model_len is 64"),
+        ([KeptRequest(list(range(16)), [[1], [2]])], "2 block tables for 1 KV groups"),
+        ([KeptRequest([1] * 15 + [999], [[1]])], r"kept token ids \[999\]"),
+        ([KeptRequest(list(range(32)), [[1]])], "fill 2 blocks; its table has 1"),
+        ([KeptRequest(list(range(32)), [[1, 1]])], "repeats a block"),
+        ([KeptRequest(list(range(32)), [[0, 1]])], r"outside \[1, 20\)"),
+        ([KeptRequest(list(range(32)), [[1, 20]])], r"outside \[1, 20\)"),
+    ],
+)
+def test_kv_claims_beyond_the_workers_own_limits_are_refused(kept, message):
+    info = WorkerInfo(
+        worker_id="w",
+        model="m",
+        device="cpu",
+        kv_groups=list(FULL16),
+        num_blocks=20,
+        max_model_len=64,
+        vocab_size=100,
+        eos_token_ids=[0],
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+    )
+    with pytest.raises(ValueError, match=message):
+        ServiceLimits.check_kept(kept, info)

@@ -7,6 +7,7 @@ with no token lost or repeated. Real processes, sockets and Redis throughout.
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import subprocess
 import sys
@@ -245,6 +246,54 @@ def test_a_live_plane_adopts_the_workers_of_a_dead_one(llama_ckpt, redis_url, tm
         owners = {r.worker_id: r.info.get("session") for r in list_workers(client, ns) if r.live}
         mine = {w: owners.get(w) for w in ("x0", "x1", "y0")}
         assert None not in mine.values() and len(set(mine.values())) == 1, owners
+    finally:
+        for plane in (first, second):
+            plane.close()
+        for service in services:
+            service.close()
+
+
+def test_a_moving_worker_keeps_its_kv_and_resumed_streams_wait_for_it(
+    llama_ckpt, redis_url, tmp_path
+):
+    """kill -9 of a plane whose worker moves to a live plane that has a worker of its own. The
+    moving worker offers the KV it holds in its Register, the live plane adopts it as cached
+    prefixes, and every resumed stream waits for that worker (the index says it holds the
+    stream's tokens) instead of starting over on the idle one: it resumes there with its prompt
+    and delivered output cached, exactly as an uninterrupted run."""
+    model = str(llama_ckpt.path)
+    first = ControlProcess(model, redis_url, tmp_path, "first")
+    second = ControlProcess(model, redis_url, tmp_path, "second")
+    services = []
+    try:
+        first.start()
+        second.start()
+        moving = Service(model, None, tmp_path)
+        moving.worker_url = [first.worker_url, second.worker_url]  # type: ignore[assignment]
+        services.append(moving)
+        moving.start_worker("x0")
+        services.append(workers_for(second, model, tmp_path, "y0"))
+        first.wait_workers(1)
+        second.wait_workers(1)
+        prompts = [[(13 * i + 7 * j) % 250 + 1 for j in range(40)] for i in range(4)]
+        params = [SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)] * 4
+        killed = []
+
+        def on_tokens(total: int) -> None:
+            if not killed and total >= 40:
+                first.kill()
+                killed.append(total)
+
+        streamed = asyncio.run(stream_all([first.url, second.url], prompts, params, on_tokens))
+        assert killed
+        expected = uninterrupted(llama_ckpt, prompts, params)
+        assert [streamed[i] for i in range(4)] == expected
+        log = second.log.read_text()
+        adopted = re.findall(r"worker.registered\s+adopted_blocks=(\d+) .*worker=x0", log)
+        assert adopted and int(adopted[0]) >= 4 * 10, log[-3000:]  # 40-token prompts: 10 blocks
+        routed = re.findall(r"request.routed\s+cached_tokens=(\d+) \S+ \S+ worker=(\S+)", log)
+        assert len(routed) == 4, log[-3000:]
+        assert all(worker == "x0" and int(cached) >= 40 for cached, worker in routed), routed
     finally:
         for plane in (first, second):
             plane.close()

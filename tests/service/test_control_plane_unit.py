@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from specserve.control import control_plane
+from specserve.control import control_plane, placement
 from specserve.control.control_plane import ControlArgs, ControlPlane
 from specserve.control.limits import ServiceLimits
 from specserve.launch.local_redis import LocalRedis, RedisNotFound
@@ -24,11 +24,13 @@ from specserve.shared.protocol import (
     ErrorReply,
     GenerateRequest,
     Heartbeat,
+    KeptRequest,
     Register,
     Rejected,
     RequestOutput,
     RequestResult,
     Reregister,
+    Resume,
     SamplingParams,
     StepBatch,
     StepResult,
@@ -382,3 +384,91 @@ def test_the_prompt_limit_is_the_smallest_of_the_service_and_the_workers(llama_c
               "(max_model_len 50, one position kept for output)"),
     ]  # fmt: skip
     assert "d" in p.frontend.requests
+
+
+# --- a worker's KV outlives its control plane -------------------------------------------------
+
+
+def test_a_resumed_request_waits_for_the_worker_that_holds_its_kv(llama_ckpt, tmp_path: Path):
+    """Two planes on one index. A request's prompt is computed on x0 under plane a; its client
+    resumes it on plane b, which has only y0. The index says x0 holds the prompt, so b holds
+    the request instead of computing it again on y0; x0 registers with b offering that KV, and
+    the request starts there on the adopted blocks. A hold for a worker that never comes ends
+    after RESUME_HOLD_S and the request runs where it can."""
+    try:
+        redis_server = LocalRedis(tmp_path).start()
+    except RedisNotFound as exc:
+        pytest.skip(str(exc))
+    a = RecordingPlane(str(llama_ckpt.path), redis_url=redis_server.url)
+    b = RecordingPlane(str(llama_ckpt.path), redis_url=redis_server.url)
+    try:
+        prompt = list(range(1, 30))  # 29 tokens: 7 full blocks of 4
+        a.register("x0")
+        a.generate("r", prompt, max_tokens=4)
+        a._dispatch_all()
+        (first,) = a.batches("x0")[-1].new_requests
+        a.answer("x0", a.batches("x0")[-1], token=7)  # the prompt's KV is on x0 (and indexed)
+
+        b.register("y0")
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        resumed = GenerateRequest(
+            P, "r", prompt_token_ids=prompt, sampling=params, resume=Resume([7])
+        )
+        b._on_generate(b"c1", resumed)
+        b._place_accepted()
+        b._dispatch_all()
+        assert b.batches("y0") == []  # held: y0 would compute all 30 tokens again
+        kept = KeptRequest(prompt[:28], [first.block_ids[0][:7]])
+        b._on_register(b"x0", "", Register(P, _info("x0", model=b.args.model), [kept]))
+        b._dispatch_all()
+        (started,) = b.batches("x0")[-1].new_requests
+        assert started.request_id == "r"
+        assert started.token_ids == [*prompt, 7]
+        assert started.num_computed_tokens == 28  # every full block was adopted
+        assert started.block_ids[0][:7] == first.block_ids[0][:7]
+
+        b.generate("s", prompt, client=b"c2", max_tokens=4)  # a fresh request is never held
+        b._on_generate(
+            b"c3",
+            GenerateRequest(P, "t", prompt_token_ids=[9] * 40, sampling=params, resume=Resume([7])),
+        )  # nothing holds these tokens: placed at once
+        b._place_accepted()
+        assert b.frontend.requests["t"].worker_id is not None
+    finally:
+        for plane in (a, b):
+            plane._close_sockets()
+        redis_server.close()
+
+
+def test_a_hold_for_a_worker_that_never_comes_ends(llama_ckpt, tmp_path: Path, monkeypatch):
+    try:
+        redis_server = LocalRedis(tmp_path).start()
+    except RedisNotFound as exc:
+        pytest.skip(str(exc))
+    a = RecordingPlane(str(llama_ckpt.path), redis_url=redis_server.url)
+    b = RecordingPlane(str(llama_ckpt.path), redis_url=redis_server.url)
+    try:
+        prompt = list(range(1, 30))
+        a.register("x0")
+        a.generate("r", prompt, max_tokens=4)
+        a._dispatch_all()
+        a.answer("x0", a.batches("x0")[-1], token=7)
+        b.register("y0")
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        b._on_generate(
+            b"c1",
+            GenerateRequest(P, "r", prompt_token_ids=prompt, sampling=params, resume=Resume([7])),
+        )
+        b._place_accepted()
+        assert b.frontend.requests["r"].worker_id is None
+        b._tick(time.monotonic() + placement.RESUME_HOLD_S / 2)
+        assert b.frontend.requests["r"].worker_id is None
+        b._tick(time.monotonic() + placement.RESUME_HOLD_S)
+        assert b.frontend.requests["r"].worker_id == "y0"
+        b._dispatch_all()
+        (started,) = b.batches("y0")[-1].new_requests
+        assert (started.token_ids, started.num_computed_tokens) == ([*prompt, 7], 0)
+    finally:
+        for plane in (a, b):
+            plane._close_sockets()
+        redis_server.close()

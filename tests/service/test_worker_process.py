@@ -31,6 +31,7 @@ from specserve.shared.config import AttentionType, KVGroupSpec
 from specserve.shared.protocol import (
     PROTOCOL_VERSION,
     Heartbeat,
+    KeptRequest,
     Leaving,
     NewRequest,
     Register,
@@ -346,7 +347,10 @@ def test_reregister_and_a_new_welcome_reset_request_state(live):
 
     live.control.send(protocol.Reregister(PROTOCOL_VERSION, "control plane restarted"))
     again = live.control.recv()
-    assert again == Register(PROTOCOL_VERSION, live.info)
+    # It offers the KV it computed: 7 prompt tokens fill one 4-token block.
+    (table,) = scheduler.kv.block_ids(request)
+    kept = KeptRequest(request.prompt_token_ids[:4], [table[:1]])
+    assert again == Register(PROTOCOL_VERSION, live.info, [kept])
     live.welcome("session-2")
 
     second = scheduler.schedule()
