@@ -38,6 +38,12 @@ import zmq
 
 from specserve.cache_index import Namespace, connect
 from specserve.cache_index.schema import key_model_name
+from specserve.control.forwarding import (
+    FORWARD_MIN_TOKENS,
+    OWNERS_REFRESH_S,
+    PeerLinks,
+    advertised_url,
+)
 from specserve.control.frontend import (
     AlreadyResumed,
     ClientRequest,
@@ -57,6 +63,7 @@ from specserve.shared.config import SchedulingPolicy
 from specserve.shared.curve import (
     CLIENTS,
     WORKERS,
+    PeerKeys,
     ServerKeys,
     is_loopback,
     serve_curve,
@@ -73,6 +80,7 @@ from specserve.shared.protocol import (
     Register,
     Rejected,
     Released,
+    RequestOutput,
     Reregister,
     ServiceStatus,
     StatusRequest,
@@ -120,6 +128,11 @@ class ControlArgs:
     # What one peer may make the control plane spend (`--max-...`, control/limits.py).
     limits: ServiceLimits = field(default_factory=ServiceLimits)
     ready_file: str | None = None  # exists while at least one worker is registered
+    # With several planes on one index: where the others reach this one's client port (None:
+    # the bound endpoint, a wildcard host replaced by this host's address), and how many more
+    # cached tokens another plane's worker must hold for a request to go there (0: never).
+    advertise_url: str | None = None
+    forward_min_tokens: int = FORWARD_MIN_TOKENS
 
 
 class ControlPlane:
@@ -129,6 +142,8 @@ class ControlPlane:
         router = Router(Routing(args.routing), args.load_weight)
         if args.heartbeat_timeout_s <= 0 or args.step_timeout_s <= 0:
             raise ValueError("heartbeat_timeout_s and step_timeout_s must be > 0")
+        if args.forward_min_tokens < 0:
+            raise ValueError(f"forward_min_tokens must be >= 0, got {args.forward_min_tokens}")
         tokenizer = load_tokenizer(args.model)
         self.session = uuid.uuid4().hex[:16]
         self.ready = ReadyFile(args.ready_file)
@@ -140,12 +155,12 @@ class ControlPlane:
         if args.redis_url:
             client = connect(args.redis_url, socket_timeout=0.5, connect_timeout=0.5)
         self.index = IndexSync(client, self.workers, self.metrics, self.session)
-        self.placement = Placement(self.workers, router, self.index, self.metrics)
+        self.placement = Placement(self.workers, router, self.index, self.metrics, self._forward)
         self.frontend = Frontend(
             tokenizer,
             self.metrics,
             self._send,
-            self.placement.withdraw,
+            self._withdraw,
             max_pending_per_client=args.limits.max_pending_per_client,
         )
         self._last_tick = 0.0
@@ -164,6 +179,15 @@ class ControlPlane:
         except Exception:
             self._close_sockets()
             raise
+        self.index.control_url = args.advertise_url or advertised_url(self.endpoint)
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
+        self._poller.register(self.worker_sock, zmq.POLLIN)
+        self.peers: PeerLinks | None = None  # the other planes (forwarding needs the index)
+        if client is not None and args.forward_min_tokens > 0:
+            peer_keys = PeerKeys(keys.pair.public, keys.pair) if keys else None
+            self.peers = PeerLinks(self.ctx, self._poller, peer_keys, args.forward_min_tokens)
+        self._owners_at = 0.0  # when the other planes' workers were last read from the index
         self._by_identity: dict[bytes, WorkerHandle] = {}  # worker socket identity -> worker
         self._accepted: list[ClientRequest] = []  # accepted this pass, placed at its end
         if args.metrics_port is not None:
@@ -208,6 +232,8 @@ class ControlPlane:
     def _close_sockets(self) -> None:
         # The client socket lingers, so the final outputs queued by `fail_all` still reach the
         # clients; the worker socket has nothing worth waiting for.
+        if getattr(self, "peers", None) is not None:
+            self.peers.close()
         if getattr(self, "sock", None) is not None:
             self.sock.close(linger=SHUTDOWN_LINGER_MS)
         if getattr(self, "worker_sock", None) is not None:
@@ -219,12 +245,9 @@ class ControlPlane:
     # --- the loop ---------------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.worker_sock, zmq.POLLIN)
         try:
             while not stop.is_set():
-                poller.poll(timeout=20)
+                self._poller.poll(timeout=20)
                 self._drain()
                 now = time.monotonic()
                 if now - self._last_tick >= TICK_S:
@@ -239,6 +262,7 @@ class ControlPlane:
         socket must not keep the loop from dispatching steps and checking heartbeats."""
         self._drain_socket(self.worker_sock, self._on_worker_frame)
         self._drain_socket(self.sock, self._on_frame)
+        self._drain_peers()
         self._place_accepted()
         # Heartbeats that arrived while client frames were handled count before the heartbeat
         # check that follows: a slow client frame must not make a live worker look dead.
@@ -620,6 +644,114 @@ class ControlPlane:
                 req.client, req.request_id, f"internal error ({type(exc).__name__}): {exc}"
             )
 
+    # --- other control planes (forwarding.py) ----------------------------------------------
+
+    def _forward(self, req: ClientRequest, away: dict[str, int], here: int) -> bool:
+        """Send `req` to the plane whose worker holds enough more of its tokens than any worker
+        here; its outputs are relayed (`_on_peer_frame`). False: it is placed here."""
+        if self.peers is None or req.resumed or req.forwarded_in:
+            return False
+        if req.sampling.prompt_logprobs is not None:  # computed in full anyway: no hit to win
+            return False
+        target = self.peers.target(away, here)
+        if target is None:
+            return False
+        msg = GenerateRequest(
+            PROTOCOL_VERSION,
+            req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling=req.sampling,
+            stream=req.stream,
+            cache_salt=req.cache_salt,
+            priority=req.priority,
+            forwarded=True,
+        )
+        if not self.peers.send(target.url, msg):
+            return False
+        self.peers.links[target.url].requests.add(req.request_id)
+        req.forwarded_to, req.worker_id = target.url, None
+        self.metrics.forwarded.inc()
+        log.info(
+            "request.forwarded",
+            request_id=req.request_id,
+            peer=target.url,
+            worker=target.worker_id,
+            cached_tokens=target.cached_tokens,
+            here=here,
+        )
+        return True
+
+    def _withdraw(self, req: ClientRequest) -> None:
+        """Stop serving `req` (its client aborted or left): on the plane it was forwarded to,
+        or here."""
+        if req.forwarded_to is not None and self.peers is not None:
+            self.peers.send(req.forwarded_to, AbortRequest(PROTOCOL_VERSION, req.request_id))
+            link = self.peers.links.get(req.forwarded_to)
+            if link is not None:
+                link.requests.discard(req.request_id)
+            req.forwarded_to = None
+            return
+        self.placement.withdraw(req)
+
+    def _drain_peers(self) -> None:
+        if self.peers is None:
+            return
+        for link in list(self.peers.links.values()):
+            for _ in range(FRAMES_PER_PASS):
+                try:
+                    payload = link.sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    self._on_peer_frame(link.url, payload)
+                except Exception:  # one frame's failure must never stop the loop
+                    log.exception("frame.failed", peer=link.url)
+
+    def _on_peer_frame(self, url: str, payload: bytes) -> None:
+        """An answer from a plane requests were forwarded to: an output to relay, or a refusal
+        (the request is then served here)."""
+        msg = self._decode(url.encode(), payload)
+        request_id = getattr(msg, "request_id", None)
+        req = self.frontend.requests.get(request_id) if isinstance(request_id, str) else None
+        if req is None or req.forwarded_to != url:
+            return  # finished, aborted or taken back already
+        if isinstance(msg, RequestOutput) and not msg.resumable:
+            if msg.finished and self.peers is not None:
+                self.peers.links[url].requests.discard(req.request_id)
+            self.frontend.relay(req, msg)
+        elif isinstance(msg, RequestOutput | ErrorReply):
+            self._serve_here(req, msg.error if isinstance(msg, RequestOutput) else msg.reason)
+
+    def _serve_here(self, req: ClientRequest, why: str | None) -> None:
+        """Take back a forwarded request whose plane refused it, stopped or died: it goes on
+        here from what its client already has."""
+        assert req.forwarded_to is not None and self.peers is not None
+        link = self.peers.links.get(req.forwarded_to)
+        if link is not None:
+            link.requests.discard(req.request_id)
+        log.warning("request.taken_back", request_id=req.request_id, peer=req.forwarded_to, why=why)
+        req.forwarded_to = None
+        if req.output_token_ids:
+            self.frontend.continue_from(req, req.relayed_chars)
+        self._place(req)
+
+    def _peers_tick(self, now: float) -> None:
+        """Follow the other planes' workers in the index; take back what was forwarded to a
+        plane whose connection dropped."""
+        if self.peers is None:
+            return
+        if now - self._owners_at >= OWNERS_REFRESH_S:
+            self._owners_at = now
+            owners = self.index.other_planes_workers()
+            if owners is not None:
+                self.peers.set_owners(owners)
+        for link in self.peers.lost():
+            for request_id in list(link.requests):
+                req = self.frontend.requests.get(request_id)
+                if req is not None and req.forwarded_to == link.url:
+                    self._serve_here(req, "its control plane's connection dropped")
+            link.requests.clear()
+
     # --- periodic work ----------------------------------------------------------------------
 
     def _tick(self, now: float) -> None:
@@ -633,6 +765,7 @@ class ControlPlane:
                 # Alive (it heartbeats) but stuck, e.g. a hung device: its requests move on.
                 self._remove_worker(worker, f"no step result for {now - worker.sent_at:.0f}s")
         self.index.tick(now)
+        self._peers_tick(now)
         for req in self.placement.expired_holds(now):
             self._place(req)
         self.ready.set(bool(self.workers))

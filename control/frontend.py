@@ -72,6 +72,9 @@ class ClientRequest:
     last_token_time: float | None = None
     num_resumptions: int = 0  # moves to another worker on this control plane
     resumed: bool = False  # its client resumed it here after losing another control plane
+    forwarded_in: bool = False  # another control plane sent it on here (`forwarded`)
+    forwarded_to: str | None = None  # served by the control plane at this URL, relayed here
+    relayed_chars: int = 0  # characters of text relayed to the client from that plane
     hold_until: float | None = None  # waiting (resumed) for the worker that holds its KV
     client_key: str = ""  # the client's authenticated CURVE key ("" without authentication)
 
@@ -154,6 +157,7 @@ class Frontend:
             cache_salt=msg.cache_salt,
             priority=msg.priority,
             eos_token_id=eos[0] if eos else None,
+            forwarded_in=msg.forwarded,
         )
         if msg.resume is not None:
             self._resume(req, msg, vocab_size, prompt_limit)
@@ -194,10 +198,17 @@ class Frontend:
         if len(done) >= max_tokens:
             raise ValueError(f"resume: {len(done)} output tokens already, max_tokens {max_tokens}")
         req.output_token_ids = done
-        req.resumed = True
         req.sent_first = True  # the client has the first output's metadata, or asked for none
         req.last_token_time = req.arrival
+        self.continue_from(req, resume.num_text_chars)
+
+    def continue_from(self, req: ClientRequest, num_text_chars: int) -> None:
+        """Set `req`, whose client holds its output tokens and `num_text_chars` characters of
+        their text, to go on from there (resumed by its client, or taken back from a control
+        plane it was forwarded to): the text not yet sent is held and goes out first."""
+        req.resumed = True
         self.metrics.resumed.inc()
+        done = req.output_token_ids
         if self.tokenizer is None or not done:
             return
         # Decoded up to the last whole character (a character's bytes may span a few tokens);
@@ -209,7 +220,7 @@ class Frontend:
             text, req.offsets = self.tokenizer.decode_incremental(ids[:end], start)
             if text:
                 break
-        req.held_text = text[max(resume.num_text_chars, 0) :]
+        req.held_text = text[max(num_text_chars, 0) :]
 
     def prompt_token_ids(
         self, msg: GenerateRequest, vocab_size: int, limit: PromptLimit | None = None
@@ -356,6 +367,19 @@ class Frontend:
                 self.finish(req, new, reason, update.error, logprobs, update.spec_stats, text)
             else:
                 self._emit(req, new, text, logprobs)
+
+    def relay(self, req: ClientRequest, out: RequestOutput) -> None:
+        """Pass on an output of the control plane `req` was forwarded to, as it came, keeping
+        what a resume here would need: the tokens and how much text the client got. (That
+        plane counts the request in its metrics; this one counts it as forwarded.)"""
+        if req.stream:
+            req.output_token_ids.extend(out.token_ids)
+            req.relayed_chars += len(out.text or "")
+        req.sent_first = True
+        if out.finished:
+            self._forget(req)
+        if not self._send(req.client, out):
+            self._client_gone(req.client)
 
     def _record_tokens(self, req: ClientRequest, new: list[int], now: float) -> None:
         if req.last_token_time is None:

@@ -23,6 +23,7 @@ from specserve.cache_index import (
     cleanup_fenced,
     expire_stale_workers,
     heartbeat,
+    list_workers,
     live_owner,
     mark_dead,
     register_worker,
@@ -36,6 +37,7 @@ log = structlog.get_logger(__name__)
 INDEX_HEARTBEAT_S = 1.0
 INDEX_RETRY_S = 1.0
 JANITOR_S = 2.0
+OWNER_STALE_MS = 3_000  # a worker whose plane has not heartbeated it this long is not forwarded to
 STALE_WORKER_MS = 15_000  # a live worker unheard of for this long (index heartbeats: 1 s) is dead
 
 
@@ -46,11 +48,13 @@ class IndexSync:
         workers: dict[str, WorkerHandle],
         metrics: ServiceMetrics,
         session: str,
+        control_url: str = "",
     ) -> None:
         self.client = client
         self.workers = workers  # the control plane's own dict: its current workers
         self.metrics = metrics
         self.session = session
+        self.control_url = control_url  # where other planes reach this one's client port
         self.up = False
         self.retry_at = 0.0
         self.last_janitor = 0.0
@@ -103,7 +107,8 @@ class IndexSync:
         if client is None or not self.up:
             return  # the tick registers every worker once Redis is back
         info = {"device": worker.info.device, "num_blocks": worker.info.num_blocks,
-                "pid": worker.info.pid, "session": self.session}  # fmt: skip
+                "pid": worker.info.pid, "session": self.session,
+                "control_url": self.control_url}  # fmt: skip
         epoch = self.call(
             "register", register_worker, client, worker.namespace, worker.worker_id, info
         )
@@ -134,6 +139,24 @@ class IndexSync:
             worker.failed = "it registered with another control plane"
             return
         self.register(worker)
+
+    def other_planes_workers(self) -> dict[str, str] | None:
+        """Every live worker another control plane owns, with that plane's client URL (None
+        while Redis is away). Owners unheard of for a heartbeat timeout are left out."""
+        if self.client is None or not self.up:
+            return None
+        owners: dict[str, str] = {}
+        for ns in self.namespaces:
+            records = self.call("list_workers", list_workers, self.client, ns)
+            if records is None:
+                return None
+            for r in records:
+                url, session = r.info.get("control_url"), r.info.get("session")
+                fresh = r.heartbeat_age_ms < OWNER_STALE_MS
+                theirs = session != self.session and url != self.control_url
+                if r.live and fresh and theirs and isinstance(url, str) and url:
+                    owners[r.worker_id] = url
+        return owners
 
     def write(self, worker: WorkerHandle) -> None:
         """One step's block events for the worker, in one round trip."""

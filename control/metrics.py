@@ -27,6 +27,11 @@ class ServiceMetrics:
             "after its control plane went away",
             registry=r,
         )
+        self.forwarded = Counter(
+            "specserve_requests_forwarded",
+            "Requests sent on to another control plane whose worker held more of their prefix",
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "specserve_prompt_tokens", "Prompt tokens of admitted requests", registry=r
         )

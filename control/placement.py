@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 
 import msgspec
 import structlog
@@ -28,6 +29,9 @@ from specserve.shared.hashing import BlockHash
 
 log = structlog.get_logger(__name__)
 
+# Sends a request to another control plane when one of its workers holds enough more of the
+# request's tokens (`away`, per worker) than the best worker here (`here`); True when sent.
+Forward = Callable[[ClientRequest, dict[str, int], int], bool]
 RESUME_HOLD_S = 1.0  # how long a resumed request waits for the worker that holds its KV
 
 
@@ -38,11 +42,13 @@ class Placement:
         router: Router,
         index: IndexSync,
         metrics: ServiceMetrics,
+        forward: Forward | None = None,
     ) -> None:
         self.workers = workers  # the control plane's own dict: its current workers
         self.router = router
         self.index = index
         self.metrics = metrics
+        self.forward = forward
         self.pending: deque[ClientRequest] = deque()  # accepted while no worker could take them
 
     def place(self, req: ClientRequest) -> None:
@@ -84,7 +90,11 @@ class Placement:
     ) -> None:
         candidates = [Candidate(w.worker_id, w.load) for w in self.workers.values() if not w.failed]
         cached = self._cached_tokens(hashes, len(token_ids), indexed)
-        if self._awaits_holder(req, hashes, indexed, cached):
+        away = _away_tokens(hashes, len(token_ids), indexed, self.workers)
+        here = max(cached.values(), default=0)
+        if self.forward is not None and self.forward(req, away, here):
+            return
+        if self._awaits_holder(req, away, here):
             self.pending.append(req)
             req.worker_id = None
             return
@@ -114,29 +124,22 @@ class Placement:
             resumption=req.num_resumptions,
         )
 
-    def _awaits_holder(
-        self,
-        req: ClientRequest,
-        hashes: dict[Namespace, list[BlockHash]],
-        indexed: dict[str, int] | None,
-        cached: dict[str, int],
-    ) -> bool:
+    def _awaits_holder(self, req: ClientRequest, away: dict[str, int], here: int) -> bool:
         """Whether a resumed request should wait (up to RESUME_HOLD_S) for the worker that holds
-        more of its KV than any worker here: the index names one that is not registered here
-        (it is moving here after its control plane died, or this plane just restarted and it
-        has not re-registered yet). Placed elsewhere, it would compute all its tokens again."""
-        if not req.resumed or not indexed:
+        more of its KV than any worker here (`away`: tokens per worker the index names that is
+        not registered here; `here`: the most any worker here holds): it is moving here after
+        its control plane died, or this plane restarted and it has not registered again yet.
+        Placed elsewhere, the request would compute all its tokens again."""
+        if not req.resumed or not away:
             return False
         now = time.monotonic()
         if req.hold_until is not None and now >= req.hold_until:
             return False
-        block_size = next(iter(hashes)).block_size
-        away = max((n for wid, n in indexed.items() if wid not in self.workers), default=0)
-        if away * block_size <= max(cached.values(), default=0) + block_size:
+        if max(away.values()) <= here:
             return False
         if req.hold_until is None:
             req.hold_until = now + RESUME_HOLD_S
-            log.info("request.awaits_holder", request_id=req.request_id, cached_blocks=away)
+            log.info("request.awaits_holder", request_id=req.request_id, away=max(away.values()))
         return True
 
     def expired_holds(self, now: float) -> list[ClientRequest]:
@@ -210,6 +213,24 @@ class Placement:
             for wid, n in blocks.items()
             if wid in self.workers
         }
+
+
+def _away_tokens(
+    hashes: dict[Namespace, list[BlockHash]],
+    num_tokens: int,
+    indexed: dict[str, int] | None,
+    workers: dict[str, WorkerHandle],
+) -> dict[str, int]:
+    """Per worker the index names that is not registered here (another plane's, or one on
+    its way here), the request's tokens it caches (the last token is always recomputed)."""
+    if not indexed or not hashes:
+        return {}
+    block_size = next(iter(hashes)).block_size
+    return {
+        wid: min(n * block_size, num_tokens - 1)
+        for wid, n in indexed.items()
+        if wid not in workers and n
+    }
 
 
 def _check_fits(worker: WorkerHandle, req: ClientRequest) -> None:

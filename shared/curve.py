@@ -149,11 +149,14 @@ def serve_curve(sock: zmq.Socket, pair: KeyPair, domain: str) -> None:
 
 def start_authenticator(ctx: zmq.Context, keys: ServerKeys) -> ThreadAuthenticator:
     """libzmq's ZAP handler for `ctx`: the worker port's domain admits only worker keys, the
-    client port's only client keys. A peer's authenticated key is its frames' User-Id."""
+    client port's only client keys and the control planes' own (another plane forwarding a
+    request). A peer's authenticated key is its frames' User-Id."""
     auth = ThreadAuthenticator(ctx, log=_QuietLog())
     auth.start()
     auth.configure_curve(domain=WORKERS, location=keys.directory / WORKERS)
     auth.configure_curve(domain=CLIENTS, location=keys.directory / CLIENTS)
+    # Control planes forward requests to each other as clients, under the service's own key.
+    auth.certs[CLIENTS][keys.pair.public] = True
     return auth
 
 

@@ -358,6 +358,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag="generate", forbid_unknow
     cache_salt: str | None = None  # tenant isolation: prefixes are shared only within a salt
     priority: int = 0
     resume: Resume | None = None
+    # Sent on by another control plane whose index lookup found this plane's worker holding
+    # more of its prefix: served here, never forwarded again.
+    forwarded: bool = False
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag="abort", forbid_unknown_fields=True):

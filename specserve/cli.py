@@ -394,6 +394,20 @@ def _add_control(sub: argparse._SubParsersAction) -> None:
         help="seconds a worker may take for one step before its requests move elsewhere",
     )
     _add_routing_args(ctl)
+    ctl.add_argument(
+        "--advertise-url",
+        default=None,
+        help="where other control planes reach this one's client port, to forward requests "
+        "(default: --bind, a wildcard host replaced by this host's address)",
+    )
+    ctl.add_argument(
+        "--forward-min-tokens",
+        type=int,
+        default=32,
+        help="with several control planes on one Redis index: send a request to the plane "
+        "whose worker caches at least this many more of its tokens than any worker here "
+        "(0: never forward)",
+    )
     _add_limit_args(ctl)
     _add_ready_file_arg(ctl, "while at least one worker is registered")
     ctl.set_defaults(func=cmd_control)
@@ -881,6 +895,8 @@ def control_args(args: argparse.Namespace) -> ControlArgs:
         hash_algo=args.hash_algo,
         limits=service_limits(args),
         ready_file=args.ready_file,
+        advertise_url=args.advertise_url,
+        forward_min_tokens=args.forward_min_tokens,
     )
 
 

@@ -28,7 +28,7 @@ from specserve.client import AsyncClient, Client, ServiceUnreachable, fetch_stat
 from specserve.control.control_plane import ControlArgs, ControlPlane
 from specserve.launch.local_redis import free_port
 from specserve.shared import protocol
-from specserve.shared.curve import CLIENTS, WORKERS, PeerKeys, generate_keys
+from specserve.shared.curve import CLIENTS, WORKERS, PeerKeys, generate_keys, load_pair
 from specserve.shared.protocol import (
     PROTOCOL_VERSION,
     ErrorReply,
@@ -340,4 +340,19 @@ def test_a_status_probe_without_a_key_is_refused_at_once(svc, keys, expected) ->
         assert time.monotonic() - start < 5
     status = get_status(svc.url, keys=PeerKeys.load(keys, CLIENTS, "client"))
     assert status.live_workers == 1
+    assert_still_serving(svc, keys, expected)
+
+
+def test_the_control_key_is_a_client_on_the_client_port_only(svc, keys, expected) -> None:
+    """Control planes forward requests to each other as clients, under the service's control
+    pair: the client port admits it, the worker port does not."""
+    pair = load_pair(keys / "control.key_secret")
+    control = PeerKeys(pair.public, pair)
+    with dealer(svc.url, control) as sock:
+        try_send(sock, protocol.encode(protocol.StatusRequest(PROTOCOL_VERSION)))
+        got = reply(sock, 10.0)
+    assert isinstance(got, protocol.ServiceStatus) and got.live_workers == 1
+    with dealer(svc.worker_url, control, b"fake#2") as sock:
+        try_send(sock, protocol.encode(Register(PROTOCOL_VERSION, worker_info(svc, "fake"))))
+        assert reply(sock, NO_REPLY_S) is None
     assert_still_serving(svc, keys, expected)

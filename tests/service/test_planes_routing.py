@@ -1,0 +1,93 @@
+"""Prefix routing across control planes: two planes on one Redis index, two workers each. A
+request of a prefix family sent to either plane lands on the worker that holds the prefix (the
+plane it reached forwards it to the plane that owns that worker and relays the outputs), and
+each worker is scheduled by one plane only. A forwarded stream outlives the plane it went to.
+Real processes, sockets and Redis throughout.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+from service_harness import WORKER_ENGINE
+from test_control_failover import ControlProcess, uninterrupted, workers_for
+
+from specserve.cache_index import Namespace, connect, list_workers
+from specserve.cache_index.schema import key_model_name
+from specserve.client import Client
+from specserve.shared.protocol import SamplingParams
+
+PREFIX = [(11 * j) % 250 + 1 for j in range(64)]  # 16 blocks of 4
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def family(i: int) -> list[int]:
+    return PREFIX + [(29 * i + 3 * j) % 250 + 1 for j in range(8)]
+
+
+def wait_for_line(plane: ControlProcess, pattern: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not re.search(pattern, plane.log.read_text()):
+        assert time.monotonic() < deadline, f"{pattern!r} not logged:\n{plane.log.read_text()}"
+        time.sleep(0.05)
+
+
+def test_a_prefix_family_lands_on_its_worker_whichever_plane_it_reaches(
+    llama_ckpt, redis_url, tmp_path
+):
+    model = str(llama_ckpt.path)
+    a = ControlProcess(model, redis_url, tmp_path, "a")
+    b = ControlProcess(model, redis_url, tmp_path, "b")
+    services = []
+    try:
+        a.start()
+        b.start()
+        services.append(workers_for(a, model, tmp_path, "a0", "a1"))
+        services.append(workers_for(b, model, tmp_path, "b0", "b1"))
+        a.wait_workers(2)
+        b.wait_workers(2)
+        with Client(a.url, timeout=60) as client:
+            first = client.generate(family(0), GREEDY)
+        holder = first.worker_id
+        assert holder in ("a0", "a1")
+        wait_for_line(b, r"peer.linked\s+url=" + re.escape(a.url))
+        time.sleep(0.5)  # the link's handshake
+
+        prompts = [family(i) for i in range(1, 7)]
+        done = []
+        with Client(a.url, timeout=60) as to_a, Client(b.url, timeout=60) as to_b:
+            for i, prompt in enumerate(prompts):
+                done.append((to_a if i % 2 == 0 else to_b).generate(prompt, GREEDY))
+        expected = uninterrupted(llama_ckpt, [family(0), *prompts], [GREEDY] * 7)
+        assert [first.token_ids] + [c.token_ids for c in done] == expected
+        # Every family member ran on the prefix's worker with the whole prefix cached.
+        assert [(c.worker_id, c.num_cached_tokens) for c in done] == [(holder, 64)] * 6
+        forwarded = re.findall(r"request.forwarded\s+cached_tokens=(\d+)", b.log.read_text())
+        assert forwarded == ["64"] * 3
+        assert "request.forwarded" not in a.log.read_text()  # a forwarded request stays put
+
+        # One scheduler per worker: each plane registered only its own workers, and the index
+        # has one owner session for each.
+        for plane, own in ((a, {"a0", "a1"}), (b, {"b0", "b1"})):
+            log = plane.log.read_text()
+            assert set(re.findall(r"worker.registered\s.*worker=(\S+)", log)) == own
+        ns = Namespace(key_model_name(model), WORKER_ENGINE["block_size"])
+        owners = {r.worker_id: r.info["session"] for r in list_workers(connect(redis_url), ns)}
+        assert owners["a0"] == owners["a1"] != owners["b0"] == owners["b1"]
+
+        # kill -9 of the plane a stream was forwarded to: the plane it came to serves it on.
+        long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+        with Client(b.url, timeout=60) as client:
+            stream = client.stream(family(9), long)
+            tokens = list(next(stream).token_ids)
+            a.kill()
+            for out in stream:
+                tokens.extend(out.token_ids)
+        assert tokens == uninterrupted(llama_ckpt, [family(9)], [long])[0]
+        assert re.search(r"request.taken_back\s.*connection dropped", b.log.read_text())
+    finally:
+        for plane in (a, b):
+            plane.close()
+        for service in services:
+            service.close()
