@@ -28,7 +28,7 @@ from redis.exceptions import NoScriptError
 
 from specserve.cache_index.client import check_client
 from specserve.cache_index.errors import unavailable_as_index_error
-from specserve.cache_index.schema import Namespace
+from specserve.cache_index.schema import Namespace, digest_key
 from specserve.cache_index.scripts import Scripts
 from specserve.shared.hashing import BlockHash
 
@@ -111,7 +111,8 @@ class IndexReader:
         keys = [self.ns.live_key]
         args: list[int] = [len(hashes_by_group)]
         for group, hashes in hashes_by_group.items():
-            keys.extend(self.ns.block_key(group, h) for h in hashes)
+            prefix = self.ns.block_prefix(group)  # `Namespace.block_key`, without its per-call work
+            keys.extend([prefix + digest_key(h) for h in hashes])
             args.append(len(hashes))
         return keys, args
 

@@ -117,6 +117,11 @@ class Namespace:
         tag = f"{self.model}|bs{self.block_size}|{self.hash_algo}.{fp}"
         object.__setattr__(self, "base", f"{self.prefix}:{{{tag}}}".encode())
 
+    def __hash__(self) -> int:
+        # `base` spells out every field that tells namespaces apart, and bytes cache their hash:
+        # routing looks namespaces up in dicts for every request.
+        return hash(self.base)
+
     @classmethod
     def for_cache(cls, model: str, cache: CacheConfig, prefix: str = "ssi") -> Namespace:
         """The namespace of a worker's cache config; hashes are taken at the finest block size."""

@@ -10,8 +10,10 @@ never from a per-process random value.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import msgspec
 
@@ -22,6 +24,7 @@ DEFAULT_HASH_SEED = "specserve/prefix-cache/v1"
 HASH_ALGORITHMS = ("sha256", "xxh3_128")
 
 _encode = msgspec.msgpack.Encoder().encode
+RECENT_SEQUENCES = 8  # sequences a hasher keeps to reuse the hashes of a shared prefix
 
 
 def _sha256(data: bytes) -> bytes:
@@ -54,11 +57,15 @@ class BlockHasher:
     algo: str = "sha256"
     seed: str = DEFAULT_HASH_SEED
     _digest: Callable[[bytes], bytes] = field(init=False, repr=False, compare=False)
+    # The last few sequences hashed from their start, with their hashes: a prefix shared with
+    # one of them (a system prompt, an earlier turn, a burst of one template) is not hashed again.
+    _recent: deque[_Hashed] = field(init=False, repr=False, compare=False)
     root: BlockHash = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         digest = _digest_fn(self.algo)
         object.__setattr__(self, "_digest", digest)
+        object.__setattr__(self, "_recent", deque(maxlen=RECENT_SEQUENCES))
         object.__setattr__(self, "root", digest(_encode(["specserve-root", self.seed])))
 
     def hash_block(
@@ -100,13 +107,51 @@ def extend_block_hashes(
     """
     start_block = len(block_hashes)
     num_full = len(token_ids) // block_size
-    parent = block_hashes[-1] if block_hashes else None
+    if start_block >= num_full:
+        return
+    keys = (block_size, cache_salt, adapter)
+    from_start = start_block == 0
+    if from_start:
+        block_hashes.extend(_reusable(hasher._recent, token_ids, num_full, keys))
+        start_block = len(block_hashes)
+    parent = block_hashes[-1] if block_hashes else hasher.root
     has_extra_keys = bool(cache_salt or adapter)
+    digest = hasher._digest  # `hash_block`, inlined: this runs for every admitted block
     for i in range(start_block, num_full):
         begin = i * block_size
         extra = block_extra_keys(i, cache_salt, adapter) if has_extra_keys else None
-        parent = hasher.hash_block(parent, token_ids[begin : begin + block_size], extra)
+        parent = digest(_encode((parent, token_ids[begin : begin + block_size], extra)))
         block_hashes.append(parent)
+    if from_start:
+        hashed = list(token_ids[: num_full * block_size])
+        hasher._recent.appendleft(_Hashed(keys, hashed, list(block_hashes)))
+
+
+class _Hashed(NamedTuple):
+    keys: tuple  # (block size, cache salt, adapter): hashes are reusable only under the same
+    token_ids: list[int]  # whole blocks only
+    hashes: list[BlockHash]
+
+
+def _reusable(
+    recent: Iterable[_Hashed], token_ids: Sequence[int], num_full: int, keys: tuple
+) -> list[BlockHash]:
+    """The hashes of the leading blocks `token_ids` shares with the most recent sequence that
+    starts with the same block (hashes chain, so a shared block prefix has the same hashes)."""
+    block_size = keys[0]
+    for seen in recent:
+        if seen.keys != keys or seen.token_ids[:block_size] != token_ids[:block_size]:
+            continue
+        n = 1
+        limit = min(num_full, len(seen.hashes))
+        while n < limit:
+            begin = n * block_size
+            end = begin + block_size
+            if seen.token_ids[begin:end] != token_ids[begin:end]:
+                break
+            n += 1
+        return seen.hashes[:n]
+    return []
 
 
 def coarsen_block_hashes(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 import msgspec
 
@@ -47,8 +47,10 @@ def check_worker_id(worker_id: str) -> str:
     return worker_id
 
 
-def check_token_ids(token_ids: Iterable[int], vocab_size: int, what: str) -> None:
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str) -> None:
     """Raise ValueError naming (up to five of) the ids outside [0, vocab_size)."""
+    if not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size):
+        return  # two passes in C: this runs on every prompt as it enters
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"{what} {bad[:5]} are outside the vocabulary (size {vocab_size})")

@@ -83,3 +83,35 @@ def test_coarse_view_takes_the_hash_that_ends_each_coarse_block():
     assert coarsen_block_hashes(fine, 16, 16) is fine
     with pytest.raises(ValueError, match="not a multiple"):
         coarsen_block_hashes(fine, 16, 24)
+
+
+def _chain(hasher: BlockHasher, tokens: list[int], salt: str | None = None) -> list:
+    """The reference: every block hashed from its parent, nothing reused."""
+    out, parent = [], None
+    for i in range(len(tokens) // 4):
+        extra = ("t1",) if salt and i == 0 else None
+        parent = hasher.hash_block(parent, tokens[4 * i : 4 * i + 4], extra)
+        out.append(parent)
+    return out
+
+
+def test_a_prefix_shared_with_a_recent_sequence_reuses_its_hashes_exactly():
+    """Sequences that share leading blocks with one hashed lately take those hashes over; every
+    hash still equals the block-by-block chain, whatever is shared: all, part, a salt, nothing."""
+    hasher = BlockHasher()
+    head = list(range(1, 13))  # 3 blocks of 4
+    cases = [
+        ([*head, 7, 7, 7, 7, 8], None),  # first: nothing to reuse
+        ([*head, 9, 9, 9, 9], None),  # 3 blocks reused
+        ([*head[:6], 5, 5, 5, 5, 5, 5], None),  # 1 block reused, the 2nd differs half way
+        ([*head, 7, 7, 7, 7], "t1"),  # same tokens, another salt: nothing reused
+        ([*head, 7, 7, 7, 7], None),  # back to the first sequence
+        ([99] * 8, None),
+        (head[:3], None),  # not one full block
+    ]
+    for tokens, salt in cases:
+        out: list = []
+        extend_block_hashes(hasher, out, tokens, 4, cache_salt=salt)
+        assert out == _chain(BlockHasher(), tokens, salt), (tokens, salt)
+    reused = hasher._recent[0]
+    assert reused.token_ids == [99] * 8 and len(reused.hashes) == 2
