@@ -649,7 +649,8 @@ class ControlPlane:
     def _forward(self, req: ClientRequest, away: dict[str, int], here: int) -> bool:
         """Send `req` to the plane whose worker holds enough more of its tokens than any worker
         here; its outputs are relayed (`_on_peer_frame`). False: it is placed here."""
-        if self.peers is None or req.resumed or req.forwarded_in:
+        started = req.sent_first or req.output_token_ids  # the peer would start it over
+        if self.peers is None or req.resumed or req.forwarded_in or started:
             return False
         if req.sampling.prompt_logprobs is not None:  # computed in full anyway: no hit to win
             return False

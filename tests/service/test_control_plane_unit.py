@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from specserve.control import control_plane, placement
+from specserve.control import control_plane, forwarding, placement
 from specserve.control.control_plane import ControlArgs, ControlPlane
 from specserve.control.limits import ServiceLimits
 from specserve.launch.local_redis import LocalRedis, RedisNotFound
@@ -471,4 +471,41 @@ def test_a_hold_for_a_worker_that_never_comes_ends(llama_ckpt, tmp_path: Path, m
     finally:
         for plane in (a, b):
             plane._close_sockets()
+        redis_server.close()
+
+
+def test_only_a_request_with_nothing_delivered_is_forwarded(llama_ckpt, tmp_path: Path):
+    """A request is forwarded to another plane only before any of its output exists: one that
+    moves after its worker died (or was resumed by its client) goes on here, since the other
+    plane would start it over."""
+    try:
+        redis_server = LocalRedis(tmp_path).start()
+    except RedisNotFound as exc:
+        pytest.skip(str(exc))
+    plane = RecordingPlane(str(llama_ckpt.path), redis_url=redis_server.url)
+    sent: list = []
+    try:
+        assert plane.peers is not None
+        plane.peers.target = lambda away, here: forwarding.Target("tcp://peer:1", "x9", 64)
+        plane.peers.send = lambda url, msg: sent.append((url, msg)) or True
+        plane.peers.links["tcp://peer:1"] = forwarding.PeerLink("tcp://peer:1", None, None)
+        plane.register("w0")
+        plane.register("w1")
+        plane.generate("fresh", list(range(1, 30)), max_tokens=4)
+        assert [m.request_id for _, m in sent] == ["fresh"] and sent[0][1].forwarded
+        assert plane.frontend.requests["fresh"].forwarded_to == "tcp://peer:1"
+
+        plane.peers.target = lambda away, here: None  # "started" runs here
+        plane.generate("started", list(range(40, 70)), max_tokens=4)
+        plane._dispatch_all()
+        worker = plane.frontend.requests["started"].worker_id
+        plane.answer(worker, plane.batches(worker)[-1], token=7)
+        plane.peers.target = lambda away, here: forwarding.Target("tcp://peer:1", "x9", 64)
+        plane.unreachable.add(worker.encode())  # its worker dies: the request moves on
+        plane._remove_worker(plane.workers[worker], "killed")
+        assert [m.request_id for _, m in sent] == ["fresh"]
+        assert plane.frontend.requests["started"].worker_id not in (None, worker)
+    finally:
+        plane.peers.links.clear()
+        plane._close_sockets()
         redis_server.close()
