@@ -249,6 +249,16 @@ class BlockPool:
         self._events.append(AllBlocksCleared())
         return True
 
+    def release(self) -> None:
+        """Unlink every block (the free queue links them both ways), so that a dropped pool is
+        freed by reference counting alone: the control plane keeps long-lived objects out of
+        the cyclic collector's sight (`gc.freeze`), which then never frees cycles."""
+        for block in self.blocks:
+            block.prev = block.next = None
+        self.free_queue = FreeBlockQueue(())
+        self.free_queue._head.next = self.free_queue._tail.prev = None
+        self._cached.clear()
+
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
         return events

@@ -1,3 +1,5 @@
+import gc
+
 import pytest
 
 from specserve.control.block_pool import BlockPool, FreeBlockQueue, KVBlock
@@ -108,3 +110,27 @@ def test_double_free_is_caught():
     pool.free_blocks([block])
     with pytest.raises(AssertionError, match="freed more often"):
         pool.free_blocks([block])
+
+
+def test_a_released_pool_is_freed_without_the_cyclic_collector():
+    """The free queue links blocks both ways; a server freezes its long-lived objects out of the
+    collector's sight, so a dropped pool must be released to be freed at all."""
+
+    def blocks_alive() -> int:
+        return sum(type(o) is KVBlock for o in gc.get_objects())
+
+    gc.collect()
+    before = blocks_alive()
+    gc.disable()
+    try:
+        released = BlockPool(1000)
+        dropped = BlockPool(1000)
+        dropped.get_new_blocks(10)  # (handed out: unlinked, freed with the list they went to)
+        del dropped  # never released: its 990 free blocks stay, linked to each other
+        assert blocks_alive() - before >= 1990
+        released.release()
+        del released
+        assert blocks_alive() - before < 1000  # the released pool's 1,002 went at once
+    finally:
+        gc.enable()
+        gc.collect()
