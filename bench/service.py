@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import itertools
 import json
@@ -57,7 +58,7 @@ from redis import Redis
 
 from specserve.cache_index import IndexReader, IndexWriter, Namespace, connect, register_worker
 from specserve.client import AsyncClient, ServiceError
-from specserve.control.control_plane import ControlArgs, ControlPlane
+from specserve.control.control_plane import ControlArgs, ControlPlane, tune_gc
 from specserve.launch.local_redis import LocalRedis, free_port
 from specserve.shared.config import AttentionType, KVGroupSpec
 from specserve.shared.curve import generate_keys
@@ -593,6 +594,9 @@ def admission_rate(model: str, redis_url: str | None, seconds: float, burst: int
     `burst` requests per pass of the loop (placed together, one index round trip)."""
     plane = SilentPlane(ControlArgs(bind="tcp://127.0.0.1:0", model=model, redis_url=redis_url))
     tag = uuid.uuid4().hex[:6]
+    thresholds = gc.get_threshold()
+    tune_gc()  # as `specserve control` runs: a control plane process's collector settings
+    plane.freeze_gc = True
     try:
         for i in range(2):
             info = WorkerInfo(
@@ -619,6 +623,8 @@ def admission_rate(model: str, redis_url: str | None, seconds: float, burst: int
         assert admitted == next(count), f"only {admitted} requests reached a scheduler"
         return rate
     finally:
+        gc.set_threshold(*thresholds)
+        gc.unfreeze()
         plane.sock.close(linger=0)
         plane.worker_sock.close(linger=0)  # an open socket would block the context's term()
 
