@@ -28,7 +28,7 @@ from redis.exceptions import NoScriptError
 
 from specserve.cache_index.client import check_client
 from specserve.cache_index.errors import unavailable_as_index_error
-from specserve.cache_index.schema import Namespace, digest_key
+from specserve.cache_index.schema import DIGEST_BYTES, Namespace, digest_key
 from specserve.cache_index.scripts import Scripts
 from specserve.shared.hashing import BlockHash
 
@@ -112,7 +112,9 @@ class IndexReader:
         args: list[int] = [len(hashes_by_group)]
         for group, hashes in hashes_by_group.items():
             prefix = self.ns.block_prefix(group)  # `Namespace.block_key`, without its per-call work
-            keys.extend([prefix + digest_key(h) for h in hashes])
+            if hashes and min(map(len, hashes)) < DIGEST_BYTES:
+                digest_key(min(hashes, key=len))  # raises, naming the short hash
+            keys.extend([prefix + h[:DIGEST_BYTES] for h in hashes])
             args.append(len(hashes))
         return keys, args
 
