@@ -588,10 +588,15 @@ class SilentPlane(ControlPlane):
         return True
 
 
-def admission_rate(model: str, redis_url: str | None, seconds: float, burst: int = 1) -> float:
+def admission_rate(
+    model: str, redis_url: str | None, seconds: float, burst: int = 1, other_plane: bool = True
+) -> float:
     """Requests/s the control plane admits (validate, hash, look up, route, add to a scheduler):
     512-token prompts sharing 500 tokens, two registered workers with room for all of them,
-    `burst` requests per pass of the loop (placed together, one index round trip)."""
+    `burst` requests per pass of the loop (placed together, one index round trip). With Redis
+    and `other_plane`, the index also lists a worker of another (unreachable) control plane, so
+    every lookup goes through Redis, as with several planes; a lone plane routes from its own
+    block pools (exact for its own workers) and leaves Redis out of admission."""
     plane = SilentPlane(ControlArgs(bind="tcp://127.0.0.1:0", model=model, redis_url=redis_url))
     tag = uuid.uuid4().hex[:6]
     thresholds = gc.get_threshold()
@@ -606,6 +611,12 @@ def admission_rate(model: str, redis_url: str | None, seconds: float, burst: int
                 max_num_batched_tokens=8192, max_num_seqs=4096,
             )  # fmt: skip
             plane._on_register(info.worker_id.encode(), "", Register(PROTOCOL_VERSION, info))
+        if redis_url and other_plane:
+            ns = next(iter(plane.workers.values())).namespace
+            peer = {"session": "other-plane", "control_url": "tcp://127.0.0.1:9"}
+            register_worker(plane.index.client, ns, f"admit-{tag}-peer", peer)
+            plane._peers_tick(time.monotonic())
+            assert plane._other_planes(), "the other plane's worker is not seen"
         shared = [TOKEN_RANGE[0] + i for i in range(500)]
         count = itertools.count()
 
@@ -651,6 +662,9 @@ def index_bench(redis_url: str, model: str, seconds: float) -> dict[str, float]:
             "admissions_per_s_local": admission_rate(model, None, seconds),
             "admissions_per_s_redis_burst64": admission_rate(model, redis_url, seconds, 64),
             "admissions_per_s_local_burst64": admission_rate(model, None, seconds, 64),
+            "admissions_per_s_one_plane_burst64": admission_rate(
+                model, redis_url, seconds, 64, other_plane=False
+            ),
         }
     finally:
         drop_namespace(client, ns)

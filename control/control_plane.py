@@ -157,7 +157,9 @@ class ControlPlane:
         if args.redis_url:
             client = connect(args.redis_url, socket_timeout=0.5, connect_timeout=0.5)
         self.index = IndexSync(client, self.workers, self.metrics, self.session)
-        self.placement = Placement(self.workers, router, self.index, self.metrics, self._forward)
+        self.placement = Placement(
+            self.workers, router, self.index, self.metrics, self._forward, self._other_planes
+        )
         self.frontend = Frontend(
             tokenizer,
             self.metrics,
@@ -690,6 +692,11 @@ class ControlPlane:
             here=here,
         )
         return True
+
+    def _other_planes(self) -> bool:
+        """Whether another plane's workers could take a request from here (forwarding is on
+        and the index names some)."""
+        return self.peers is not None and bool(self.peers.owners)
 
     def _withdraw(self, req: ClientRequest) -> None:
         """Stop serving `req` (its client aborted or left): on the plane it was forwarded to,

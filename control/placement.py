@@ -1,11 +1,14 @@
 """Puts accepted client requests on workers.
 
 The prompt is hashed once per index namespace, exactly as the schedulers will hash it. Each
-worker's cached prefix comes from the Redis index (from the control plane's own block pools while
-Redis is away), raised to what the router just sent there; the router weighs it against load. A
-burst of requests (all that one pass of the loop read) is looked up in one round trip and then
-routed one by one, each seeing where the ones before it went. A request that could outgrow the
-chosen worker's whole KV cache is refused, since it could only preempt itself again and again.
+worker's cached prefix comes from the control plane's own block pools, which are exact for the
+workers it owns; the Redis index is asked too when it can name more: other planes' workers (a
+request may be forwarded to one) or a worker on its way here (a resumed request waits for the one
+holding its KV). Either is raised to what the router just sent there; the router weighs it
+against load. A burst of requests (all that one pass of the loop read) is looked up in one round
+trip and then routed one by one, each seeing where the ones before it went. A request that could
+outgrow the chosen worker's whole KV cache is refused, since it could only preempt itself again
+and again.
 """
 
 from __future__ import annotations
@@ -43,12 +46,14 @@ class Placement:
         index: IndexSync,
         metrics: ServiceMetrics,
         forward: Forward | None = None,
+        other_planes: Callable[[], bool] = lambda: False,
     ) -> None:
         self.workers = workers  # the control plane's own dict: its current workers
         self.router = router
         self.index = index
         self.metrics = metrics
         self.forward = forward
+        self.other_planes = other_planes  # whether another plane's workers could take requests
         self.pending: deque[ClientRequest] = deque()  # accepted while no worker could take them
 
     def place(self, req: ClientRequest) -> None:
@@ -72,7 +77,13 @@ class Placement:
         hashes = [
             self._block_hashes(t, req.cache_salt) for t, req in zip(token_ids, reqs, strict=True)
         ]
-        indexed = self._indexed_blocks(hashes) or [None] * len(reqs)
+        # The index adds to this plane's own block pools (exact for its own workers) only
+        # workers it does not own: another plane's (to forward to), or one on its way here
+        # (for a resumed request to wait for).
+        if self.other_planes() or any(req.resumed for req in reqs):
+            indexed = self._indexed_blocks(hashes) or [None] * len(reqs)
+        else:
+            indexed = [None] * len(reqs)
         refused = []
         for req, tokens, req_hashes, held in zip(reqs, token_ids, hashes, indexed, strict=True):
             try:
