@@ -1,4 +1,5 @@
 import hashlib
+import random
 
 import msgspec
 import pytest
@@ -115,3 +116,18 @@ def test_a_prefix_shared_with_a_recent_sequence_reuses_its_hashes_exactly():
         assert out == _chain(BlockHasher(), tokens, salt), (tokens, salt)
     reused = hasher._recent[0]
     assert reused.token_ids == [99] * 8 and len(reused.hashes) == 2
+
+
+def test_reused_hashes_match_the_chain_for_any_shared_length():
+    """Random pairs sharing 0-40 leading blocks (and sometimes part of the next): the reused
+    hashes always equal the block-by-block chain."""
+    rng = random.Random(0)
+    hasher, reference = BlockHasher(), BlockHasher()
+    for _ in range(200):
+        base = [rng.randrange(50) for _ in range(4 * rng.randint(1, 40) + rng.randint(0, 3))]
+        shared = rng.randint(0, len(base))
+        tail = [rng.randrange(50, 99) for _ in range(rng.randint(0, 30))]
+        for tokens in (base, base[:shared] + tail):
+            out: list = []
+            extend_block_hashes(hasher, out, tokens, 4)
+            assert out == _chain(reference, tokens)
