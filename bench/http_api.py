@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from service import percentile
 
 from specserve.client import AsyncClient, SamplingParams
 from specserve.launch.local_redis import free_port
@@ -234,8 +235,8 @@ async def closed_loop(concurrency: int, requests: int, send: Callable[[int], Arr
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     seconds = time.perf_counter() - started
     return Result(
-        "", concurrency, percentile(ttfts, 50), percentile(ttfts, 99), percentile(itls, 50),
-        percentile(itls, 99), tokens / seconds, requests,
+        "", concurrency, percentile(ttfts, 0.5), percentile(ttfts, 0.99),
+        percentile(itls, 0.5), percentile(itls, 0.99), tokens / seconds, requests,
     )  # fmt: skip
 
 
@@ -284,14 +285,6 @@ def _has_content(line: str) -> bool:
         return False
     choices = json.loads(line[6:])["choices"]
     return bool(choices and choices[0]["delta"].get("content"))
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[k]
 
 
 # --- the run ---------------------------------------------------------------------------------
