@@ -661,7 +661,7 @@ class ControlPlane:
         """Send `req` to the plane whose worker holds enough more of its tokens than any worker
         here; its outputs are relayed (`_on_peer_frame`). False: it is placed here."""
         started = req.sent_first or req.output_token_ids  # the peer would start it over
-        if self.peers is None or req.resumed or req.forwarded_in or started:
+        if self.peers is None or req.resumed or req.stays or started:
             return False
         if req.sampling.prompt_logprobs is not None:  # computed in full anyway: no hit to win
             return False
@@ -733,11 +733,12 @@ class ControlPlane:
         if req is None or req.forwarded_to != url:
             return  # finished, aborted or taken back already
         if isinstance(msg, RequestOutput) and not msg.resumable:
-            if msg.finished and self.peers is not None:
-                self.peers.links[url].requests.discard(req.request_id)
+            link = self.peers.links.get(url) if self.peers is not None else None
+            if msg.finished and link is not None:
+                link.requests.discard(req.request_id)
             self.frontend.relay(req, msg)
         elif isinstance(msg, RequestOutput | ErrorReply):
-            self._serve_here(req, msg.error if isinstance(msg, RequestOutput) else msg.reason)
+            self._serve_here(req, msg.error if isinstance(msg, RequestOutput) else msg.message)
 
     def _serve_here(self, req: ClientRequest, why: str | None) -> None:
         """Take back a forwarded request whose plane refused it, stopped or died: it goes on
@@ -747,7 +748,7 @@ class ControlPlane:
         if link is not None:
             link.requests.discard(req.request_id)
         log.warning("request.taken_back", request_id=req.request_id, peer=req.forwarded_to, why=why)
-        req.forwarded_to = None
+        req.forwarded_to, req.stays = None, True  # never sent back and forth
         if req.output_token_ids:
             self.frontend.continue_from(req, req.relayed_chars)
         self._place(req)

@@ -72,7 +72,9 @@ class ClientRequest:
     last_token_time: float | None = None
     num_resumptions: int = 0  # moves to another worker on this control plane
     resumed: bool = False  # its client resumed it here after losing another control plane
-    forwarded_in: bool = False  # another control plane sent it on here (`forwarded`)
+    # Served on this plane whatever the index says: another plane forwarded it here, or it
+    # came back from the plane it was forwarded to (which refused it, stopped or died).
+    stays: bool = False
     forwarded_to: str | None = None  # served by the control plane at this URL, relayed here
     relayed_chars: int = 0  # characters of text relayed to the client from that plane
     hold_until: float | None = None  # waiting (resumed) for the worker that holds its KV
@@ -157,7 +159,7 @@ class Frontend:
             cache_salt=msg.cache_salt,
             priority=msg.priority,
             eos_token_id=eos[0] if eos else None,
-            forwarded_in=msg.forwarded,
+            stays=msg.forwarded,
         )
         if msg.resume is not None:
             self._resume(req, msg, vocab_size, prompt_limit)

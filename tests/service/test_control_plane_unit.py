@@ -509,3 +509,33 @@ def test_only_a_request_with_nothing_delivered_is_forwarded(llama_ckpt, tmp_path
         plane.peers.links.clear()
         plane._close_sockets()
         redis_server.close()
+
+
+def test_a_request_the_peer_refuses_is_served_here_and_never_sent_again(llama_ckpt, tmp_path: Path):
+    try:
+        redis_server = LocalRedis(tmp_path).start()
+    except RedisNotFound as exc:
+        pytest.skip(str(exc))
+    plane = RecordingPlane(str(llama_ckpt.path), redis_url=redis_server.url)
+    sent: list = []
+    try:
+        assert plane.peers is not None
+        plane.peers.target = lambda away, here: forwarding.Target("tcp://peer:1", "x9", 64)
+        plane.peers.send = lambda url, msg: sent.append((url, msg)) or True
+        plane.peers.links["tcp://peer:1"] = forwarding.PeerLink("tcp://peer:1", None, None)
+        plane.register("w0")
+        plane.generate("r", list(range(1, 30)), max_tokens=2)
+        assert [m.request_id for _, m in sent] == ["r"]
+        refusal = ErrorReply(P, "this client already has 1024 requests in flight", "r")
+        plane._on_peer_frame("tcp://peer:1", encode(refusal))
+        assert [m.request_id for _, m in sent] == ["r"]  # not forwarded again
+        assert plane.frontend.requests["r"].worker_id == "w0"
+        plane._dispatch_all()
+        plane.answer("w0", plane.batches("w0")[-1], token=5)
+        plane.answer("w0", plane.batches("w0")[-1], token=6)
+        assert tokens(plane.outputs()) == [5, 6]
+        assert plane.outputs()[-1].finished
+    finally:
+        plane.peers.links.clear()
+        plane._close_sockets()
+        redis_server.close()
