@@ -81,12 +81,13 @@ class PeerLinks:
 
     def set_owners(self, owners: dict[str, str]) -> None:
         """The other planes' live workers, as the index lists them: a link is made to each
-        plane named, and one no longer named is closed once nothing forwarded waits on it."""
+        plane named, and one no longer named is closed once it is down and nothing forwarded
+        waits on it (a plane missing from one reading is not cut off)."""
         self.owners = owners
         for url in set(owners.values()) - set(self.links):
             self._connect(url)
         for url, link in list(self.links.items()):
-            if url not in owners.values() and not link.requests:
+            if url not in owners.values() and not link.requests and not link.connected:
                 self._close(link)
 
     def target(self, away: dict[str, int], here: int) -> Target | None:
@@ -122,9 +123,11 @@ class PeerLinks:
             for event in pending_events(link.monitor):
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     link.connected = True
+                    log.info("peer.connected", url=link.url)
                 elif event == zmq.EVENT_DISCONNECTED and link.connected:
                     link.connected = False
                     lost.append(link)
+                    log.warning("peer.lost", url=link.url, requests=len(link.requests))
         return lost
 
     def close(self) -> None:

@@ -37,7 +37,7 @@ log = structlog.get_logger(__name__)
 INDEX_HEARTBEAT_S = 1.0
 INDEX_RETRY_S = 1.0
 JANITOR_S = 2.0
-OWNER_STALE_MS = 3_000  # a worker whose plane has not heartbeated it this long is not forwarded to
+OWNER_STALE_MS = 5_000  # a worker whose plane has not heartbeated it this long is not forwarded to
 STALE_WORKER_MS = 15_000  # a live worker unheard of for this long (index heartbeats: 1 s) is dead
 
 
@@ -142,7 +142,8 @@ class IndexSync:
 
     def other_planes_workers(self) -> dict[str, str] | None:
         """Every live worker another control plane owns, with that plane's client URL (None
-        while Redis is away). Owners unheard of for a heartbeat timeout are left out."""
+        while Redis is away). Workers whose plane has not heartbeated them in the index for
+        OWNER_STALE_MS are left out: that plane is probably gone."""
         if self.client is None or not self.up:
             return None
         owners: dict[str, str] = {}

@@ -104,13 +104,14 @@ class Service:
         self.model = model
         self.redis_url = redis_url
         self.logdir = logdir
-        self.port = free_port()
-        self.worker_port = free_port()
-        self.worker_url = f"tcp://127.0.0.1:{self.worker_port}"
+        # Ports are taken at the first start (port 0: the kernel's pick, bound at once) and kept
+        # for restarts: a port chosen early could be taken meanwhile, e.g. as the local end of
+        # an outgoing connection.
+        self.url = "tcp://127.0.0.1:0"
+        self.worker_url = "tcp://127.0.0.1:0"
         self.keys = control.get("keys")  # a key directory: CURVE for the workers too
         if redis_url is not None:
             drop_model_keys(redis_url, model)
-        self.url = f"tcp://127.0.0.1:{self.port}"
         self.control_kwargs = control
         self.plane: ControlPlane | None = None
         self._stop = threading.Event()
@@ -129,6 +130,7 @@ class Service:
             **self.control_kwargs,  # type: ignore[arg-type]
         )
         self.plane = ControlPlane(args)
+        self.url, self.worker_url = self.plane.endpoint, self.plane.worker_endpoint
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self.plane.run, args=(self._stop,), daemon=True)
         self._thread.start()

@@ -51,8 +51,7 @@ def test_a_prefix_family_lands_on_its_worker_whichever_plane_it_reaches(
             first = client.generate(family(0), GREEDY)
         holder = first.worker_id
         assert holder in ("a0", "a1")
-        wait_for_line(b, r"peer.linked\s+url=" + re.escape(a.url))
-        time.sleep(0.5)  # the link's handshake
+        wait_for_line(b, r"peer.connected\s+url=" + re.escape(a.url))  # b can forward to a
 
         prompts = [family(i) for i in range(1, 7)]
         done = []
