@@ -55,7 +55,7 @@ from specserve.control.frontend import (
 from specserve.control.index_sync import IndexSync
 from specserve.control.limits import MAX_VOCAB, ServiceLimits, clip
 from specserve.control.metrics import ServiceMetrics
-from specserve.control.placement import Placement
+from specserve.control.placement import RESUME_HOLD_S, Placement
 from specserve.control.router import Router, Routing
 from specserve.control.scheduler import Scheduler
 from specserve.control.worker_handle import WorkerHandle
@@ -135,6 +135,9 @@ class ControlArgs:
     # cached tokens another plane's worker must hold for a request to go there (0: never).
     advertise_url: str | None = None
     forward_min_tokens: int = FORWARD_MIN_TOKENS
+    # How long a resumed request waits for the worker the index says holds its KV (moving here
+    # after its plane died, or not yet registered again after this plane restarted).
+    resume_hold_s: float = RESUME_HOLD_S
 
 
 class ControlPlane:
@@ -144,6 +147,8 @@ class ControlPlane:
         router = Router(Routing(args.routing), args.load_weight)
         if args.heartbeat_timeout_s <= 0 or args.step_timeout_s <= 0:
             raise ValueError("heartbeat_timeout_s and step_timeout_s must be > 0")
+        if args.resume_hold_s < 0:
+            raise ValueError(f"resume_hold_s must be >= 0, got {args.resume_hold_s}")
         if args.forward_min_tokens < 0:
             raise ValueError(f"forward_min_tokens must be >= 0, got {args.forward_min_tokens}")
         tokenizer = load_tokenizer(args.model)
@@ -158,7 +163,13 @@ class ControlPlane:
             client = connect(args.redis_url, socket_timeout=0.5, connect_timeout=0.5)
         self.index = IndexSync(client, self.workers, self.metrics, self.session)
         self.placement = Placement(
-            self.workers, router, self.index, self.metrics, self._forward, self._other_planes
+            self.workers,
+            router,
+            self.index,
+            self.metrics,
+            self._forward,
+            self._other_planes,
+            args.resume_hold_s,
         )
         self.frontend = Frontend(
             tokenizer,

@@ -35,7 +35,7 @@ log = structlog.get_logger(__name__)
 # Sends a request to another control plane when one of its workers holds enough more of the
 # request's tokens (`away`, per worker) than the best worker here (`here`); True when sent.
 Forward = Callable[[ClientRequest, dict[str, int], int], bool]
-RESUME_HOLD_S = 1.0  # how long a resumed request waits for the worker that holds its KV
+RESUME_HOLD_S = 1.0  # default `resume_hold_s`: how long a resumed request waits for its KV
 
 
 class Placement:
@@ -47,6 +47,7 @@ class Placement:
         metrics: ServiceMetrics,
         forward: Forward | None = None,
         other_planes: Callable[[], bool] = lambda: False,
+        resume_hold_s: float = RESUME_HOLD_S,
     ) -> None:
         self.workers = workers  # the control plane's own dict: its current workers
         self.router = router
@@ -54,6 +55,7 @@ class Placement:
         self.metrics = metrics
         self.forward = forward
         self.other_planes = other_planes  # whether another plane's workers could take requests
+        self.resume_hold_s = resume_hold_s
         self.pending: deque[ClientRequest] = deque()  # accepted while no worker could take them
 
     def place(self, req: ClientRequest) -> None:
@@ -136,12 +138,12 @@ class Placement:
         )
 
     def _awaits_holder(self, req: ClientRequest, away: dict[str, int], here: int) -> bool:
-        """Whether a resumed request should wait (up to RESUME_HOLD_S) for the worker that holds
+        """Whether a resumed request should wait (up to `resume_hold_s`) for the worker that holds
         more of its KV than any worker here (`away`: tokens per worker the index names that is
         not registered here; `here`: the most any worker here holds): it is moving here after
         its control plane died, or this plane restarted and it has not registered again yet.
         Placed elsewhere, the request would compute all its tokens again."""
-        if not req.resumed or not away:
+        if not req.resumed or not away or self.resume_hold_s <= 0:
             return False
         now = time.monotonic()
         if req.hold_until is not None and now >= req.hold_until:
@@ -149,7 +151,7 @@ class Placement:
         if max(away.values()) <= here:
             return False
         if req.hold_until is None:
-            req.hold_until = now + RESUME_HOLD_S
+            req.hold_until = now + self.resume_hold_s
             log.info("request.awaits_holder", request_id=req.request_id, away=max(away.values()))
         return True
 

@@ -408,6 +408,14 @@ def _add_control(sub: argparse._SubParsersAction) -> None:
         "whose worker caches at least this many more of its tokens than any worker here "
         "(0: never forward)",
     )
+    ctl.add_argument(
+        "--resume-hold",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="how long a request its client resumed here waits for the worker that holds its "
+        "KV (moving here after its control plane died) before it is computed again elsewhere",
+    )
     _add_limit_args(ctl)
     _add_ready_file_arg(ctl, "while at least one worker is registered")
     ctl.set_defaults(func=cmd_control)
@@ -897,6 +905,7 @@ def control_args(args: argparse.Namespace) -> ControlArgs:
         ready_file=args.ready_file,
         advertise_url=args.advertise_url,
         forward_min_tokens=args.forward_min_tokens,
+        resume_hold_s=args.resume_hold,
     )
 
 

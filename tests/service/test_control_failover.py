@@ -44,8 +44,8 @@ def prompts_and_params() -> tuple[list[list[int]], list[SamplingParams]]:
 class ControlProcess:
     """`specserve control` as its own process, so it can be killed like a real one."""
 
-    def __init__(self, model: str, redis_url: str, logdir: Path, name: str) -> None:
-        self.model, self.redis_url = model, redis_url
+    def __init__(self, model: str, redis_url: str, logdir: Path, name: str, *extra: str) -> None:
+        self.model, self.redis_url, self.extra = model, redis_url, extra
         self.port, self.worker_port = free_port(), free_port()
         self.url = f"tcp://127.0.0.1:{self.port}"
         self.worker_url = f"tcp://127.0.0.1:{self.worker_port}"
@@ -56,7 +56,7 @@ class ControlProcess:
         argv = [
             sys.executable, "-m", "specserve.cli", "control", "--bind", self.url,
             "--worker-bind", self.worker_url, "--redis-url", self.redis_url,
-            "--model", self.model, "--heartbeat-timeout", "2",
+            "--model", self.model, "--heartbeat-timeout", "2", *self.extra,
         ]  # fmt: skip
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=log)
@@ -263,7 +263,8 @@ def test_a_moving_worker_keeps_its_kv_and_resumed_streams_wait_for_it(
     and delivered output cached, exactly as an uninterrupted run."""
     model = str(llama_ckpt.path)
     first = ControlProcess(model, redis_url, tmp_path, "first")
-    second = ControlProcess(model, redis_url, tmp_path, "second")
+    # A long hold: a loaded machine must not make the moving worker arrive after it.
+    second = ControlProcess(model, redis_url, tmp_path, "second", "--resume-hold", "20")
     services = []
     try:
         first.start()
