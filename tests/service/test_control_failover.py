@@ -21,7 +21,6 @@ from service_harness import WORKER_ENGINE, Service
 from specserve.cache_index import Namespace, connect, list_workers
 from specserve.cache_index.schema import key_model_name
 from specserve.client import AsyncClient, Client, RequestFailed, ServiceUnreachable, get_status
-from specserve.launch.local_redis import free_port
 from specserve.llm import LLM
 from specserve.shared.protocol import SamplingParams
 
@@ -46,9 +45,10 @@ class ControlProcess:
 
     def __init__(self, model: str, redis_url: str, logdir: Path, name: str, *extra: str) -> None:
         self.model, self.redis_url, self.extra = model, redis_url, extra
-        self.port, self.worker_port = free_port(), free_port()
-        self.url = f"tcp://127.0.0.1:{self.port}"
-        self.worker_url = f"tcp://127.0.0.1:{self.worker_port}"
+        # Ports are the kernel's pick at the first start (a port chosen beforehand could be taken
+        # meanwhile), read from its `control.ready` line, and kept for restarts.
+        self.url = "tcp://127.0.0.1:0"
+        self.worker_url = "tcp://127.0.0.1:0"
         self.log = logdir / f"{name}.log"
         self.proc: subprocess.Popen | None = None
 
@@ -58,8 +58,24 @@ class ControlProcess:
             "--worker-bind", self.worker_url, "--redis-url", self.redis_url,
             "--model", self.model, "--heartbeat-timeout", "2", *self.extra,
         ]  # fmt: skip
+        first = self.url.endswith(":0")
+        seen = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=log)
+        if first:
+            self.url, self.worker_url = self._bound_ports(seen)
+
+    def _bound_ports(self, seen: int, timeout: float = 60.0) -> tuple[str, str]:
+        """The endpoints the new process logs in `control.ready` (after byte `seen` of its log)."""
+        pattern = re.compile(r"control\.ready .*endpoint=(\S+) .*worker_endpoint=(\S+)")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None and self.proc.poll() is None, self.log.read_text()
+            found = pattern.search(self.log.read_text(errors="replace")[seen:])
+            if found:
+                return found.group(1), found.group(2)
+            time.sleep(0.05)
+        raise AssertionError(f"no control.ready line:\n{self.log.read_text()[-3000:]}")
 
     def kill(self) -> None:
         assert self.proc is not None
