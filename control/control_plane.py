@@ -479,9 +479,12 @@ class ControlPlane:
                 req = requests.get(request_id)
                 if req is None:
                     continue
+                # Placement hashed it already (unless that worker caches nothing).
+                hashes = other.scheduler.requests[request_id].block_hashes or other.block_hashes(
+                    req.prompt_token_ids + req.output_token_ids, req.cache_salt
+                )
                 other.scheduler.abort_requests([request_id])
-                tokens = req.prompt_token_ids + req.output_token_ids
-                other.forget_routed(other.block_hashes(tokens, req.cache_salt))
+                other.forget_routed(hashes)
                 req.num_resumptions += 1  # counted once, at its first placement
                 req.num_cached_tokens = None  # it has not started: the new placement's hit
                 self._place(req)
