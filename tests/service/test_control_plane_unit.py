@@ -25,6 +25,7 @@ from specserve.shared.protocol import (
     GenerateRequest,
     Heartbeat,
     KeptRequest,
+    NewRequest,
     Register,
     Rejected,
     RequestOutput,
@@ -98,6 +99,28 @@ def plane(llama_ckpt):
     p = RecordingPlane(str(llama_ckpt.path))
     yield p
     p._close_sockets()
+
+
+@pytest.fixture
+def redis_planes(llama_ckpt, tmp_path: Path):
+    """`make()` a RecordingPlane on a private Redis index (the test is skipped without a Redis
+    server); every plane made is closed, then the server."""
+    try:
+        redis_server = LocalRedis(tmp_path).start()
+    except RedisNotFound as exc:
+        pytest.skip(str(exc))
+    made: list[RecordingPlane] = []
+
+    def make() -> RecordingPlane:
+        made.append(RecordingPlane(str(llama_ckpt.path), redis_url=redis_server.url))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for plane in made:
+            plane._close_sockets()
+        redis_server.close()
 
 
 def tokens(outputs: list) -> list[int]:
@@ -199,30 +222,22 @@ def test_token_ids_are_checked_against_the_vocabulary_as_requests_enter(plane: R
     assert plane.frontend.requests == {}
 
 
-def test_redis_refusing_writes_does_not_stop_serving(llama_ckpt, tmp_path: Path):
-    try:
-        redis_server = LocalRedis(tmp_path).start()
-    except RedisNotFound as exc:
-        pytest.skip(str(exc))
-    plane = RecordingPlane(str(llama_ckpt.path), redis_url=redis_server.url)
-    try:
-        plane.register("w0")
-        assert plane.index.up and plane.workers["w0"].writer is not None
-        plane.index.client.config_set("maxmemory-policy", "noeviction")
-        plane.index.client.config_set("maxmemory", "1")  # every write is now an OOM error
-        plane.generate("a", list(range(1, 20)), max_tokens=2)
-        plane._dispatch_all()
-        assert not plane.index.up
-        plane.answer("w0", plane.batches("w0")[-1], token=3)
-        plane.answer("w0", plane.batches("w0")[-1], token=4)
-        assert tokens(plane.outputs()) == [3, 4]
-        plane.index.client.config_set("maxmemory", "0")
-        plane.index.retry_at = 0
-        plane._tick(time.monotonic())
-        assert plane.index.up and plane.workers["w0"].writer is not None
-    finally:
-        plane._close_sockets()
-        redis_server.close()
+def test_redis_refusing_writes_does_not_stop_serving(redis_planes):
+    plane = redis_planes()
+    plane.register("w0")
+    assert plane.index.up and plane.workers["w0"].writer is not None
+    plane.index.client.config_set("maxmemory-policy", "noeviction")
+    plane.index.client.config_set("maxmemory", "1")  # every write is now an OOM error
+    plane.generate("a", list(range(1, 20)), max_tokens=2)
+    plane._dispatch_all()
+    assert not plane.index.up
+    plane.answer("w0", plane.batches("w0")[-1], token=3)
+    plane.answer("w0", plane.batches("w0")[-1], token=4)
+    assert tokens(plane.outputs()) == [3, 4]
+    plane.index.client.config_set("maxmemory", "0")
+    plane.index.retry_at = 0
+    plane._tick(time.monotonic())
+    assert plane.index.up and plane.workers["w0"].writer is not None
 
 
 # --- one frame's failure fails that frame only ----------------------------------------------
@@ -388,154 +403,120 @@ def test_the_prompt_limit_is_the_smallest_of_the_service_and_the_workers(llama_c
 
 # --- a worker's KV outlives its control plane -------------------------------------------------
 
-
-def test_a_resumed_request_waits_for_the_worker_that_holds_its_kv(llama_ckpt, tmp_path: Path):
-    """Two planes on one index. A request's prompt is computed on x0 under plane a; its client
-    resumes it on plane b, which has only y0. The index says x0 holds the prompt, so b holds
-    the request instead of computing it again on y0; x0 registers with b offering that KV, and
-    the request starts there on the adopted blocks. A hold for a worker that never comes ends
-    after RESUME_HOLD_S and the request runs where it can."""
-    try:
-        redis_server = LocalRedis(tmp_path).start()
-    except RedisNotFound as exc:
-        pytest.skip(str(exc))
-    a = RecordingPlane(str(llama_ckpt.path), redis_url=redis_server.url)
-    b = RecordingPlane(str(llama_ckpt.path), redis_url=redis_server.url)
-    try:
-        prompt = list(range(1, 30))  # 29 tokens: 7 full blocks of 4
-        a.register("x0")
-        a.generate("r", prompt, max_tokens=4)
-        a._dispatch_all()
-        (first,) = a.batches("x0")[-1].new_requests
-        a.answer("x0", a.batches("x0")[-1], token=7)  # the prompt's KV is on x0 (and indexed)
-
-        b.register("y0")
-        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        resumed = GenerateRequest(
-            P, "r", prompt_token_ids=prompt, sampling=params, resume=Resume([7])
-        )
-        b._on_generate(b"c1", resumed)
-        b._place_accepted()
-        b._dispatch_all()
-        assert b.batches("y0") == []  # held: y0 would compute all 30 tokens again
-        kept = KeptRequest(prompt[:28], [first.block_ids[0][:7]])
-        b._on_register(b"x0", "", Register(P, _info("x0", model=b.args.model), [kept]))
-        b._dispatch_all()
-        (started,) = b.batches("x0")[-1].new_requests
-        assert started.request_id == "r"
-        assert started.token_ids == [*prompt, 7]
-        assert started.num_computed_tokens == 28  # every full block was adopted
-        assert started.block_ids[0][:7] == first.block_ids[0][:7]
-
-        b.generate("s", prompt, client=b"c2", max_tokens=4)  # a fresh request is never held
-        b._on_generate(
-            b"c3",
-            GenerateRequest(P, "t", prompt_token_ids=[9] * 40, sampling=params, resume=Resume([7])),
-        )  # nothing holds these tokens: placed at once
-        b._place_accepted()
-        assert b.frontend.requests["t"].worker_id is not None
-    finally:
-        for plane in (a, b):
-            plane._close_sockets()
-        redis_server.close()
+PROMPT = list(range(1, 30))  # 29 tokens: 7 full blocks of 4
+RESUMED = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
-def test_a_hold_for_a_worker_that_never_comes_ends(llama_ckpt, tmp_path: Path, monkeypatch):
-    try:
-        redis_server = LocalRedis(tmp_path).start()
-    except RedisNotFound as exc:
-        pytest.skip(str(exc))
-    a = RecordingPlane(str(llama_ckpt.path), redis_url=redis_server.url)
-    b = RecordingPlane(str(llama_ckpt.path), redis_url=redis_server.url)
-    try:
-        prompt = list(range(1, 30))
-        a.register("x0")
-        a.generate("r", prompt, max_tokens=4)
-        a._dispatch_all()
-        a.answer("x0", a.batches("x0")[-1], token=7)
-        b.register("y0")
-        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        b._on_generate(
-            b"c1",
-            GenerateRequest(P, "r", prompt_token_ids=prompt, sampling=params, resume=Resume([7])),
-        )
-        b._place_accepted()
-        assert b.frontend.requests["r"].worker_id is None
-        b._tick(time.monotonic() + placement.RESUME_HOLD_S / 2)
-        assert b.frontend.requests["r"].worker_id is None
-        b._tick(time.monotonic() + placement.RESUME_HOLD_S)
-        assert b.frontend.requests["r"].worker_id == "y0"
-        b._dispatch_all()
-        (started,) = b.batches("y0")[-1].new_requests
-        assert (started.token_ids, started.num_computed_tokens) == ([*prompt, 7], 0)
-    finally:
-        for plane in (a, b):
-            plane._close_sockets()
-        redis_server.close()
+def _resume(plane: RecordingPlane, request_id: str, prompt: list[int], client: bytes) -> None:
+    """A client's resume of `request_id` that has received one token (7) so far."""
+    msg = GenerateRequest(P, request_id, prompt_token_ids=prompt, sampling=RESUMED,
+                          resume=Resume([7]))  # fmt: skip
+    plane._on_generate(client, msg)
+    plane._place_accepted()
 
 
-def test_only_a_request_with_nothing_delivered_is_forwarded(llama_ckpt, tmp_path: Path):
+def _prompt_on_x0_then_resumed_on_b(redis_planes) -> tuple[RecordingPlane, NewRequest]:
+    """Two planes on one index: PROMPT's KV computed on x0 under plane a (and indexed); its
+    client resumes it on plane b, which has only y0. Returns b and x0's NewRequest."""
+    a, b = redis_planes(), redis_planes()
+    a.register("x0")
+    a.generate("r", PROMPT, max_tokens=4)
+    a._dispatch_all()
+    (first,) = a.batches("x0")[-1].new_requests
+    a.answer("x0", a.batches("x0")[-1], token=7)
+    b.register("y0")
+    _resume(b, "r", PROMPT, b"c1")
+    return b, first
+
+
+def test_a_resumed_request_waits_for_the_worker_that_holds_its_kv(redis_planes):
+    """The index says x0 holds the resumed request's prompt, so b holds the request instead of
+    computing it again on y0; x0 registers with b offering that KV, and the request starts
+    there on the adopted blocks. Fresh requests, and resumed ones nobody holds, never wait."""
+    b, first = _prompt_on_x0_then_resumed_on_b(redis_planes)
+    b._dispatch_all()
+    assert b.batches("y0") == []  # held: y0 would compute all 30 tokens again
+    kept = KeptRequest(PROMPT[:28], [first.block_ids[0][:7]])
+    b._on_register(b"x0", "", Register(P, _info("x0", model=b.args.model), [kept]))
+    b._dispatch_all()
+    (started,) = b.batches("x0")[-1].new_requests
+    assert started.request_id == "r"
+    assert started.token_ids == [*PROMPT, 7]
+    assert started.num_computed_tokens == 28  # every full block was adopted
+    assert started.block_ids[0][:7] == first.block_ids[0][:7]
+
+    b.generate("s", PROMPT, client=b"c2", max_tokens=4)  # a fresh request is never held
+    _resume(b, "t", [9] * 40, b"c3")  # nothing holds these tokens: placed at once
+    assert b.frontend.requests["t"].worker_id is not None
+
+
+def test_a_hold_for_a_worker_that_never_comes_ends(redis_planes):
+    """After RESUME_HOLD_S the request runs where it can, computed again."""
+    b, _ = _prompt_on_x0_then_resumed_on_b(redis_planes)
+    assert b.frontend.requests["r"].worker_id is None
+    b._tick(time.monotonic() + placement.RESUME_HOLD_S / 2)
+    assert b.frontend.requests["r"].worker_id is None
+    b._tick(time.monotonic() + placement.RESUME_HOLD_S)
+    assert b.frontend.requests["r"].worker_id == "y0"
+    b._dispatch_all()
+    (started,) = b.batches("y0")[-1].new_requests
+    assert (started.token_ids, started.num_computed_tokens) == ([*PROMPT, 7], 0)
+
+
+# --- forwarding to another control plane ------------------------------------------------------
+
+PEER = "tcp://peer:1"
+
+
+@pytest.fixture
+def forwarding_plane(redis_planes):
+    """A plane whose link to another plane is a test double: `plane.peers.target` may be set
+    per test (it names the peer by default), and what it sends is recorded in `plane.to_peer`."""
+    plane = redis_planes()
+    assert plane.peers is not None
+    plane.to_peer = []
+    plane.peers.target = lambda away, here: forwarding.Target(PEER, "x9", 64)
+    plane.peers.send = lambda url, msg: plane.to_peer.append(msg) or True
+    plane.peers.links[PEER] = forwarding.PeerLink(PEER, None, None)
+    yield plane
+    plane.peers.links.clear()  # no sockets behind it to close
+
+
+def test_only_a_request_with_nothing_delivered_is_forwarded(forwarding_plane):
     """A request is forwarded to another plane only before any of its output exists: one that
     moves after its worker died (or was resumed by its client) goes on here, since the other
     plane would start it over."""
-    try:
-        redis_server = LocalRedis(tmp_path).start()
-    except RedisNotFound as exc:
-        pytest.skip(str(exc))
-    plane = RecordingPlane(str(llama_ckpt.path), redis_url=redis_server.url)
-    sent: list = []
-    try:
-        assert plane.peers is not None
-        plane.peers.target = lambda away, here: forwarding.Target("tcp://peer:1", "x9", 64)
-        plane.peers.send = lambda url, msg: sent.append((url, msg)) or True
-        plane.peers.links["tcp://peer:1"] = forwarding.PeerLink("tcp://peer:1", None, None)
-        plane.register("w0")
-        plane.register("w1")
-        plane.generate("fresh", list(range(1, 30)), max_tokens=4)
-        assert [m.request_id for _, m in sent] == ["fresh"] and sent[0][1].forwarded
-        assert plane.frontend.requests["fresh"].forwarded_to == "tcp://peer:1"
+    plane = forwarding_plane
+    plane.register("w0")
+    plane.register("w1")
+    plane.generate("fresh", list(range(1, 30)), max_tokens=4)
+    assert [m.request_id for m in plane.to_peer] == ["fresh"] and plane.to_peer[0].forwarded
+    assert plane.frontend.requests["fresh"].forwarded_to == PEER
 
-        plane.peers.target = lambda away, here: None  # "started" runs here
-        plane.generate("started", list(range(40, 70)), max_tokens=4)
-        plane._dispatch_all()
-        worker = plane.frontend.requests["started"].worker_id
-        plane.answer(worker, plane.batches(worker)[-1], token=7)
-        plane.peers.target = lambda away, here: forwarding.Target("tcp://peer:1", "x9", 64)
-        plane.unreachable.add(worker.encode())  # its worker dies: the request moves on
-        plane._remove_worker(plane.workers[worker], "killed")
-        assert [m.request_id for _, m in sent] == ["fresh"]
-        assert plane.frontend.requests["started"].worker_id not in (None, worker)
-    finally:
-        plane.peers.links.clear()
-        plane._close_sockets()
-        redis_server.close()
+    target = plane.peers.target
+    plane.peers.target = lambda away, here: None  # "started" runs here
+    plane.generate("started", list(range(40, 70)), max_tokens=4)
+    plane._dispatch_all()
+    worker = plane.frontend.requests["started"].worker_id
+    plane.answer(worker, plane.batches(worker)[-1], token=7)
+    plane.peers.target = target
+    plane.unreachable.add(worker.encode())  # its worker dies: the request moves on
+    plane._remove_worker(plane.workers[worker], "killed")
+    assert [m.request_id for m in plane.to_peer] == ["fresh"]
+    assert plane.frontend.requests["started"].worker_id not in (None, worker)
 
 
-def test_a_request_the_peer_refuses_is_served_here_and_never_sent_again(llama_ckpt, tmp_path: Path):
-    try:
-        redis_server = LocalRedis(tmp_path).start()
-    except RedisNotFound as exc:
-        pytest.skip(str(exc))
-    plane = RecordingPlane(str(llama_ckpt.path), redis_url=redis_server.url)
-    sent: list = []
-    try:
-        assert plane.peers is not None
-        plane.peers.target = lambda away, here: forwarding.Target("tcp://peer:1", "x9", 64)
-        plane.peers.send = lambda url, msg: sent.append((url, msg)) or True
-        plane.peers.links["tcp://peer:1"] = forwarding.PeerLink("tcp://peer:1", None, None)
-        plane.register("w0")
-        plane.generate("r", list(range(1, 30)), max_tokens=2)
-        assert [m.request_id for _, m in sent] == ["r"]
-        refusal = ErrorReply(P, "this client already has 1024 requests in flight", "r")
-        plane._on_peer_frame("tcp://peer:1", encode(refusal))
-        assert [m.request_id for _, m in sent] == ["r"]  # not forwarded again
-        assert plane.frontend.requests["r"].worker_id == "w0"
-        plane._dispatch_all()
-        plane.answer("w0", plane.batches("w0")[-1], token=5)
-        plane.answer("w0", plane.batches("w0")[-1], token=6)
-        assert tokens(plane.outputs()) == [5, 6]
-        assert plane.outputs()[-1].finished
-    finally:
-        plane.peers.links.clear()
-        plane._close_sockets()
-        redis_server.close()
+def test_a_request_the_peer_refuses_is_served_here_and_never_sent_again(forwarding_plane):
+    plane = forwarding_plane
+    plane.register("w0")
+    plane.generate("r", list(range(1, 30)), max_tokens=2)
+    assert [m.request_id for m in plane.to_peer] == ["r"]
+    refusal = ErrorReply(P, "this client already has 1024 requests in flight", "r")
+    plane._on_peer_frame(PEER, encode(refusal))
+    assert [m.request_id for m in plane.to_peer] == ["r"]  # not forwarded again
+    assert plane.frontend.requests["r"].worker_id == "w0"
+    plane._dispatch_all()
+    plane.answer("w0", plane.batches("w0")[-1], token=5)
+    plane.answer("w0", plane.batches("w0")[-1], token=6)
+    assert tokens(plane.outputs()) == [5, 6]
+    assert plane.outputs()[-1].finished
