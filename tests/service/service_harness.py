@@ -4,6 +4,8 @@ thread of the test process, so tests can read its state and metrics) and worker 
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
 import sys
 import threading
@@ -14,6 +16,7 @@ import httpx
 import redis
 
 from specserve.cache_index.schema import key_model_name
+from specserve.client import ServiceUnreachable, get_status
 from specserve.control.control_plane import ControlArgs, ControlPlane
 from specserve.launch.local_redis import free_port
 from specserve.launch.up import LaunchError, check_port_free
@@ -194,3 +197,78 @@ class Service:
             proc.wait(timeout=10)
         if self.redis_url is not None:
             drop_model_keys(self.redis_url, self.model)
+
+
+class ControlProcess:
+    """`specserve control` as its own process, so it can be killed like a real one."""
+
+    def __init__(self, model: str, redis_url: str, logdir: Path, name: str, *extra: str) -> None:
+        self.model, self.redis_url, self.extra = model, redis_url, extra
+        # Ports are the kernel's pick at the first start (a port chosen beforehand could be taken
+        # meanwhile), read from its `control.ready` line, and kept for restarts.
+        self.url = "tcp://127.0.0.1:0"
+        self.worker_url = "tcp://127.0.0.1:0"
+        self.log = logdir / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        argv = [
+            sys.executable, "-m", "specserve.cli", "control", "--bind", self.url,
+            "--worker-bind", self.worker_url, "--redis-url", self.redis_url,
+            "--model", self.model, "--heartbeat-timeout", "2", *self.extra,
+        ]  # fmt: skip
+        first = self.url.endswith(":0")
+        seen = self.log.stat().st_size if self.log.exists() else 0
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=log, stderr=log)
+        if first:
+            self.url, self.worker_url = self._bound_ports(seen)
+
+    def _bound_ports(self, seen: int, timeout: float = 60.0) -> tuple[str, str]:
+        """The endpoints the new process logs in `control.ready` (after byte `seen` of its log)."""
+        pattern = re.compile(r"control\.ready .*endpoint=(\S+) .*worker_endpoint=(\S+)")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None and self.proc.poll() is None, self.log.read_text()
+            found = pattern.search(self.log.read_text(errors="replace")[seen:])
+            if found:
+                return found.group(1), found.group(2)
+            time.sleep(0.05)
+        raise AssertionError(f"no control.ready line:\n{self.log.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        assert self.proc.wait(timeout=10) == -signal.SIGKILL
+
+    def wait_workers(self, count: int, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None and self.proc.poll() is None, self.log.read_text()
+            try:
+                if get_status(self.url, timeout=1.0).live_workers == count:
+                    return
+            except ServiceUnreachable:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"{count} workers did not register:\n{self.log.read_text()[-3000:]}")
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def workers_for(
+    planes: ControlProcess | list[ControlProcess], model: str, logdir: Path, *ids: str
+) -> Service:
+    """Worker processes registered with `planes` (the harness's, pointed at their worker ports;
+    given several, the first is their home and they move to the next when it goes)."""
+    workers = Service(model, None, logdir)
+    if isinstance(planes, ControlProcess):
+        workers.worker_url = planes.worker_url
+    else:
+        workers.worker_url = [p.worker_url for p in planes]  # type: ignore[assignment]
+    for worker_id in ids:
+        workers.start_worker(worker_id)
+    return workers

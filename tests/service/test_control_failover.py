@@ -9,18 +9,15 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
-from service_harness import WORKER_ENGINE, Service
+from service_harness import WORKER_ENGINE
 
 from specserve.cache_index import Namespace, connect, list_workers
 from specserve.cache_index.schema import key_model_name
-from specserve.client import AsyncClient, Client, RequestFailed, ServiceUnreachable, get_status
+from specserve.client import AsyncClient, Client, RequestFailed
 from specserve.llm import LLM
 from specserve.shared.protocol import SamplingParams
 
@@ -40,75 +37,6 @@ def prompts_and_params() -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
-class ControlProcess:
-    """`specserve control` as its own process, so it can be killed like a real one."""
-
-    def __init__(self, model: str, redis_url: str, logdir: Path, name: str, *extra: str) -> None:
-        self.model, self.redis_url, self.extra = model, redis_url, extra
-        # Ports are the kernel's pick at the first start (a port chosen beforehand could be taken
-        # meanwhile), read from its `control.ready` line, and kept for restarts.
-        self.url = "tcp://127.0.0.1:0"
-        self.worker_url = "tcp://127.0.0.1:0"
-        self.log = logdir / f"{name}.log"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        argv = [
-            sys.executable, "-m", "specserve.cli", "control", "--bind", self.url,
-            "--worker-bind", self.worker_url, "--redis-url", self.redis_url,
-            "--model", self.model, "--heartbeat-timeout", "2", *self.extra,
-        ]  # fmt: skip
-        first = self.url.endswith(":0")
-        seen = self.log.stat().st_size if self.log.exists() else 0
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=log)
-        if first:
-            self.url, self.worker_url = self._bound_ports(seen)
-
-    def _bound_ports(self, seen: int, timeout: float = 60.0) -> tuple[str, str]:
-        """The endpoints the new process logs in `control.ready` (after byte `seen` of its log)."""
-        pattern = re.compile(r"control\.ready .*endpoint=(\S+) .*worker_endpoint=(\S+)")
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc is not None and self.proc.poll() is None, self.log.read_text()
-            found = pattern.search(self.log.read_text(errors="replace")[seen:])
-            if found:
-                return found.group(1), found.group(2)
-            time.sleep(0.05)
-        raise AssertionError(f"no control.ready line:\n{self.log.read_text()[-3000:]}")
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        assert self.proc.wait(timeout=10) == -signal.SIGKILL
-
-    def wait_workers(self, count: int, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc is not None and self.proc.poll() is None, self.log.read_text()
-            try:
-                if get_status(self.url, timeout=1.0).live_workers == count:
-                    return
-            except ServiceUnreachable:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"{count} workers did not register:\n{self.log.read_text()[-3000:]}")
-
-    def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-
-def workers_for(plane: ControlProcess, model: str, logdir: Path, *ids: str) -> Service:
-    """Worker processes registered with `plane` (the harness's, pointed at its worker port)."""
-    workers = Service(model, None, logdir)
-    workers.worker_url = plane.worker_url
-    for worker_id in ids:
-        workers.start_worker(worker_id)
-    return workers
-
-
 async def stream_all(
     urls: list[str], prompts: list[list[int]], params: list[SamplingParams], on_tokens
 ) -> dict[int, list[int]]:
@@ -125,28 +53,6 @@ async def stream_all(
     async with AsyncClient(urls, timeout=120) as client:
         await asyncio.gather(*(consume(client, i) for i in range(len(prompts))))
     return streamed
-
-
-@pytest.fixture
-def planes(llama_ckpt, redis_url, tmp_path):
-    made: list[ControlProcess] = []
-    services: list[Service] = []
-
-    def make(name: str, *worker_ids: str) -> ControlProcess:
-        plane = ControlProcess(str(llama_ckpt.path), redis_url, tmp_path, name)
-        plane.start()
-        services.append(workers_for(plane, str(llama_ckpt.path), tmp_path, *worker_ids))
-        plane.wait_workers(len(worker_ids))
-        made.append(plane)
-        return plane
-
-    try:
-        yield make
-    finally:
-        for plane in made:
-            plane.close()
-        for service in services:
-            service.close()
 
 
 def uninterrupted(llama_ckpt, prompts, params) -> list[list[int]]:
@@ -235,84 +141,51 @@ def test_a_control_plane_that_stops_answering_is_left_within_seconds(planes, lla
         first.proc.send_signal(signal.SIGCONT)
 
 
-def test_a_live_plane_adopts_the_workers_of_a_dead_one(llama_ckpt, redis_url, tmp_path):
+def test_a_live_plane_adopts_the_workers_of_a_dead_one(planes, llama_ckpt, redis_url):
     """Active-active: two planes on one Redis index, the first plane's workers told of both.
     kill -9 of the first during 64 streams: its workers move to the second, which serves the
     resumed streams with all three workers, each stream exactly as uninterrupted; in the index
     every live worker is owned by the second plane."""
-    model = str(llama_ckpt.path)
-    first = ControlProcess(model, redis_url, tmp_path, "first")
-    second = ControlProcess(model, redis_url, tmp_path, "second")
-    services = []
-    try:
-        first.start()
-        second.start()
-        both = Service(model, None, tmp_path)
-        both.worker_url = [first.worker_url, second.worker_url]  # type: ignore[assignment]
-        services.append(both)
-        both.start_worker("x0")
-        both.start_worker("x1")
-        services.append(workers_for(second, model, tmp_path, "y0"))
-        first.wait_workers(2)
-        second.wait_workers(1)
-        streams_survive(llama_ckpt, [first.url, second.url], first.kill)
-        second.wait_workers(3)
-        client = connect(redis_url)
-        ns = Namespace(key_model_name(model), WORKER_ENGINE["block_size"])
-        owners = {r.worker_id: r.info.get("session") for r in list_workers(client, ns) if r.live}
-        mine = {w: owners.get(w) for w in ("x0", "x1", "y0")}
-        assert None not in mine.values() and len(set(mine.values())) == 1, owners
-    finally:
-        for plane in (first, second):
-            plane.close()
-        for service in services:
-            service.close()
+    first = planes("first")
+    second = planes("second", "y0")
+    planes.workers([first, second], "x0", "x1")
+    first.wait_workers(2)
+    streams_survive(llama_ckpt, [first.url, second.url], first.kill)
+    second.wait_workers(3)
+    client = connect(redis_url)
+    ns = Namespace(key_model_name(str(llama_ckpt.path)), WORKER_ENGINE["block_size"])
+    owners = {r.worker_id: r.info.get("session") for r in list_workers(client, ns) if r.live}
+    mine = {w: owners.get(w) for w in ("x0", "x1", "y0")}
+    assert None not in mine.values() and len(set(mine.values())) == 1, owners
 
 
-def test_a_moving_worker_keeps_its_kv_and_resumed_streams_wait_for_it(
-    llama_ckpt, redis_url, tmp_path
-):
+def test_a_moving_worker_keeps_its_kv_and_resumed_streams_wait_for_it(planes, llama_ckpt):
     """kill -9 of a plane whose worker moves to a live plane that has a worker of its own. The
     moving worker offers the KV it holds in its Register, the live plane adopts it as cached
     prefixes, and every resumed stream waits for that worker (the index says it holds the
     stream's tokens) instead of starting over on the idle one: it resumes there with its prompt
     and delivered output cached, exactly as an uninterrupted run."""
-    model = str(llama_ckpt.path)
-    first = ControlProcess(model, redis_url, tmp_path, "first")
+    first = planes("first")
     # A long hold: a loaded machine must not make the moving worker arrive after it.
-    second = ControlProcess(model, redis_url, tmp_path, "second", "--resume-hold", "20")
-    services = []
-    try:
-        first.start()
-        second.start()
-        moving = Service(model, None, tmp_path)
-        moving.worker_url = [first.worker_url, second.worker_url]  # type: ignore[assignment]
-        services.append(moving)
-        moving.start_worker("x0")
-        services.append(workers_for(second, model, tmp_path, "y0"))
-        first.wait_workers(1)
-        second.wait_workers(1)
-        prompts = [[(13 * i + 7 * j) % 250 + 1 for j in range(40)] for i in range(4)]
-        params = [SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)] * 4
-        killed = []
+    second = planes("second", "y0", extra=("--resume-hold", "20"))
+    planes.workers([first, second], "x0")
+    first.wait_workers(1)
+    prompts = [[(13 * i + 7 * j) % 250 + 1 for j in range(40)] for i in range(4)]
+    params = [SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)] * 4
+    killed = []
 
-        def on_tokens(total: int) -> None:
-            if not killed and total >= 40:
-                first.kill()
-                killed.append(total)
+    def on_tokens(total: int) -> None:
+        if not killed and total >= 40:
+            first.kill()
+            killed.append(total)
 
-        streamed = asyncio.run(stream_all([first.url, second.url], prompts, params, on_tokens))
-        assert killed
-        expected = uninterrupted(llama_ckpt, prompts, params)
-        assert [streamed[i] for i in range(4)] == expected
-        log = second.log.read_text()
-        adopted = re.findall(r"worker.registered\s+adopted_blocks=(\d+) .*worker=x0", log)
-        assert adopted and int(adopted[0]) >= 4 * 10, log[-3000:]  # 40-token prompts: 10 blocks
-        routed = re.findall(r"request.routed\s+cached_tokens=(\d+) \S+ \S+ worker=(\S+)", log)
-        assert len(routed) == 4, log[-3000:]
-        assert all(worker == "x0" and int(cached) >= 40 for cached, worker in routed), routed
-    finally:
-        for plane in (first, second):
-            plane.close()
-        for service in services:
-            service.close()
+    streamed = asyncio.run(stream_all([first.url, second.url], prompts, params, on_tokens))
+    assert killed
+    expected = uninterrupted(llama_ckpt, prompts, params)
+    assert [streamed[i] for i in range(4)] == expected
+    log = second.log.read_text()
+    adopted = re.findall(r"worker.registered\s+adopted_blocks=(\d+) .*worker=x0", log)
+    assert adopted and int(adopted[0]) >= 4 * 10, log[-3000:]  # 40-token prompts: 10 blocks
+    routed = re.findall(r"request.routed\s+cached_tokens=(\d+) \S+ \S+ worker=(\S+)", log)
+    assert len(routed) == 4, log[-3000:]
+    assert all(worker == "x0" and int(cached) >= 40 for cached, worker in routed), routed

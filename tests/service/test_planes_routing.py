@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 import time
 
-from service_harness import WORKER_ENGINE
-from test_control_failover import ControlProcess, uninterrupted, workers_for
+from service_harness import WORKER_ENGINE, ControlProcess
+from test_control_failover import uninterrupted
 
 from specserve.cache_index import Namespace, connect, list_workers
 from specserve.cache_index.schema import key_model_name
@@ -34,59 +34,46 @@ def wait_for_line(plane: ControlProcess, pattern: str, timeout: float = 20.0) ->
 
 
 def test_a_prefix_family_lands_on_its_worker_whichever_plane_it_reaches(
-    llama_ckpt, redis_url, tmp_path
+    planes, llama_ckpt, redis_url
 ):
     model = str(llama_ckpt.path)
-    a = ControlProcess(model, redis_url, tmp_path, "a")
-    b = ControlProcess(model, redis_url, tmp_path, "b")
-    services = []
-    try:
-        a.start()
-        b.start()
-        services.append(workers_for(a, model, tmp_path, "a0", "a1"))
-        services.append(workers_for(b, model, tmp_path, "b0", "b1"))
-        a.wait_workers(2)
-        b.wait_workers(2)
-        with Client(a.url, timeout=60) as client:
-            first = client.generate(family(0), GREEDY)
-        holder = first.worker_id
-        assert holder in ("a0", "a1")
-        wait_for_line(b, r"peer.connected\s+url=" + re.escape(a.url))  # b can forward to a
+    a = planes("a", "a0", "a1")
+    b = planes("b", "b0", "b1")
+    with Client(a.url, timeout=60) as client:
+        first = client.generate(family(0), GREEDY)
+    holder = first.worker_id
+    assert holder in ("a0", "a1")
+    wait_for_line(b, r"peer.connected\s+url=" + re.escape(a.url))  # b can forward to a
 
-        prompts = [family(i) for i in range(1, 7)]
-        done = []
-        with Client(a.url, timeout=60) as to_a, Client(b.url, timeout=60) as to_b:
-            for i, prompt in enumerate(prompts):
-                done.append((to_a if i % 2 == 0 else to_b).generate(prompt, GREEDY))
-        expected = uninterrupted(llama_ckpt, [family(0), *prompts], [GREEDY] * 7)
-        assert [first.token_ids] + [c.token_ids for c in done] == expected
-        # Every family member ran on the prefix's worker with the whole prefix cached.
-        assert [(c.worker_id, c.num_cached_tokens) for c in done] == [(holder, 64)] * 6
-        forwarded = re.findall(r"request.forwarded\s+cached_tokens=(\d+)", b.log.read_text())
-        assert forwarded == ["64"] * 3
-        assert "request.forwarded" not in a.log.read_text()  # a forwarded request stays put
+    prompts = [family(i) for i in range(1, 7)]
+    done = []
+    with Client(a.url, timeout=60) as to_a, Client(b.url, timeout=60) as to_b:
+        for i, prompt in enumerate(prompts):
+            done.append((to_a if i % 2 == 0 else to_b).generate(prompt, GREEDY))
+    expected = uninterrupted(llama_ckpt, [family(0), *prompts], [GREEDY] * 7)
+    assert [first.token_ids] + [c.token_ids for c in done] == expected
+    # Every family member ran on the prefix's worker with the whole prefix cached.
+    assert [(c.worker_id, c.num_cached_tokens) for c in done] == [(holder, 64)] * 6
+    forwarded = re.findall(r"request.forwarded\s+cached_tokens=(\d+)", b.log.read_text())
+    assert forwarded == ["64"] * 3
+    assert "request.forwarded" not in a.log.read_text()  # a forwarded request stays put
 
-        # One scheduler per worker: each plane registered only its own workers, and the index
-        # has one owner session for each.
-        for plane, own in ((a, {"a0", "a1"}), (b, {"b0", "b1"})):
-            log = plane.log.read_text()
-            assert set(re.findall(r"worker.registered\s.*worker=(\S+)", log)) == own
-        ns = Namespace(key_model_name(model), WORKER_ENGINE["block_size"])
-        owners = {r.worker_id: r.info["session"] for r in list_workers(connect(redis_url), ns)}
-        assert owners["a0"] == owners["a1"] != owners["b0"] == owners["b1"]
+    # One scheduler per worker: each plane registered only its own workers, and the index
+    # has one owner session for each.
+    for plane, own in ((a, {"a0", "a1"}), (b, {"b0", "b1"})):
+        log = plane.log.read_text()
+        assert set(re.findall(r"worker.registered\s.*worker=(\S+)", log)) == own
+    ns = Namespace(key_model_name(model), WORKER_ENGINE["block_size"])
+    owners = {r.worker_id: r.info["session"] for r in list_workers(connect(redis_url), ns)}
+    assert owners["a0"] == owners["a1"] != owners["b0"] == owners["b1"]
 
-        # kill -9 of the plane a stream was forwarded to: the plane it came to serves it on.
-        long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-        with Client(b.url, timeout=60) as client:
-            stream = client.stream(family(9), long)
-            tokens = list(next(stream).token_ids)
-            a.kill()
-            for out in stream:
-                tokens.extend(out.token_ids)
-        assert tokens == uninterrupted(llama_ckpt, [family(9)], [long])[0]
-        assert re.search(r"request.taken_back\s.*connection dropped", b.log.read_text())
-    finally:
-        for plane in (a, b):
-            plane.close()
-        for service in services:
-            service.close()
+    # kill -9 of the plane a stream was forwarded to: the plane it came to serves it on.
+    long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    with Client(b.url, timeout=60) as client:
+        stream = client.stream(family(9), long)
+        tokens = list(next(stream).token_ids)
+        a.kill()
+        for out in stream:
+            tokens.extend(out.token_ids)
+    assert tokens == uninterrupted(llama_ckpt, [family(9)], [long])[0]
+    assert re.search(r"request.taken_back\s.*connection dropped", b.log.read_text())
