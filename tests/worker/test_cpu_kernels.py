@@ -18,7 +18,7 @@ import pytest
 import structlog
 import torch
 from structlog.testing import CapturedCall
-from test_worker_attention import MIXED, _run_case
+from test_worker_attention import LONG_MIXED, MIXED, _run_case
 
 from specserve.worker.cpu import kernels, ops
 from specserve.worker.models import RMSNorm
@@ -59,10 +59,105 @@ def test_decodes_match_dense_reference(
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=0)
 
 
+@pytest.fixture
+def prefill_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts multi-row kernel calls (requests of each), so a test fails if attention bypassed
+    it."""
+    calls: list[int] = []
+    real = kernels.paged_prefill_attention
+
+    def spy(query: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, *args) -> None:
+        calls.append(table.shape[0])
+        real(query, cache, table, *args)
+
+    monkeypatch.setattr(kernels, "paged_prefill_attention", spy)
+    return calls
+
+
+# Prompt chunks of several 64-row tiles over long contexts, beside the mixed steps' short
+# verification and draft blocks (one tile, one 8-row group) and decodes.
+MULTI_ROW = [
+    *LONG_MIXED,
+    *MIXED,
+    (150, 150, True),  # a fresh prompt of three tiles
+    (130, 333, True),  # a later chunk: tiles over 203 keys of context, blocks across pages
+    (70, 90, False),  # a long draft block over context
+    (2, 2, True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [None, 3, 40, 100])
+@pytest.mark.parametrize(("block_size", "head_dim"), [(4, 16), (16, 64), (16, 128), (8, 48)])
+def test_multi_row_queries_match_dense_reference(
+    dtype: torch.dtype,
+    window: int | None,
+    block_size: int,
+    head_dim: int,
+    prefill_calls,
+    kernel_calls,
+) -> None:
+    """Every multi-row query of a step (prompt chunks fresh and after context, several tiles,
+    verification and draft blocks, causal or not, windows that hide keys inside a tile and
+    within a key block) goes through one kernel call; decodes through the decode kernel."""
+    out, expected = _run_case(MULTI_ROW, window, dtype, block_size, head_dim)
+    assert prefill_calls == [sum(q > 1 for q, _, _ in MULTI_ROW)]
+    assert kernel_calls == [sum(q == 1 for q, _, _ in MULTI_ROW)]
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=0)
+
+
+def test_multi_row_kernel_matches_sdpa_path() -> None:
+    kernel_out, _ = _run_case(MULTI_ROW, 40, torch.float32, 16, 64)
+    sdpa_out, _ = _run_case(MULTI_ROW, 40, torch.float32, 16, 64, multi_row_kernel=False)
+    torch.testing.assert_close(kernel_out, sdpa_out, atol=1e-6, rtol=0)
+
+
+def test_multi_row_queries_the_kernel_cannot_run_use_sdpa(prefill_calls) -> None:
+    """float64, and a head dim that is not whole 16-wide vectors, fall back to SDPA per layer."""
+    out, expected = _run_case(MULTI_ROW, 3, torch.float64)
+    torch.testing.assert_close(out, expected, atol=1e-10, rtol=0)
+    out, expected = _run_case(MULTI_ROW, None, torch.float32, 4, 8)
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[torch.float32], rtol=0)
+    assert prefill_calls == []
+
+
+def _prefill_inputs(seq_len: int, pages: list[int]) -> tuple[torch.Tensor, ...]:
+    cache = torch.randn(4, 2, 4, 2, 16)
+    query = torch.randn(3, 4, 16)
+    table = torch.tensor([[0, 3, seq_len - 3, 0, seq_len, 1, 0, len(pages)]])
+    return query, cache, table, torch.tensor(pages), torch.empty(3, 4, 16)
+
+
+def test_multi_row_pages_that_do_not_cover_the_keys_raise() -> None:
+    """A page list shorter than the visible keys, or pages outside the cache, are refused (each
+    KV head's item), never read past."""
+    query, cache, table, pages, out = _prefill_inputs(6, [2])
+    with pytest.raises(RuntimeError, match="failed for 2 work items"):
+        kernels.paged_prefill_attention(query, cache, table, pages, None, 1.0, out)
+    query, cache, table, pages, out = _prefill_inputs(6, [2, 8])  # block 4 of a 4-block cache
+    with pytest.raises(RuntimeError, match="failed for 2 work items"):
+        kernels.paged_prefill_attention(query, cache, table, pages, None, 1.0, out)
+
+
+def test_multi_row_inputs_that_do_not_fit_raise() -> None:
+    query, cache, table, pages, out = _prefill_inputs(6, [2, 4])
+    with pytest.raises(ValueError, match="outside the step's 3 rows"):
+        kernels.paged_prefill_attention(
+            query, cache, table + torch.tensor([1] + [0] * 7), pages, None, 1.0, out
+        )
+    with pytest.raises(ValueError, match="int64"):
+        kernels.paged_prefill_attention(query, cache, table, pages.int(), None, 1.0, out)
+    with pytest.raises(ValueError, match="does not fit cache"):
+        kernels.paged_prefill_attention(query[:, :, :8], cache, table, pages, None, 1.0, out)
+    with pytest.raises(ValueError, match=r"queries must be \[R, 8\]"):
+        kernels.paged_prefill_attention(query, cache, table[:, :7], pages, None, 1.0, out)
+
+
 @pytest.mark.parametrize("window", [None, 3, 5])
 def test_mixed_batch_decodes_use_kernel(window: int | None, kernel_calls) -> None:
-    """Decode rows of a mixed step go through the kernel and land in their rows of the output;
-    prefill chunks and draft blocks stay on SDPA."""
+    """Decode rows of a mixed step go through the kernel and land in their rows of the output
+    (head dim 8: the multi-row queries stay on SDPA)."""
     out, expected = _run_case(MIXED, window, torch.float32)
     assert kernel_calls == [sum(q == 1 for q, _, _ in MIXED)]
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[torch.float32], rtol=0)

@@ -44,6 +44,7 @@ def _run_case(
     dtype: torch.dtype = torch.float64,
     block_size: int = BS,
     head_dim: int = D,
+    multi_row_kernel: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(query_len, seq_len, causal) per request -> (backend output, float64 dense reference).
 
@@ -76,10 +77,9 @@ def _run_case(
         steps.append(SequenceStep(q_len, seq_len, [table], causal))
         queries.append(q)
         expected.append(_dense_attention(q.double(), k, v, mask))
-    meta = TorchAttentionBackend().build_metadata(steps, [group], block_size, "cpu")
-    out = TorchAttentionBackend().forward(
-        torch.cat(queries), cache.layer(0), meta.groups[0], head_dim**-0.5
-    )
+    backend = TorchAttentionBackend(multi_row_kernel)
+    meta = backend.build_metadata(steps, [group], block_size, "cpu")
+    out = backend.forward(torch.cat(queries), cache.layer(0), meta.groups[0], head_dim**-0.5)
     return out, torch.cat(expected)
 
 
@@ -118,7 +118,8 @@ def test_prompt_chunks_are_attended_alone_and_match_dense_reference(window: int 
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
     group = KVLayerGroup(AttentionType.SLIDING if window else AttentionType.FULL, window, (0,))
     steps = [SequenceStep(q, n, [list(range(-(-n // BS)))], c) for q, n, c in LONG_MIXED]
-    meta = TorchAttentionBackend().build_metadata(steps, [group], BS, "cpu").groups[0]
+    sdpa = TorchAttentionBackend(multi_row_kernel=False)
+    meta = sdpa.build_metadata(steps, [group], BS, "cpu").groups[0]
     assert [b.query_index.shape for b in meta.batches] == [(1, 1), (1, 3)]
     keys = [kv_span(s, BS, window).kv_len for s in steps if s.query_len >= LONG]
     assert [lq.num_keys for lq in meta.long_queries] == keys
@@ -135,7 +136,8 @@ def test_prompt_chunks_are_attended_alone_and_match_dense_reference(window: int 
 def test_one_prompt_chunk_is_the_whole_step() -> None:
     steps = [SequenceStep(LONG + 3, LONG + 3, [list(range(1, 20))])]
     group = KVLayerGroup(AttentionType.FULL, None, (0,))
-    meta = TorchAttentionBackend().build_metadata(steps, [group], BS, "cpu").groups[0]
+    sdpa = TorchAttentionBackend(multi_row_kernel=False)
+    meta = sdpa.build_metadata(steps, [group], BS, "cpu").groups[0]
     assert meta.whole and not meta.batches and len(meta.long_queries) == 1
     out, expected = _run_case([(LONG + 3, LONG + 3, True)], None)
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
@@ -158,7 +160,8 @@ def test_whole_step_batches_match_dense_reference(
     decodes also runs its grouped query heads as rows of one SDPA problem."""
     group = KVLayerGroup(AttentionType.FULL, None, (0,))
     steps = [SequenceStep(q, n, [list(range(1, 5))], c) for q, n, c in specs]
-    (batch,) = TorchAttentionBackend().build_metadata(steps, [group], BS, "cpu").groups[0].batches
+    sdpa = TorchAttentionBackend(multi_row_kernel=False)
+    (batch,) = sdpa.build_metadata(steps, [group], BS, "cpu").groups[0].batches
     assert batch.whole
     out, expected = _run_case(specs, window)
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)

@@ -12,12 +12,15 @@ runs SDPA's causal kernel, which skips the keys above the diagonal, with no mask
 On CPU, the decode batch instead goes to `cpu_ops.paged_decode_attention` when it can be
 built: it reads each request's pages where they lie, so a step no longer copies every
 request's context per layer (1.4-2.5x less attention time at 16 requests of 0.5-2k tokens;
-docs/benchmarks.md).
+docs/benchmarks.md). Every multi-row query (prompt chunks, verification and draft blocks)
+goes to `cpu_ops.paged_prefill_attention` in one call per layer, which also reads the pages
+where they lie; the SDPA batches for them are built only where that kernel cannot run the
+layer (its dtype or head dim), on first use.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +37,7 @@ from specserve.worker.attention.base import (
     validate_steps,
 )
 from specserve.worker.attention.metadata import host_slot_mapping, kv_span, query_starts
+from specserve.worker.cpu import kernels as cpu_kernels
 from specserve.worker.cpu import ops as cpu_ops
 from specserve.worker.model_config import KVLayerGroup
 
@@ -100,19 +104,39 @@ def _additive_mask(owner: object, mask: torch.Tensor, dtype: torch.dtype) -> tor
 
 
 @dataclass(frozen=True)
+class MultiRowQueries:
+    """A step's multi-row queries as `cpu_ops.paged_prefill_attention` takes them, and how to
+    build their SDPA batches instead (`sdpa()`, once) for a layer the kernel cannot run."""
+
+    table: torch.Tensor  # [R, len(PREFILL_QUERY_FIELDS)]
+    pages: torch.Tensor  # every request's K pages, in order
+    build_sdpa: Callable[[], tuple[tuple[PaddedBatch, ...], tuple[LongQuery, ...]]]
+
+    def sdpa(self) -> tuple[tuple[PaddedBatch, ...], tuple[LongQuery, ...]]:
+        return once_per_step(self, "sdpa", self.build_sdpa)
+
+
+@dataclass(frozen=True)
 class TorchGroupMetadata(GroupAttentionMetadata):
     batches: tuple[PaddedBatch, ...]
     long_queries: tuple[LongQuery, ...] = ()
+    multi_row: MultiRowQueries | None = None  # instead of the short batch and long queries
 
     @property
     def whole(self) -> bool:
         """One batch or one long query is the entire step: its output is the step's."""
+        if self.multi_row is not None:
+            return False
         if self.long_queries:
             return not self.batches and len(self.long_queries) == 1
         return self.batches[0].whole
 
 
 class TorchAttentionBackend(AttentionBackend):
+    def __init__(self, multi_row_kernel: bool = True) -> None:
+        """`multi_row_kernel=False` keeps every multi-row query on SDPA (to compare the two)."""
+        self.multi_row_kernel = multi_row_kernel
+
     def build_metadata(
         self,
         steps: Sequence[SequenceStep],
@@ -125,26 +149,53 @@ class TorchAttentionBackend(AttentionBackend):
             return _decode_metadata(steps, kv_groups, block_size, device)
         starts = query_starts(steps)
         decode_rows = [i for i, s in enumerate(steps) if s.query_len == 1]
-        short_rows = [i for i, s in enumerate(steps) if 1 < s.query_len < LONG_QUERY_ROWS]
-        long_rows = [i for i, s in enumerate(steps) if s.query_len >= LONG_QUERY_ROWS]
+        multi_rows = [i for i, s in enumerate(steps) if s.query_len > 1]
+        short_rows = [i for i in multi_rows if steps[i].query_len < LONG_QUERY_ROWS]
+        long_rows = [i for i in multi_rows if steps[i].query_len >= LONG_QUERY_ROWS]
+        use_kernel = (
+            self.multi_row_kernel
+            and torch.device(device).type == "cpu"
+            and cpu_kernels.prefill_available()
+        )
         groups = []
         for g, group in enumerate(kv_groups):
             window = group.sliding_window
             tables = block_table_tensor(steps, g, device)
-            batches = tuple(
-                _padded_batch(steps, rows, starts, tables, block_size, window)
-                for rows in (decode_rows, short_rows)
-                if rows
+
+            def sdpa_parts(
+                g: int = g, window: int | None = window, tables: torch.Tensor = tables
+            ) -> tuple[tuple[PaddedBatch, ...], tuple[LongQuery, ...]]:
+                short = (
+                    (_padded_batch(steps, short_rows, starts, tables, block_size, window),)
+                    if short_rows
+                    else ()
+                )
+                return short, tuple(
+                    _long_query(steps[r], starts[r], g, block_size, window, device)
+                    for r in long_rows
+                )
+
+            decode = (
+                (_padded_batch(steps, decode_rows, starts, tables, block_size, window),)
+                if decode_rows
+                else ()
             )
-            long_queries = tuple(
-                _long_query(steps[r], starts[r], g, block_size, window, device) for r in long_rows
-            )
+            if use_kernel and multi_rows:
+                multi_row = _multi_row_queries(
+                    steps, multi_rows, starts, g, block_size, window, sdpa_parts
+                )
+                batches, long_queries = decode, ()
+            else:
+                multi_row = None
+                short, long_queries = sdpa_parts() if multi_rows else ((), ())
+                batches = decode + short
             groups.append(
                 TorchGroupMetadata(
                     slot_mapping=slot_mapping(steps, tables, block_size),
                     sliding_window=window,
                     batches=batches,
                     long_queries=long_queries,
+                    multi_row=multi_row,
                 )
             )
         return AttentionMetadata(num_tokens=sum(s.query_len for s in steps), groups=tuple(groups))
@@ -161,7 +212,25 @@ class TorchAttentionBackend(AttentionBackend):
         num_kv_heads = kv_cache.shape[3]
         pages = kv_cache.view(-1, kv_cache[0, 0].numel())  # [num_blocks * 2, bs * Hkv * D]
         out = None if metadata.whole else torch.empty_like(query)
-        for long in metadata.long_queries:
+        batches, long_queries = metadata.batches, metadata.long_queries
+        multi_row = metadata.multi_row
+        if multi_row is not None:
+            assert out is not None
+            if cpu_ops.paged_prefill_attention(
+                query,
+                kv_cache,
+                multi_row.table,
+                multi_row.pages,
+                metadata.sliding_window,
+                scale,
+                out,
+            ):
+                if not batches:
+                    return out
+            else:
+                short, long_queries = multi_row.sdpa()
+                batches = batches + short
+        for long in long_queries:
             shape = (1, -1, num_kv_heads, head_dim)  # [1, L, Hkv, D]
             k = pages.index_select(0, long.k_pages).view(shape)[:, : long.num_keys].transpose(1, 2)
             v = pages.index_select(0, long.v_pages).view(shape)[:, : long.num_keys]
@@ -179,7 +248,7 @@ class TorchAttentionBackend(AttentionBackend):
             if out is None:  # `whole`: this query is the step
                 return o
             out[long.start : long.start + long.length] = o
-        for batch in metadata.batches:
+        for batch in batches:
             b, q_len = batch.query_index.shape
             o = None
             if q_len == 1:
@@ -275,6 +344,35 @@ def _decode_metadata(
             )
         )
     return AttentionMetadata(num_tokens=batch, groups=tuple(groups))
+
+
+def _multi_row_queries(
+    steps: Sequence[SequenceStep],
+    rows: list[int],
+    starts: list[int],
+    group: int,
+    block_size: int,
+    window: int | None,
+    build_sdpa: Callable[[], tuple[tuple[PaddedBatch, ...], tuple[LongQuery, ...]]],
+) -> MultiRowQueries:
+    """The kernel's table for requests `rows`: each over exactly the pages of its `kv_span`."""
+    table: list[list[int]] = []
+    pages: list[int] = []
+    for r in rows:
+        step = steps[r]
+        span = kv_span(step, block_size, window)
+        blocks = step.block_tables[group][span.first_block : span.first_block + span.num_pages]
+        first_key = span.first_block * block_size
+        table.append(
+            [starts[r], step.query_len, step.first_position, first_key, step.seq_len,
+             int(step.causal), len(pages), span.num_pages]
+        )  # fmt: skip
+        pages += [2 * b for b in blocks]
+    return MultiRowQueries(
+        table=torch.tensor(table, dtype=torch.int64),
+        pages=torch.tensor(pages, dtype=torch.int64),
+        build_sdpa=build_sdpa,
+    )
 
 
 def _long_query(

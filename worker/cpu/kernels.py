@@ -4,6 +4,10 @@
   a padded batch, so each layer copies the whole context and then reads it again, and the
   padding grows with the longest request (at 16 requests of 1k tokens, about 70% of a
   step). The kernel reads the pages where they lie, once.
+- `paged_prefill_attention`: every multi-row query of a step (prompt chunks, verification and
+  draft blocks) in one call per layer, read from the pages where they lie, with the scores
+  and the running softmax in registers (AVX-512): 1.1-2.4x SDPA's flash kernel on 40-1,024-row
+  prompts at head dim 64, which also needs the pages gathered first (docs/benchmarks.md).
 - `panel_linear`: `y = x W^T + b` for the few rows of a decode step (AVX-512 CPUs), over
   weights laid out once in panels of 16 output columns (`pack_panels`). A step streams every
   weight of the model from memory; the kernel streams each panel once per 16 rows, at about
@@ -309,6 +313,11 @@ def open_library(path: Path) -> ctypes.CDLL:
         "decode_layers": (ctypes.c_int, [_PTR, i64, *[_PTR] * 9, f32, f32, _PTR]),
         "decode_table_fields": (ctypes.c_char_p, [ctypes.c_int]),
         "argmax_rows": (None, [_PTR, i64, i64, i64, _PTR, flag]),
+        "paged_prefill_supported": (ctypes.c_int, []),
+        "paged_prefill_attention": (
+            ctypes.c_int,
+            [_PTR, i64, _PTR, i64, _PTR, i64, _PTR, i64, _PTR, *[i64] * 5, f32, flag],
+        ),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -564,6 +573,95 @@ def paged_decode_attention(
     if failed:
         raise RuntimeError(attention_error(failed))
     return out
+
+
+# Per request of `paged_prefill_attention`: its columns in the C kernel's query table.
+PREFILL_QUERY_FIELDS = (
+    "row", "rows", "first_pos", "first_key", "seq_len", "causal", "page_offset", "num_pages",
+)  # fmt: skip
+
+
+def prefill_available() -> bool:
+    """Whether `paged_prefill_attention` runs on this CPU at all (the library, AVX-512)."""
+    lib = load()
+    return lib is not None and bool(lib.paged_prefill_supported())
+
+
+def prefill_supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether `paged_prefill_attention` can run this layer: what `attention_supported` asks,
+    a head dim of whole 16-wide vectors, and `prefill_available`."""
+    return (
+        attention_supported(query, kv_cache)
+        and query.shape[-1] % 16 == 0
+        and prefill_available()
+    )
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    queries: torch.Tensor,
+    pages: torch.Tensor,
+    window: int | None,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Multi-row attention of several requests over their pages of `kv_cache`, into `out`.
+
+    `query` and `out` are `[N, H, D]` step rows (a query row may be strided, its heads
+    contiguous); `queries [R, 8]` describes each request in the
+    columns of `PREFILL_QUERY_FIELDS` (its rows, their positions, its keys and their pages:
+    `pages[page_offset : page_offset + num_pages]`, K page numbers as in
+    `paged_decode_attention`). A query at position p sees keys k < seq_len with k >= first_key,
+    k <= p when causal, and k > p - window. Rows of no request are left as they are. Call
+    `prefill_supported` first.
+    """
+    lib = load()
+    assert lib is not None, "paged_prefill_attention called where prefill_supported() is False"
+    rows, heads, dim = query.shape
+    _, _, block_size, kv_heads, cache_dim = kv_cache.shape
+    if cache_dim != dim or heads % kv_heads or out.shape != query.shape:
+        raise ValueError(
+            f"query {tuple(query.shape)} does not fit cache {tuple(kv_cache.shape)} "
+            f"or output {tuple(out.shape)}"
+        )
+    if query.stride(-1) != 1 or query.stride(-2) != dim:
+        raise ValueError("each query row's heads must be contiguous")
+    if not out.is_contiguous() or out.dtype != query.dtype:
+        raise ValueError("the output must be contiguous rows of the query's dtype")
+    if queries.dim() != 2 or queries.shape[1] != len(PREFILL_QUERY_FIELDS):
+        raise ValueError(f"queries must be [R, {len(PREFILL_QUERY_FIELDS)}]")
+    if any(t.dtype != torch.int64 or t.device.type != "cpu" for t in (queries, pages)):
+        raise ValueError("the query table and pages must be CPU int64")
+    table = queries.contiguous()
+    if table.shape[0] and (
+        int(table[:, 0].min()) < 0 or int((table[:, 0] + table[:, 1]).max()) > rows
+    ):
+        raise ValueError(f"a request's rows lie outside the step's {rows} rows")
+    page_list = pages.contiguous()
+    failed = lib.paged_prefill_attention(
+        query.data_ptr(),
+        query.stride(0),
+        kv_cache.data_ptr(),
+        kv_cache.shape[0],
+        table.data_ptr(),
+        table.shape[0],
+        page_list.data_ptr(),
+        page_list.numel(),
+        out.data_ptr(),
+        heads,
+        kv_heads,
+        dim,
+        block_size,
+        window or 0,
+        scale,
+        int(query.dtype == torch.bfloat16),
+    )
+    if failed:
+        raise RuntimeError(
+            f"paged prefill attention failed for {failed} work items: pages outside the cache "
+            "or not covering the keys, a query row that sees no key (or no scratch memory)"
+        )
 
 
 PANEL = 16  # output columns per weight panel (csrc/linear.c)

@@ -71,3 +71,21 @@ def paged_decode_attention(
     return kernels.paged_decode_attention(
         query, kv_cache, k_pages, first_key_pos, seq_lens, window, scale
     )
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    table: torch.Tensor,
+    pages: torch.Tensor,
+    window: int | None,
+    scale: float,
+    out: torch.Tensor,
+) -> bool:
+    """Multi-row queries over their pages of the cache, into `out`
+    (`kernels.paged_prefill_attention`); False where the kernel does not apply and nothing
+    was done."""
+    if not kernels.prefill_supported(query, kv_cache):
+        return False
+    kernels.paged_prefill_attention(query, kv_cache, table, pages, window, scale, out)
+    return True

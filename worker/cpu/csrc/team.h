@@ -50,6 +50,15 @@ void paged_decode_attention_team(const void *query, int64_t q_row_stride, const 
                                  int64_t block_size, int64_t max_pages, int64_t window,
                                  float scale, int is_bf16, int *failed);
 
+/* Multi-row attention of `num_queries` requests over their pages (paged_prefill.c describes
+ * the arguments); adds the number of work items that failed to `*failed`. */
+void paged_prefill_attention_team(const void *query, int64_t q_row_stride, const void *cache,
+                                  int64_t num_blocks, const int64_t *queries,
+                                  int64_t num_queries, const int64_t *pages, int64_t num_pages,
+                                  void *out, int64_t heads, int64_t kv_heads, int64_t dim,
+                                  int64_t block_size, int64_t window, float scale, int is_bf16,
+                                  int *failed);
+
 /* y[rows, n] = x[rows, k] W^T + bias for W as panels (linear.c); `packed` is scratch of
  * `linear_packed_bytes(rows, k, is_bf16)` bytes for the repacked inputs. Only where
  * `linear_kernel_dtypes()` has the dtype's bit. */

@@ -1,0 +1,361 @@
+/* Multi-row attention (prompt chunks, verification and draft blocks) read straight from the
+ * paged KV cache (CPU, AVX-512). Built and loaded by worker/cpu/kernels.py.
+ *
+ * PyTorch's CPU flash kernel runs a 64-wide head at a fifth of the machine's matmul rate, and
+ * every call first needs the request's K and V gathered out of their pages. This kernel reads
+ * the pages where they lie and keeps the arithmetic in registers:
+ *
+ * - A work item is one request's tile of up to TILE_ROWS query rows for the G query heads that
+ *   share one KV head. It walks the visible keys in blocks of KB, packing each block once (K
+ *   transposed to [dim][KB], V as [KB][dim], float32) for all G x TILE_ROWS rows.
+ * - Scores of MR rows x KB keys are 16 registers (a broadcast query value times two key vectors
+ *   per step of the head dimension); the running (online) softmax rescales each row's output
+ *   once per block; P x V runs two rows at a time, 64 output columns per pass.
+ * - A causal tile skips the blocks above its diagonal, and masks only the blocks that cross it
+ *   (or a sliding window's edge).
+ *
+ * Query description, 8 int64 per request (`queries[8 i + f]`):
+ *   0 row of its first query in `query`/`out`, 1 number of query rows, 2 position of the first
+ *   query row, 3 position of the first key of its first page, 4 keys below this position exist
+ *   (seq_len), 5 causal (1) or a block that sees all its keys (0), 6 its first page in `pages`,
+ *   7 its number of pages.
+ * Request i's keys are its pages `pages[queries[8 i + 6] + j]` (K page numbers: block * 2, the
+ * cache viewed as [num_blocks * 2, block_size * kv_heads * dim]), key t of page j at position
+ * first_key + j * block_size + t. A query at position p sees the keys at positions k with
+ * k < seq_len, k <= p (causal), k > p - window (window > 0), and k >= first_key.
+ *
+ * Scores, softmax and accumulation are in float32 whatever the storage dtype (float32 or
+ * bfloat16), as SDPA's CPU kernel does.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <omp.h>
+
+#include "bf16.h"
+#include "team.h"
+
+#define TILE_ROWS 64 /* query rows of one work item, per query head */
+#define MR 8         /* rows scored at once */
+#define KB 32        /* keys per block: two 16-wide registers */
+#define MASKED -1e30f
+#define QUERY_FIELDS 8
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* exp(x) for x <= 0 within 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor
+ * series to r^7 (error below 1e-8), scaled by 2^n. Inputs below -87 give exp(-87). */
+static inline __m512 exp_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Bits [a, b) of a 16-bit mask for lanes `base .. base + 16`. */
+static inline __mmask16 lanes(int64_t a, int64_t b, int64_t base) {
+    a = a < base ? base : a, b = b > base + 16 ? base + 16 : b;
+    if (b <= a) return 0;
+    return (__mmask16)((((uint32_t)1 << (b - a)) - 1) << (a - base));
+}
+
+/* s[m][0..KB) = q[m] . kt[.][0..KB) for MR rows of `dim` values (16 accumulators). */
+static inline void score_tile(float *restrict s, const float *restrict q,
+                              const float *restrict kt, int64_t dim) {
+    __m512 a00 = _mm512_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00,
+           a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00, a60 = a00,
+           a61 = a00, a70 = a00, a71 = a00;
+    for (int64_t d = 0; d < dim; d++) {
+        const __m512 k0 = _mm512_load_ps(kt + d * KB), k1 = _mm512_load_ps(kt + d * KB + 16);
+#define ROW(m)                                                       \
+    {                                                                \
+        const __m512 qv = _mm512_set1_ps(q[m * dim + d]);            \
+        a##m##0 = _mm512_fmadd_ps(qv, k0, a##m##0);                  \
+        a##m##1 = _mm512_fmadd_ps(qv, k1, a##m##1);                  \
+    }
+        ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5) ROW(6) ROW(7)
+#undef ROW
+    }
+#define STORE(m)                                   \
+    _mm512_store_ps(s + m * KB, a##m##0);          \
+    _mm512_store_ps(s + m * KB + 16, a##m##1);
+    STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5) STORE(6) STORE(7)
+#undef STORE
+}
+
+/* o[r] += sum_n p[r][n] v[n] for two rows, 64 columns at a time (8 accumulators). */
+static inline void weigh_values(float *restrict o0, float *restrict o1,
+                                const float *restrict p0, const float *restrict p1,
+                                const float *restrict v, int64_t nk, int64_t dim) {
+    for (int64_t c = 0; c < dim; c += 64) {
+        const int64_t w = dim - c < 64 ? (dim - c) / 16 : 4;
+        __m512 x0 = _mm512_load_ps(o0 + c), y0 = _mm512_load_ps(o1 + c);
+        __m512 x1 = w > 1 ? _mm512_load_ps(o0 + c + 16) : x0, y1 = w > 1 ? _mm512_load_ps(o1 + c + 16) : y0;
+        __m512 x2 = w > 2 ? _mm512_load_ps(o0 + c + 32) : x0, y2 = w > 2 ? _mm512_load_ps(o1 + c + 32) : y0;
+        __m512 x3 = w > 3 ? _mm512_load_ps(o0 + c + 48) : x0, y3 = w > 3 ? _mm512_load_ps(o1 + c + 48) : y0;
+        for (int64_t n = 0; n < nk; n++) {
+            const float *restrict vn = v + n * dim + c;
+            const __m512 pa = _mm512_set1_ps(p0[n]), pb = _mm512_set1_ps(p1[n]);
+            const __m512 v0 = _mm512_load_ps(vn);
+            x0 = _mm512_fmadd_ps(pa, v0, x0), y0 = _mm512_fmadd_ps(pb, v0, y0);
+            if (w > 1) {
+                const __m512 v1 = _mm512_load_ps(vn + 16);
+                x1 = _mm512_fmadd_ps(pa, v1, x1), y1 = _mm512_fmadd_ps(pb, v1, y1);
+            }
+            if (w > 2) {
+                const __m512 v2 = _mm512_load_ps(vn + 32);
+                x2 = _mm512_fmadd_ps(pa, v2, x2), y2 = _mm512_fmadd_ps(pb, v2, y2);
+            }
+            if (w > 3) {
+                const __m512 v3 = _mm512_load_ps(vn + 48);
+                x3 = _mm512_fmadd_ps(pa, v3, x3), y3 = _mm512_fmadd_ps(pb, v3, y3);
+            }
+        }
+        _mm512_store_ps(o0 + c, x0), _mm512_store_ps(o1 + c, y0);
+        if (w > 1) _mm512_store_ps(o0 + c + 16, x1), _mm512_store_ps(o1 + c + 16, y1);
+        if (w > 2) _mm512_store_ps(o0 + c + 32, x2), _mm512_store_ps(o1 + c + 32, y2);
+        if (w > 3) _mm512_store_ps(o0 + c + 48, x3), _mm512_store_ps(o1 + c + 48, y3);
+    }
+}
+
+/* Row r's value at `d` of the page row `src` (float32 or bfloat16). */
+static inline float element(const char *src, int64_t d, int is_bf16) {
+    return is_bf16 ? bf16_load((const uint16_t *)src, d) : ((const float *)src)[d];
+}
+
+/* Scratch of one thread, in floats: queries and outputs of an item, a block's K and V, a
+ * tile's scores, and each row's running maximum and total. Each piece is a multiple of 16
+ * floats (dim is), so all of them stay 64-byte aligned. */
+static inline int64_t item_floats(int64_t group, int64_t dim) {
+    const int64_t rows = group * TILE_ROWS;
+    return 2 * rows * dim + 2 * KB * dim + MR * KB + 2 * rows;
+}
+
+/* One item: query rows [r0, r1) of request `qd`, query heads [h * group, (h + 1) * group).
+ * Returns 1 when a row sees no key. */
+static int attend_tile(const int64_t *qd, const int64_t *pages, int64_t r0, int64_t r1,
+                       int64_t h, const void *query, int64_t q_row_stride, const void *cache,
+                       void *out,
+                       int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
+                       int64_t window, float scale, int is_bf16, float *scratch) {
+    const int64_t group = heads / kv_heads, esize = is_bf16 ? 2 : 4;
+    const int64_t row0 = qd[0], first_pos = qd[2], first_key = qd[3], seq_len = qd[4];
+    const int causal = qd[5] != 0;
+    const int64_t rows = r1 - r0, padded = (rows + MR - 1) / MR * MR;
+    const int64_t token_stride = kv_heads * dim, page_elems = block_size * token_stride;
+    float *restrict qf = scratch;                        /* [group][TILE_ROWS][dim], scaled */
+    float *restrict of = qf + group * TILE_ROWS * dim;   /* [group][TILE_ROWS][dim] */
+    float *restrict kt = of + group * TILE_ROWS * dim;   /* [dim][KB] */
+    float *restrict vb = kt + KB * dim;                  /* [KB][dim] */
+    float *restrict s = vb + KB * dim;                   /* [MR][KB] */
+    float *restrict run_max = s + MR * KB, *restrict total = run_max + group * TILE_ROWS;
+
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t r = 0; r < padded; r++) {
+            float *restrict dst = qf + (g * TILE_ROWS + r) * dim;
+            if (r >= rows) {
+                memset(dst, 0, (size_t)dim * sizeof(float));
+                continue;
+            }
+            const char *src =
+                (const char *)query + ((row0 + r0 + r) * q_row_stride + (h * group + g) * dim) * esize;
+            for (int64_t d = 0; d < dim; d++) dst[d] = element(src, d, is_bf16) * scale;
+        }
+    memset(of, 0, (size_t)(group * TILE_ROWS * dim) * sizeof(float));
+    for (int64_t i = 0; i < group * TILE_ROWS; i++) run_max[i] = MASKED, total[i] = 0.0f;
+
+    /* Keys any row of the tile sees. */
+    const int64_t p_first = first_pos + r0, p_last = first_pos + r1 - 1;
+    int64_t lo = first_key > 0 ? first_key : 0;
+    if (window > 0 && p_first - window + 1 > lo) lo = p_first - window + 1;
+    int64_t hi = causal && p_last + 1 < seq_len ? p_last + 1 : seq_len;
+    if (hi - first_key > qd[7] * block_size) return 1; /* the pages do not cover the keys */
+
+    for (int64_t k0 = lo; k0 < hi; k0 += KB) {
+        const int64_t nk = hi - k0 < KB ? hi - k0 : KB;
+        /* Pack the block: K transposed, V as rows; keys past the end are zero. */
+        for (int64_t n = 0; n < KB; n++) {
+            if (n >= nk) {
+                for (int64_t d = 0; d < dim; d++) kt[d * KB + n] = 0.0f;
+                memset(vb + n * dim, 0, (size_t)dim * sizeof(float));
+                continue;
+            }
+            const int64_t at = k0 + n - first_key, page = pages[at / block_size];
+            const int64_t offset = page * page_elems + at % block_size * token_stride + h * dim;
+            const char *k_row = (const char *)cache + offset * esize;
+            const char *v_row = (const char *)cache + (offset + page_elems) * esize;
+            for (int64_t d = 0; d < dim; d++) kt[d * KB + n] = element(k_row, d, is_bf16);
+            for (int64_t d = 0; d < dim; d++) vb[n * dim + d] = element(v_row, d, is_bf16);
+        }
+        for (int64_t m0 = 0; m0 < padded; m0 += MR) {
+            /* Each row's visible keys in this block are one interval [a, b) of its lanes. */
+            int64_t a[MR], b[MR];
+            int any = 0;
+            for (int64_t m = 0; m < MR; m++) {
+                const int64_t r = m0 + m < rows ? m0 + m : rows - 1;
+                const int64_t p = first_pos + r0 + r;
+                int64_t first = k0, last = k0 + nk; /* [first, last) */
+                if (window > 0 && p - window + 1 > first) first = p - window + 1;
+                if (causal && p + 1 < last) last = p + 1;
+                a[m] = first - k0, b[m] = last - k0;
+                any |= (m0 + m < rows) && a[m] < b[m];
+            }
+            if (!any) continue; /* above the diagonal, or behind the window, for every row */
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t base = g * TILE_ROWS + m0;
+                score_tile(s, qf + base * dim, kt, dim);
+                float p_rows[MR][KB] __attribute__((aligned(64)));
+                for (int64_t m = 0; m < MR; m++) {
+                    const __mmask16 lo_mask = lanes(a[m], b[m], 0), hi_mask = lanes(a[m], b[m], 16);
+                    if (!(lo_mask | hi_mask)) {
+                        memset(p_rows[m], 0, sizeof p_rows[m]);
+                        continue;
+                    }
+                    const __m512 neg = _mm512_set1_ps(MASKED);
+                    const __m512 s0 = _mm512_mask_blend_ps(lo_mask, neg, _mm512_load_ps(s + m * KB));
+                    const __m512 s1 =
+                        _mm512_mask_blend_ps(hi_mask, neg, _mm512_load_ps(s + m * KB + 16));
+                    const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+                    const float old_max = run_max[base + m];
+                    const float new_max = block_max > old_max ? block_max : old_max;
+                    const __m512 top = _mm512_set1_ps(new_max);
+                    const __m512 e0 = _mm512_maskz_mov_ps(lo_mask, exp_ps(_mm512_sub_ps(s0, top)));
+                    const __m512 e1 = _mm512_maskz_mov_ps(hi_mask, exp_ps(_mm512_sub_ps(s1, top)));
+                    _mm512_store_ps(p_rows[m], e0), _mm512_store_ps(p_rows[m] + 16, e1);
+                    const float rescale = old_max == MASKED ? 0.0f : expf(old_max - new_max);
+                    total[base + m] =
+                        total[base + m] * rescale + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+                    run_max[base + m] = new_max;
+                    if (rescale != 1.0f) {
+                        float *restrict o = of + (base + m) * dim;
+                        const __m512 f = _mm512_set1_ps(rescale);
+                        for (int64_t d = 0; d < dim; d += 16)
+                            _mm512_store_ps(o + d, _mm512_mul_ps(f, _mm512_load_ps(o + d)));
+                    }
+                }
+                for (int64_t m = 0; m < MR; m += 2)
+                    weigh_values(of + (base + m) * dim, of + (base + m + 1) * dim, p_rows[m],
+                                 p_rows[m + 1], vb, nk, dim);
+            }
+        }
+    }
+    int bad = 0;
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t i = g * TILE_ROWS + r;
+            if (!(total[i] > 0.0f)) {
+                bad = 1;
+                continue;
+            }
+            const float inv = 1.0f / total[i];
+            char *dst = (char *)out + ((row0 + r0 + r) * heads + h * group + g) * dim * esize;
+            for (int64_t d = 0; d < dim; d++) {
+                const float v = of[i * dim + d] * inv;
+                if (is_bf16)
+                    ((uint16_t *)dst)[d] = bf16_round(v);
+                else
+                    ((float *)dst)[d] = v;
+            }
+        }
+    return bad;
+}
+
+int paged_prefill_supported(void) { return 1; }
+
+void paged_prefill_attention_team(const void *query, int64_t q_row_stride, const void *cache,
+                                  int64_t num_blocks,
+                                  const int64_t *queries, int64_t num_queries,
+                                  const int64_t *pages, int64_t num_pages, void *out,
+                                  int64_t heads, int64_t kv_heads, int64_t dim,
+                                  int64_t block_size, int64_t window, float scale, int is_bf16,
+                                  int *failed) {
+    /* Items in order of requests, each request's tiles last first (they see the most keys,
+     * so the dynamic schedule starts the longest items first). */
+    int64_t items = 0;
+    for (int64_t i = 0; i < num_queries; i++)
+        items += kv_heads * ((queries[QUERY_FIELDS * i + 1] + TILE_ROWS - 1) / TILE_ROWS);
+    const int64_t group = heads / kv_heads;
+    /* Each thread's scratch, once per call; a whole number of 64-byte lines (item_floats is a
+     * multiple of 16). */
+    float *scratch = aligned_alloc(64, (size_t)item_floats(group, dim) * sizeof(float));
+    int my_failed = 0;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; item++) {
+        int64_t i = 0, local = item;
+        for (;; i++) {
+            const int64_t n =
+                kv_heads * ((queries[QUERY_FIELDS * i + 1] + TILE_ROWS - 1) / TILE_ROWS);
+            if (local < n) break;
+            local -= n;
+        }
+        const int64_t *qd = queries + QUERY_FIELDS * i;
+        const int64_t tiles = (qd[1] + TILE_ROWS - 1) / TILE_ROWS;
+        const int64_t tile = tiles - 1 - local / kv_heads, h = local % kv_heads;
+        const int64_t r0 = tile * TILE_ROWS, r1 = r0 + TILE_ROWS < qd[1] ? r0 + TILE_ROWS : qd[1];
+        int bad = scratch == NULL || qd[6] < 0 || qd[7] < 0 || qd[6] + qd[7] > num_pages;
+        for (int64_t j = 0; !bad && j < qd[7]; j++) {
+            const int64_t page = pages[qd[6] + j];
+            bad = page < 0 || page % 2 || page >= 2 * num_blocks;
+        }
+        if (!bad)
+            bad = attend_tile(qd, pages + qd[6], r0, r1, h, query, q_row_stride, cache, out,
+                              heads, kv_heads, dim, block_size, window, scale, is_bf16, scratch);
+        my_failed += bad;
+    }
+    free(scratch);
+    if (my_failed) {
+#pragma omp atomic
+        *failed += my_failed;
+    }
+}
+
+#else /* no AVX-512: the callers keep SDPA */
+
+int paged_prefill_supported(void) { return 0; }
+
+void paged_prefill_attention_team(const void *query, int64_t q_row_stride, const void *cache,
+                                  int64_t num_blocks,
+                                  const int64_t *queries, int64_t num_queries,
+                                  const int64_t *pages, int64_t num_pages, void *out,
+                                  int64_t heads, int64_t kv_heads, int64_t dim,
+                                  int64_t block_size, int64_t window, float scale, int is_bf16,
+                                  int *failed) {
+    (void)query, (void)q_row_stride, (void)cache, (void)num_blocks, (void)queries, (void)num_queries, (void)pages;
+    (void)num_pages, (void)out, (void)heads, (void)kv_heads, (void)dim, (void)block_size;
+    (void)window, (void)scale, (void)is_bf16;
+#pragma omp single
+    *failed += 1;
+}
+
+#endif /* __AVX512F__ */
+
+/* Returns 0, or the number of work items that failed: no scratch memory, pages outside the
+ * cache or not covering the keys, a row that sees no key, or no AVX-512. `query` rows are
+ * `q_row_stride` elements apart, each [heads, dim]; `out` is contiguous [rows, heads, dim];
+ * rows of no request are left as they are. */
+int paged_prefill_attention(const void *query, int64_t q_row_stride, const void *cache,
+                            int64_t num_blocks,
+                            const int64_t *queries, int64_t num_queries, const int64_t *pages,
+                            int64_t num_pages, void *out, int64_t heads, int64_t kv_heads,
+                            int64_t dim, int64_t block_size, int64_t window, float scale,
+                            int is_bf16) {
+    int failed = 0;
+#pragma omp parallel
+    paged_prefill_attention_team(query, q_row_stride, cache, num_blocks, queries, num_queries, pages,
+                                 num_pages, out, heads, kv_heads, dim, block_size, window,
+                                 scale, is_bf16, &failed);
+    return failed;
+}
