@@ -591,9 +591,7 @@ def prefill_supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether `paged_prefill_attention` can run this layer: what `attention_supported` asks,
     a head dim of whole 16-wide vectors, and `prefill_available`."""
     return (
-        attention_supported(query, kv_cache)
-        and query.shape[-1] % 16 == 0
-        and prefill_available()
+        attention_supported(query, kv_cache) and query.shape[-1] % 16 == 0 and prefill_available()
     )
 
 
