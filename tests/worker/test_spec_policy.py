@@ -52,12 +52,36 @@ def test_cost_line_fits_a_line_and_follows_a_change():
     assert line.predict(10) == pytest.approx(0.014, rel=1e-3)
 
 
-def test_cost_line_of_one_size_scales_in_proportion():
+def test_cost_line_of_one_size_borrows_a_slope():
     line = CostLine()
     for _ in range(5):
         line.observe(4, 0.008)
-    assert line.slope() == pytest.approx(0.002)
+    assert line.slope() is None
     assert line.predict(4) == pytest.approx(0.008)
+    assert line.predict(16) == pytest.approx(0.008)
+    assert line.predict(16, borrowed_slope=0.001) == pytest.approx(0.020)
+    assert line.per_unit() == pytest.approx(0.002)  # drafting: never free
+
+
+def test_plain_steps_seen_at_batch_1_are_not_priced_in_proportion_at_batch_16():
+    """Plain steps measured only at batch 1 (30 ms) and verification steps at batch 1 with 1-3
+    drafts (48 ms, +2.5 ms a row): at batch 16 a plain step is not 16 x 30 ms. With the slope
+    of the verification line, drafts accepted at 0.35-0.5 do not pay there (they did at 480
+    ms a plain step), and drafts accepted at 0.95 still do."""
+    policy = SpecPolicy(K, free_drafts=False)
+    for _ in range(20):
+        policy.observe_step(1, 0, False, 0.030)
+        for drafts in (1, 2, 3):
+            policy.observe_step(1 + drafts, drafts, False, 0.048 + 0.0025 * (drafts - 1))
+        policy.observe_drafting(0, 0.0)
+        policy.observe_drafting(3, 0.0)
+    candidates = [Candidate(h, [1, 2, 3]) for h in range(16)]
+    for h in range(16):
+        _set_rates(policy, h, [0.35, 0.4, 0.5])
+    assert not any(policy.plan(candidates).verify.values())
+    for h in range(16):
+        _set_rates(policy, h, [0.95, 0.95, 0.95])
+    assert sum(policy.plan(candidates).verify.values()) > 0
 
 
 def test_verified_outcomes_move_request_rates_and_the_prior():

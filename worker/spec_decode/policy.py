@@ -19,7 +19,9 @@ drafts that maximises expected tokens per second (down to none), from:
   request one row), verification steps (decode rows and drafts) and steps with prompt chunks,
   and one for drafting, seconds against draft tokens, all fitted online with forgetting so they
   follow the machine's load. Each line is fitted only on its own kind of step: a prompt chunk's
-  rows cost differently from a verification's, and a line through both mispredicts either.
+  rows cost differently from a verification's, and a line through both mispredicts either. A
+  line measured at one size only (plain steps seen at batch 1, then a batch of 16) borrows
+  the per-row slope of the plain and verification lines fitted together.
 
 The choice never changes what is generated: drafts are verified losslessly however many there
 are. A request sampled with a seed keeps the full K, because its draws per step depend on how
@@ -46,7 +48,14 @@ MIN_SPEEDUP = 1.2
 
 
 class CostLine:
-    """Seconds against a size, fitted by least squares with exponential forgetting."""
+    """Seconds against a size, fitted by least squares with exponential forgetting.
+
+    A line whose sizes barely vary has no slope of its own (`slope()` is None): it predicts its
+    mean plus a slope it is given, which the policy takes from its other lines. Scaling it in
+    proportion instead would price a batch-16 decode step at 16 batch-1 steps, when most of a
+    small step is fixed cost (streaming the weights), and make every verification look cheap
+    beside it.
+    """
 
     def __init__(self, decay: float = COST_DECAY) -> None:
         self.decay = decay
@@ -64,24 +73,47 @@ class CostLine:
         self.sum_xx = self.sum_xx * d + x * x
         self.sum_xy = self.sum_xy * d + x * seconds
 
-    def slope(self) -> float:
-        """Seconds per unit; from the mean ratio while every observation had the same size."""
+    def spread(self) -> tuple[float, float]:
+        """(weighted variance of sizes, covariance of sizes and seconds), both 0.0 while the
+        sizes barely vary: what a slope pooled over several lines sums."""
         w = self.weight
         if w <= 0.0:
-            return 0.0
+            return 0.0, 0.0
         mean_x = self.sum_x / w
         var = self.sum_xx / w - mean_x * mean_x
-        if var > 1e-6 * max(1.0, mean_x * mean_x):
-            cov = self.sum_xy / w - mean_x * self.sum_y / w
-            return max(cov / var, 0.0)
+        if var <= 1e-6 * max(1.0, mean_x * mean_x):
+            return 0.0, 0.0
+        return var * w, (self.sum_xy / w - mean_x * self.sum_y / w) * w
+
+    def slope(self) -> float | None:
+        """Seconds per unit, or None while the sizes barely vary."""
+        var, cov = self.spread()
+        return max(cov / var, 0.0) if var > 0.0 else None
+
+    def per_unit(self) -> float:
+        """The slope, else (one size seen) mean seconds per unit, fixed cost included: for a
+        cost that must never look free, like drafting."""
+        slope = self.slope()
+        if slope is not None:
+            return slope
         return self.sum_y / self.sum_x if self.sum_x > 0 else 0.0
 
-    def predict(self, x: float) -> float:
+    def predict(self, x: float, borrowed_slope: float = 0.0) -> float:
+        """Seconds at size `x`; `borrowed_slope` stands in for a slope this line lacks."""
         w = self.weight
         if w <= 0.0:
             return 0.0
         mean_x, mean_y = self.sum_x / w, self.sum_y / w
-        return max(mean_y + self.slope() * (x - mean_x), 1e-9)
+        slope = self.slope()
+        slope = borrowed_slope if slope is None else slope
+        return max(mean_y + slope * (x - mean_x), 1e-9)
+
+
+def pooled_slope(lines: Sequence[CostLine]) -> float:
+    """One slope fitted through every line with its own intercept (0.0 if none has spread)."""
+    spreads = [line.spread() for line in lines]
+    var = sum(v for v, _ in spreads)
+    return max(sum(c for _, c in spreads) / var, 0.0) if var > 0.0 else 0.0
 
 
 @dataclass
@@ -221,14 +253,16 @@ class SpecPolicy:
                 verify[cand.handle] = self.k
                 forced_drafts += self.k
         gains.sort(key=lambda g: (-g[0], g[1]))
-        per_draft = self.drafting.slope()
+        per_draft = self.drafting.per_unit()
+        per_row = pooled_slope((self.plain_step, self.verify_step))
 
         def seconds(num_drafts: int) -> float:
+            drafting = per_draft * num_drafts
             if prefill_rows:
-                return self.prefill_step.predict(base_rows + num_drafts) + per_draft * num_drafts
+                return self.prefill_step.predict(base_rows + num_drafts, per_row) + drafting
             if num_drafts == 0 and self.plain_step.known:
-                return self.plain_step.predict(base_rows)
-            return self.verify_step.predict(base_rows + num_drafts) + per_draft * num_drafts
+                return self.plain_step.predict(base_rows, per_row)
+            return self.verify_step.predict(base_rows + num_drafts, per_row) + drafting
 
         plain_rate = tokens / seconds(forced_drafts)
         best_rate, best_n = plain_rate, 0
