@@ -212,14 +212,17 @@ def test_a_drafter_model_probes_less_often_while_its_drafts_do_not_pay():
     policy = SpecPolicy(K, free_drafts=False)
     _costs(policy, plain=(0.0066, 0.00076), mixed=(0.011, 0.00083))
     candidates = [Candidate(h, []) for h in range(8)]
-    probes = []
+    probes, depths = [], []
     for step in range(1, 200):
         for h in range(8):
             _set_rates(policy, h, [0.05] * K)
             policy.requests[h].shadows.clear()
-        if policy.plan(candidates).shadow:
+        plan = policy.plan(candidates)
+        if plan.shadow:
             probes.append(step)
+            depths.append(plan.num_to_propose(0, K))
     assert probes[:4] == [16, 48, 112, 176]  # every 16 steps, then 32, 64, 64
+    assert depths[:4] == [K, 1, 1, 1]  # K deep, then one draft deep while backing off
     ngram = SpecPolicy(K, free_drafts=True)  # free drafts: shadows every step, no back-off
     _costs(ngram, plain=(0.0066, 0.00076), mixed=(0.011, 0.00083))
     for h in range(8):

@@ -14,14 +14,17 @@ drafts that maximises expected tokens per second (down to none), from:
   probability of being accepted). n-gram drafts are free, so a request that verifies none still
   proposes shadows every step; a drafter model proposes them for the whole batch every
   `PROBE_EVERY` steps, backing off to `MAX_PROBE_EVERY` while its probes lead to no
-  verification (its drafts do not pay at this batch size, and probing them costs drafter time);
+  verification (its drafts do not pay at this batch size, and probing them costs drafter time),
+  and while backing off it probes one draft deep;
 - the measured cost of steps: seconds against rows, one line each for plain decode steps (every
   request one row), verification steps (decode rows and drafts) and steps with prompt chunks,
   and one for drafting, seconds against draft tokens, all fitted online with forgetting so they
   follow the machine's load. Each line is fitted only on its own kind of step: a prompt chunk's
   rows cost differently from a verification's, and a line through both mispredicts either. A
-  line measured at one size only (plain steps seen at batch 1, then a batch of 16) borrows
-  the per-row slope of the plain and verification lines fitted together.
+  plain line measured at one size only (plain steps seen at batch 1, then a batch of 16)
+  borrows the per-row slope of the plain and verification lines fitted together; a
+  verification or drafting line measured at one size scales in proportion (errors that make
+  drafts look dear, never cheap).
 
 The choice never changes what is generated: drafts are verified losslessly however many there
 are. A request sampled with a seed keeps the full K, because its draws per step depend on how
@@ -92,7 +95,7 @@ class CostLine:
 
     def per_unit(self) -> float:
         """The slope, else (one size seen) mean seconds per unit, fixed cost included: for a
-        cost that must never look free, like drafting."""
+        cost that must never look cheap, like drafting or verification."""
         slope = self.slope()
         if slope is not None:
             return slope
@@ -134,10 +137,13 @@ class Candidate:
 @dataclass(frozen=True)
 class DraftPlan:
     verify: dict[int, int]  # handle -> drafts to verify next step
-    shadow: frozenset[int]  # handles proposing K drafts that are only scored, never verified
+    shadow: frozenset[int]  # handles proposing drafts that are only scored, never verified
+    shadow_depth: int | None = None  # drafts per shadow proposal (None: K)
 
     def num_to_propose(self, handle: int, num_spec_tokens: int) -> int:
-        return num_spec_tokens if handle in self.shadow else self.verify.get(handle, 0)
+        if handle in self.shadow:
+            return self.shadow_depth or num_spec_tokens
+        return self.verify.get(handle, 0)
 
 
 @dataclass
@@ -215,6 +221,10 @@ class SpecPolicy:
             return DraftPlan(verify, frozenset())
         verify = self._choose(candidates, other_decodes, prefill_rows)
         probing = self._steps >= self._next_probe
+        # Backing off, a probe drafts one token a request: one drafter pass instead of K (at
+        # batch 16 a K=3 EAGLE-3 probe cost 60-70 ms, more than a target step). Whether a first
+        # draft would pay decides whether any does; deeper rates keep what was learnt.
+        probe_depth = 1 if self.probe_every > self.base_probe_every else None
         if any(verify.values()):
             self.probe_every = self.base_probe_every
         elif probing:  # the last probes led to no verification: probe less often
@@ -229,7 +239,7 @@ class SpecPolicy:
             and len(self._request(c.handle).shadows) < MAX_SHADOWS
         )
         self.stats.record(len(candidates), sum(verify.values()))
-        return DraftPlan(verify, shadow)
+        return DraftPlan(verify, shadow, probe_depth)
 
     def _choose(
         self, candidates: Sequence[Candidate], other_decodes: int, prefill_rows: int
@@ -253,16 +263,22 @@ class SpecPolicy:
                 verify[cand.handle] = self.k
                 forced_drafts += self.k
         gains.sort(key=lambda g: (-g[0], g[1]))
+        # Where a line was measured at one size only, its errors must make drafts look dear,
+        # never cheap: a plain step borrows the per-row slope the plain and verification
+        # lines show together (none: flat), a verification step or drafting scales in
+        # proportion.
         per_draft = self.drafting.per_unit()
         per_row = pooled_slope((self.plain_step, self.verify_step))
 
         def seconds(num_drafts: int) -> float:
             drafting = per_draft * num_drafts
             if prefill_rows:
-                return self.prefill_step.predict(base_rows + num_drafts, per_row) + drafting
+                line = self.prefill_step
+                return line.predict(base_rows + num_drafts, line.per_unit()) + drafting
             if num_drafts == 0 and self.plain_step.known:
                 return self.plain_step.predict(base_rows, per_row)
-            return self.verify_step.predict(base_rows + num_drafts, per_row) + drafting
+            line = self.verify_step
+            return line.predict(base_rows + num_drafts, line.per_unit()) + drafting
 
         plain_rate = tokens / seconds(forced_drafts)
         best_rate, best_n = plain_rate, 0
