@@ -170,7 +170,12 @@ def _add_engine_args(p: ArgTarget) -> None:
         help="speculative decoding method",
     )
     p.add_argument("--drafter", default=None, help="drafter checkpoint dir (eagle3, dflash)")
-    p.add_argument("--num-spec-tokens", type=int, default=0, help="drafts per step (K)")
+    p.add_argument(
+        "--num-spec-tokens",
+        type=int,
+        default=0,
+        help="drafts per step (K; default: 4 for ngram, the drafter's own for eagle3/dflash)",
+    )
     p.add_argument("--drafter-max-model-len", type=int, default=None)
     p.add_argument(
         "--sample-drafts",

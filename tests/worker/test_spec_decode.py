@@ -21,6 +21,7 @@ from specserve.llm import LLM
 from specserve.shared.config import SpecMethod
 from specserve.shared.protocol import SamplingParams, StepResult
 from specserve.worker.spec_decode.speculators import (
+    NGRAM_NUM_SPEC_TOKENS,
     Draft,
     DraftInput,
     DraftSlotError,
@@ -264,7 +265,9 @@ def test_spec_options_are_validated(llama_ckpt, tmp_path):
     with pytest.raises(ValueError, match="needs --drafter"):
         LLM(str(llama_ckpt.path), spec_method="dflash", num_spec_tokens=2, num_blocks=16)
     with pytest.raises(ValueError, match="needs num_spec_tokens >= 1"):
-        LLM(str(llama_ckpt.path), spec_method="ngram", num_blocks=16)
+        LLM(str(llama_ckpt.path), spec_method="ngram", num_spec_tokens=-1, num_blocks=16)
+    ngram = LLM(str(llama_ckpt.path), spec_method="ngram", num_blocks=16)  # K by default
+    assert ngram.engine.worker.args.num_spec_tokens == NGRAM_NUM_SPEC_TOKENS == 4
     with pytest.raises(ValueError, match="'bogus' is not a valid SpecMethod"):
         LLM(str(llama_ckpt.path), spec_method="bogus", num_blocks=16)
 

@@ -444,9 +444,15 @@ def resolve_drafter(method: SpecMethod, model: str, path: str | None) -> str | N
     return str(shipped) if (shipped / "config.json").is_file() else None
 
 
+NGRAM_NUM_SPEC_TOKENS = 4  # n-gram's K when none is given (the adaptive policy trims it)
+
+
 def default_num_spec_tokens(method: SpecMethod, path: str | None) -> int:
-    """K when none is given: what the drafter was trained with (a `specserve train-drafter`
-    checkpoint records it; a DFlash block of B tokens means K = B - 1), else 0."""
+    """K when none is given: `NGRAM_NUM_SPEC_TOKENS` for n-gram; for a drafter, what it was
+    trained with (a `specserve train-drafter` checkpoint records it; a DFlash block of B tokens
+    means K = B - 1), else 0."""
+    if method == SpecMethod.NGRAM:
+        return NGRAM_NUM_SPEC_TOKENS
     if path is None or method not in (SpecMethod.EAGLE3, SpecMethod.DFLASH):
         return 0
     try:
