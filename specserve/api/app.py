@@ -351,8 +351,9 @@ def create_app(settings: ApiSettings) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         formatter = _admit(state, body.model)
         try:
+            param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
             limit = body.max_completion_tokens or body.max_tokens
-            sampling = body.sampling(_max_tokens(state, limit), body.chat_logprobs())
+            sampling = body.sampling(_max_tokens(state, limit, param), body.chat_logprobs())
         except ParameterError as exc:
             raise from_service_error(exc) from None
         messages = [ChatMessage(m.role, m.text()) for m in body.messages]
@@ -397,11 +398,22 @@ def _admit(state: ApiState, model: str | None) -> Formatter:
     return formatter
 
 
-def _max_tokens(state: ApiState, requested: int | None) -> int:
-    if requested is not None:
-        return requested
+def _max_tokens(state: ApiState, requested: int | None, param: str = "max_tokens") -> int:
+    """The request's output budget: as asked, refused when no prompt could leave room for it in
+    the model's context (it would otherwise run until the context is full, minutes on a
+    CPU), else the context when not asked."""
     status = state.status
-    return status.max_model_len if status and status.max_model_len else DEFAULT_MAX_TOKENS
+    context = status.max_model_len if status and status.max_model_len else None
+    if requested is None:
+        return context or DEFAULT_MAX_TOKENS
+    if context is not None and requested >= context:
+        raise ApiError(
+            400,
+            f"{param} is too large: {requested}; this model's maximum context length is "
+            f"{context} tokens, prompt included",
+            param=param,
+        )
+    return requested
 
 
 def _prompt_text(formatter: Formatter, prompt: str | list[int]) -> str:

@@ -302,6 +302,7 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs(oai: openai.OpenAI, sdk: 
         ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
         ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
         ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 10**12}, 400, "max_tokens"),  # beyond the context
         ({"prompt": "hi", "n": 1000}, 400, "n"),
         ({"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
         ({"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
@@ -339,6 +340,11 @@ def test_bad_chat_and_malformed_json(served: Running) -> None:
     assert response.status_code == 400 and response.json()["error"]["code"] == 400
     unknown = httpx.get(f"{served.api}/v1/engines", timeout=30)
     assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
+    huge = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**12}
+    response = httpx.post(f"{served.api}/v1/chat/completions", json=huge, timeout=30)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "max_completion_tokens"
+    assert "maximum context length" in response.json()["error"]["message"]
     empty = httpx.post(f"{served.api}/v1/chat/completions", json={"messages": []}, timeout=30)
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"
 
