@@ -54,10 +54,11 @@ class CostLine:
     """Seconds against a size, fitted by least squares with exponential forgetting.
 
     A line whose sizes barely vary has no slope of its own (`slope()` is None): it predicts its
-    mean plus a slope it is given, which the policy takes from its other lines. Scaling it in
-    proportion instead would price a batch-16 decode step at 16 batch-1 steps, when most of a
-    small step is fixed cost (streaming the weights), and make every verification look cheap
-    beside it.
+    mean plus a slope it is given. For plain steps the policy gives the slope of its plain and
+    verification lines fitted together: scaling in proportion would price a batch-16 decode
+    step at 16 batch-1 steps, when most of a small step is fixed cost (streaming the weights),
+    and make every verification look cheap beside it. For verification and drafting it gives
+    `per_unit()`, the proportional scale, which errs the other way.
     """
 
     def __init__(self, decay: float = COST_DECAY) -> None:

@@ -273,7 +273,20 @@ static int attend_tile(const int64_t *qd, const int64_t *pages, int64_t r0, int6
     return bad;
 }
 
-int paged_prefill_supported(void) { return 1; }
+/* Work items of request `rows` rows: one per KV head per tile. */
+static inline int64_t request_items(int64_t rows, int64_t kv_heads) {
+    return kv_heads * ((rows + TILE_ROWS - 1) / TILE_ROWS);
+}
+
+#endif /* __AVX512F__ */
+
+int paged_prefill_supported(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 void paged_prefill_attention_team(const void *query, int64_t q_row_stride, const void *cache,
                                   int64_t num_blocks,
@@ -282,11 +295,12 @@ void paged_prefill_attention_team(const void *query, int64_t q_row_stride, const
                                   int64_t heads, int64_t kv_heads, int64_t dim,
                                   int64_t block_size, int64_t window, float scale, int is_bf16,
                                   int *failed) {
+#if defined(__AVX512F__)
     /* Items in order of requests, each request's tiles last first (they see the most keys,
      * so the dynamic schedule starts the longest items first). */
     int64_t items = 0;
     for (int64_t i = 0; i < num_queries; i++)
-        items += kv_heads * ((queries[QUERY_FIELDS * i + 1] + TILE_ROWS - 1) / TILE_ROWS);
+        items += request_items(queries[QUERY_FIELDS * i + 1], kv_heads);
     const int64_t group = heads / kv_heads;
     /* Each thread's scratch, once per call; a whole number of 64-byte lines (item_floats is a
      * multiple of 16). */
@@ -295,12 +309,8 @@ void paged_prefill_attention_team(const void *query, int64_t q_row_stride, const
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; item++) {
         int64_t i = 0, local = item;
-        for (;; i++) {
-            const int64_t n =
-                kv_heads * ((queries[QUERY_FIELDS * i + 1] + TILE_ROWS - 1) / TILE_ROWS);
-            if (local < n) break;
-            local -= n;
-        }
+        for (; local >= request_items(queries[QUERY_FIELDS * i + 1], kv_heads); i++)
+            local -= request_items(queries[QUERY_FIELDS * i + 1], kv_heads);
         const int64_t *qd = queries + QUERY_FIELDS * i;
         const int64_t tiles = (qd[1] + TILE_ROWS - 1) / TILE_ROWS;
         const int64_t tile = tiles - 1 - local / kv_heads, h = local % kv_heads;
@@ -320,27 +330,14 @@ void paged_prefill_attention_team(const void *query, int64_t q_row_stride, const
 #pragma omp atomic
         *failed += my_failed;
     }
-}
-
-#else /* no AVX-512: the callers keep SDPA */
-
-int paged_prefill_supported(void) { return 0; }
-
-void paged_prefill_attention_team(const void *query, int64_t q_row_stride, const void *cache,
-                                  int64_t num_blocks,
-                                  const int64_t *queries, int64_t num_queries,
-                                  const int64_t *pages, int64_t num_pages, void *out,
-                                  int64_t heads, int64_t kv_heads, int64_t dim,
-                                  int64_t block_size, int64_t window, float scale, int is_bf16,
-                                  int *failed) {
-    (void)query, (void)q_row_stride, (void)cache, (void)num_blocks, (void)queries, (void)num_queries, (void)pages;
-    (void)num_pages, (void)out, (void)heads, (void)kv_heads, (void)dim, (void)block_size;
-    (void)window, (void)scale, (void)is_bf16;
+#else /* no AVX-512: the callers keep SDPA (paged_prefill_supported() is 0) */
+    (void)query, (void)q_row_stride, (void)cache, (void)num_blocks, (void)queries;
+    (void)num_queries, (void)pages, (void)num_pages, (void)out, (void)heads, (void)kv_heads;
+    (void)dim, (void)block_size, (void)window, (void)scale, (void)is_bf16;
 #pragma omp single
     *failed += 1;
+#endif
 }
-
-#endif /* __AVX512F__ */
 
 /* Returns 0, or the number of work items that failed: no scratch memory, pages outside the
  * cache or not covering the keys, a row that sees no key, or no AVX-512. `query` rows are
