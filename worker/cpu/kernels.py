@@ -6,8 +6,9 @@
   step). The kernel reads the pages where they lie, once.
 - `paged_prefill_attention`: every multi-row query of a step (prompt chunks, verification and
   draft blocks) in one call per layer, read from the pages where they lie, with the scores
-  and the running softmax in registers (AVX-512): 1.1-2.4x SDPA's flash kernel on 40-1,024-row
-  prompts at head dim 64, which also needs the pages gathered first (docs/benchmarks.md).
+  and the running softmax in registers (AVX-512, or AVX2 with FMA): 1.1-2.4x SDPA's flash
+  kernel on 40-1,024-row prompts at head dim 64, which also needs the pages gathered first
+  (docs/benchmarks.md).
 - `panel_linear`: `y = x W^T + b` for the few rows of a decode step (AVX-512 CPUs), over
   weights laid out once in panels of 16 output columns (`pack_panels`). A step streams every
   weight of the model from memory; the kernel streams each panel once per 16 rows, at about
@@ -582,7 +583,8 @@ PREFILL_QUERY_FIELDS = (
 
 
 def prefill_available() -> bool:
-    """Whether `paged_prefill_attention` runs on this CPU at all (the library, AVX-512)."""
+    """Whether `paged_prefill_attention` runs on this CPU at all (the library; AVX-512, or AVX2
+    with FMA)."""
     lib = load()
     return lib is not None and bool(lib.paged_prefill_supported())
 

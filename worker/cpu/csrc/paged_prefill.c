@@ -1,5 +1,5 @@
 /* Multi-row attention (prompt chunks, verification and draft blocks) read straight from the
- * paged KV cache (CPU, AVX-512). Built and loaded by worker/cpu/kernels.py.
+ * paged KV cache (CPU: AVX-512, or AVX2 with FMA). Built and loaded by worker/cpu/kernels.py.
  *
  * PyTorch's CPU flash kernel runs a 64-wide head at a fifth of the machine's matmul rate, and
  * every call first needs the request's K and V gathered out of their pages. This kernel reads
@@ -44,6 +44,7 @@
 #define QUERY_FIELDS 8
 
 #if defined(__AVX512F__)
+#define PREFILL_SIMD 512
 #include <immintrin.h>
 
 /* exp(x) for x <= 0 within 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor
@@ -130,6 +131,179 @@ static inline void weigh_values(float *restrict o0, float *restrict o1,
         if (w > 3) _mm512_store_ps(o0 + c + 48, x3), _mm512_store_ps(o1 + c + 48, y3);
     }
 }
+
+/* A row's weights in one block: p = exp(s - max) on lanes [a, b), zero elsewhere, where max
+ * is the row's running maximum updated with this block's (stored back to *row_max); returns
+ * the sum of p. */
+static inline float softmax_block(float *restrict p, const float *restrict s, int64_t a,
+                                  int64_t b, float *row_max) {
+    const __mmask16 lo_mask = lanes(a, b, 0), hi_mask = lanes(a, b, 16);
+    const __m512 neg = _mm512_set1_ps(MASKED);
+    const __m512 s0 = _mm512_mask_blend_ps(lo_mask, neg, _mm512_load_ps(s));
+    const __m512 s1 = _mm512_mask_blend_ps(hi_mask, neg, _mm512_load_ps(s + 16));
+    const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+    const float new_max = block_max > *row_max ? block_max : *row_max;
+    const __m512 top = _mm512_set1_ps(new_max);
+    const __m512 e0 = _mm512_maskz_mov_ps(lo_mask, exp_ps(_mm512_sub_ps(s0, top)));
+    const __m512 e1 = _mm512_maskz_mov_ps(hi_mask, exp_ps(_mm512_sub_ps(s1, top)));
+    _mm512_store_ps(p, e0), _mm512_store_ps(p + 16, e1);
+    *row_max = new_max;
+    return _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+}
+
+/* o[0..dim) *= f. */
+static inline void scale_row(float *restrict o, float f, int64_t dim) {
+    const __m512 by = _mm512_set1_ps(f);
+    for (int64_t d = 0; d < dim; d += 16) _mm512_store_ps(o + d, _mm512_mul_ps(by, _mm512_load_ps(o + d)));
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PREFILL_SIMD 256
+#include <immintrin.h>
+
+/* The same kernel on 8-wide AVX2 registers: 16 of them hold half the score tile or half of
+ * P x V's accumulators, so each runs in passes; exp, masks and reductions by hand. */
+
+/* exp(x) for x <= 0, as the AVX-512 version (2^n built in the exponent bits: n >= -126). */
+static inline __m256 exp_ps(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+static inline float hsum_ps(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_shuffle_ps(x, x, 1)));
+}
+
+static inline float hmax_ps(__m256 v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_shuffle_ps(x, x, 1)));
+}
+
+/* All-ones in lanes `base .. base + 8` that lie in [a, b), zero elsewhere. */
+static inline __m256 lanes(int64_t a, int64_t b, int64_t base) {
+    const __m256i at = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                        _mm256_set1_epi32((int)base));
+    const __m256i from = _mm256_cmpgt_epi32(at, _mm256_set1_epi32((int)a - 1));
+    const __m256i below = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)b), at);
+    return _mm256_castsi256_ps(_mm256_and_si256(from, below));
+}
+
+/* s[m][0..16) = q[m] . kt[.][0..16) for 4 rows (8 accumulators); s and kt rows KB apart. */
+static inline void score_quarter(float *restrict s, const float *restrict q,
+                                 const float *restrict kt, int64_t dim) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00,
+           a30 = a00, a31 = a00;
+    for (int64_t d = 0; d < dim; d++) {
+        const __m256 k0 = _mm256_load_ps(kt + d * KB), k1 = _mm256_load_ps(kt + d * KB + 8);
+#define ROW(m)                                                       \
+    {                                                                \
+        const __m256 qv = _mm256_broadcast_ss(q + m * dim + d);      \
+        a##m##0 = _mm256_fmadd_ps(qv, k0, a##m##0);                  \
+        a##m##1 = _mm256_fmadd_ps(qv, k1, a##m##1);                  \
+    }
+        ROW(0) ROW(1) ROW(2) ROW(3)
+#undef ROW
+    }
+#define STORE(m)                                   \
+    _mm256_store_ps(s + m * KB, a##m##0);          \
+    _mm256_store_ps(s + m * KB + 8, a##m##1);
+    STORE(0) STORE(1) STORE(2) STORE(3)
+#undef STORE
+}
+
+/* s[m][0..KB) = q[m] . kt[.][0..KB) for MR rows, in four quarters. */
+static inline void score_tile(float *restrict s, const float *restrict q,
+                              const float *restrict kt, int64_t dim) {
+    for (int64_t m = 0; m < MR; m += 4)
+        for (int64_t c = 0; c < KB; c += 16)
+            score_quarter(s + m * KB + c, q + m * dim, kt + c, dim);
+}
+
+/* o[r] += sum_n p[r][n] v[n] for two rows, 32 columns at a time (8 accumulators). */
+static inline void weigh_values(float *restrict o0, float *restrict o1,
+                                const float *restrict p0, const float *restrict p1,
+                                const float *restrict v, int64_t nk, int64_t dim) {
+    for (int64_t c = 0; c < dim; c += 32) {
+        const int64_t w = dim - c < 32 ? (dim - c) / 8 : 4;
+        __m256 x0 = _mm256_load_ps(o0 + c), y0 = _mm256_load_ps(o1 + c);
+        __m256 x1 = w > 1 ? _mm256_load_ps(o0 + c + 8) : x0, y1 = w > 1 ? _mm256_load_ps(o1 + c + 8) : y0;
+        __m256 x2 = w > 2 ? _mm256_load_ps(o0 + c + 16) : x0, y2 = w > 2 ? _mm256_load_ps(o1 + c + 16) : y0;
+        __m256 x3 = w > 3 ? _mm256_load_ps(o0 + c + 24) : x0, y3 = w > 3 ? _mm256_load_ps(o1 + c + 24) : y0;
+        for (int64_t n = 0; n < nk; n++) {
+            const float *restrict vn = v + n * dim + c;
+            const __m256 pa = _mm256_broadcast_ss(p0 + n), pb = _mm256_broadcast_ss(p1 + n);
+            const __m256 v0 = _mm256_load_ps(vn);
+            x0 = _mm256_fmadd_ps(pa, v0, x0), y0 = _mm256_fmadd_ps(pb, v0, y0);
+            if (w > 1) {
+                const __m256 v1 = _mm256_load_ps(vn + 8);
+                x1 = _mm256_fmadd_ps(pa, v1, x1), y1 = _mm256_fmadd_ps(pb, v1, y1);
+            }
+            if (w > 2) {
+                const __m256 v2 = _mm256_load_ps(vn + 16);
+                x2 = _mm256_fmadd_ps(pa, v2, x2), y2 = _mm256_fmadd_ps(pb, v2, y2);
+            }
+            if (w > 3) {
+                const __m256 v3 = _mm256_load_ps(vn + 24);
+                x3 = _mm256_fmadd_ps(pa, v3, x3), y3 = _mm256_fmadd_ps(pb, v3, y3);
+            }
+        }
+        _mm256_store_ps(o0 + c, x0), _mm256_store_ps(o1 + c, y0);
+        if (w > 1) _mm256_store_ps(o0 + c + 8, x1), _mm256_store_ps(o1 + c + 8, y1);
+        if (w > 2) _mm256_store_ps(o0 + c + 16, x2), _mm256_store_ps(o1 + c + 16, y2);
+        if (w > 3) _mm256_store_ps(o0 + c + 24, x3), _mm256_store_ps(o1 + c + 24, y3);
+    }
+}
+
+/* A row's weights in one block: p = exp(s - max) on lanes [a, b), zero elsewhere, where max
+ * is the row's running maximum updated with this block's (stored back to *row_max); returns
+ * the sum of p. */
+static inline float softmax_block(float *restrict p, const float *restrict s, int64_t a,
+                                  int64_t b, float *row_max) {
+    __m256 mask[KB / 8], score[KB / 8], top = _mm256_set1_ps(MASKED);
+    for (int j = 0; j < KB / 8; j++) {
+        mask[j] = lanes(a, b, 8 * j);
+        score[j] = _mm256_blendv_ps(_mm256_set1_ps(MASKED), _mm256_load_ps(s + 8 * j), mask[j]);
+        top = _mm256_max_ps(top, score[j]);
+    }
+    const float block_max = hmax_ps(top);
+    const float new_max = block_max > *row_max ? block_max : *row_max;
+    top = _mm256_set1_ps(new_max);
+    __m256 sum = _mm256_setzero_ps();
+    for (int j = 0; j < KB / 8; j++) {
+        const __m256 e = _mm256_and_ps(mask[j], exp_ps(_mm256_sub_ps(score[j], top)));
+        _mm256_store_ps(p + 8 * j, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    *row_max = new_max;
+    return hsum_ps(sum);
+}
+
+/* o[0..dim) *= f. */
+static inline void scale_row(float *restrict o, float f, int64_t dim) {
+    const __m256 by = _mm256_set1_ps(f);
+    for (int64_t d = 0; d < dim; d += 8) _mm256_store_ps(o + d, _mm256_mul_ps(by, _mm256_load_ps(o + d)));
+}
+
+#endif /* SIMD */
+
+#if defined(PREFILL_SIMD)
 
 /* Row r's value at `d` of the page row `src` (float32 or bfloat16). */
 static inline float element(const char *src, int64_t d, int is_bf16) {
@@ -219,32 +393,16 @@ static int attend_tile(const int64_t *qd, const int64_t *pages, int64_t r0, int6
                 score_tile(s, qf + base * dim, kt, dim);
                 float p_rows[MR][KB] __attribute__((aligned(64)));
                 for (int64_t m = 0; m < MR; m++) {
-                    const __mmask16 lo_mask = lanes(a[m], b[m], 0), hi_mask = lanes(a[m], b[m], 16);
-                    if (!(lo_mask | hi_mask)) {
+                    if (a[m] >= b[m]) {
                         memset(p_rows[m], 0, sizeof p_rows[m]);
                         continue;
                     }
-                    const __m512 neg = _mm512_set1_ps(MASKED);
-                    const __m512 s0 = _mm512_mask_blend_ps(lo_mask, neg, _mm512_load_ps(s + m * KB));
-                    const __m512 s1 =
-                        _mm512_mask_blend_ps(hi_mask, neg, _mm512_load_ps(s + m * KB + 16));
-                    const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-                    const float old_max = run_max[base + m];
-                    const float new_max = block_max > old_max ? block_max : old_max;
-                    const __m512 top = _mm512_set1_ps(new_max);
-                    const __m512 e0 = _mm512_maskz_mov_ps(lo_mask, exp_ps(_mm512_sub_ps(s0, top)));
-                    const __m512 e1 = _mm512_maskz_mov_ps(hi_mask, exp_ps(_mm512_sub_ps(s1, top)));
-                    _mm512_store_ps(p_rows[m], e0), _mm512_store_ps(p_rows[m] + 16, e1);
-                    const float rescale = old_max == MASKED ? 0.0f : expf(old_max - new_max);
-                    total[base + m] =
-                        total[base + m] * rescale + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
-                    run_max[base + m] = new_max;
-                    if (rescale != 1.0f) {
-                        float *restrict o = of + (base + m) * dim;
-                        const __m512 f = _mm512_set1_ps(rescale);
-                        for (int64_t d = 0; d < dim; d += 16)
-                            _mm512_store_ps(o + d, _mm512_mul_ps(f, _mm512_load_ps(o + d)));
-                    }
+                    const int64_t i = base + m;
+                    const float old_max = run_max[i];
+                    const float sum = softmax_block(p_rows[m], s + m * KB, a[m], b[m], &run_max[i]);
+                    const float rescale = old_max == MASKED ? 0.0f : expf(old_max - run_max[i]);
+                    total[i] = total[i] * rescale + sum;
+                    if (rescale != 1.0f) scale_row(of + i * dim, rescale, dim);
                 }
                 for (int64_t m = 0; m < MR; m += 2)
                     weigh_values(of + (base + m) * dim, of + (base + m + 1) * dim, p_rows[m],
@@ -278,10 +436,10 @@ static inline int64_t request_items(int64_t rows, int64_t kv_heads) {
     return kv_heads * ((rows + TILE_ROWS - 1) / TILE_ROWS);
 }
 
-#endif /* __AVX512F__ */
+#endif /* PREFILL_SIMD */
 
 int paged_prefill_supported(void) {
-#if defined(__AVX512F__)
+#if defined(PREFILL_SIMD)
     return 1;
 #else
     return 0;
@@ -295,7 +453,7 @@ void paged_prefill_attention_team(const void *query, int64_t q_row_stride, const
                                   int64_t heads, int64_t kv_heads, int64_t dim,
                                   int64_t block_size, int64_t window, float scale, int is_bf16,
                                   int *failed) {
-#if defined(__AVX512F__)
+#if defined(PREFILL_SIMD)
     /* Items in order of requests, each request's tiles last first (they see the most keys,
      * so the dynamic schedule starts the longest items first). */
     int64_t items = 0;
@@ -330,7 +488,7 @@ void paged_prefill_attention_team(const void *query, int64_t q_row_stride, const
 #pragma omp atomic
         *failed += my_failed;
     }
-#else /* no AVX-512: the callers keep SDPA (paged_prefill_supported() is 0) */
+#else /* no AVX2 or AVX-512: the callers keep SDPA (paged_prefill_supported() is 0) */
     (void)query, (void)q_row_stride, (void)cache, (void)num_blocks, (void)queries;
     (void)num_queries, (void)pages, (void)num_pages, (void)out, (void)heads, (void)kv_heads;
     (void)dim, (void)block_size, (void)window, (void)scale, (void)is_bf16;
@@ -340,7 +498,7 @@ void paged_prefill_attention_team(const void *query, int64_t q_row_stride, const
 }
 
 /* Returns 0, or the number of work items that failed: no scratch memory, pages outside the
- * cache or not covering the keys, a row that sees no key, or no AVX-512. `query` rows are
+ * cache or not covering the keys, a row that sees no key, or neither AVX-512 nor AVX2. `query` rows are
  * `q_row_stride` elements apart, each [heads, dim]; `out` is contiguous [rows, heads, dim];
  * rows of no request are left as they are. */
 int paged_prefill_attention(const void *query, int64_t q_row_stride, const void *cache,
