@@ -9,10 +9,11 @@
   and the running softmax in registers (AVX-512, or AVX2 with FMA): 1.1-2.4x SDPA's flash
   kernel on 40-1,024-row prompts at head dim 64, which also needs the pages gathered first
   (docs/benchmarks.md).
-- `panel_linear`: `y = x W^T + b` for the few rows of a decode step (AVX-512 CPUs), over
-  weights laid out once in panels of 16 output columns (`pack_panels`). A step streams every
-  weight of the model from memory; the kernel streams each panel once per 16 rows, at about
-  the CPU's peak: 1.2-1.8x oneDNN's packed GEMM up to 16 rows, on par beyond (`worker.linear`).
+- `panel_linear`: `y = x W^T + b` for the few rows of a decode step (AVX-512, or AVX2 with
+  FMA in float32), over weights laid out once in panels of 16 output columns (`pack_panels`).
+  A step streams every weight of the model from memory; the kernel streams each panel once
+  per 16 rows (6 with AVX2), at about the CPU's peak: 1.2-1.8x oneDNN's packed GEMM up to 16
+  rows, on par beyond, on AVX-512 (`worker.linear`).
 - `add_rms_norm`, `silu_mul` and `rope_write_kv` (q/k norms, RoPE and the K/V cache write): a
   decoder layer's element-wise glue, which PyTorch runs as 3-9 small ops each (a dispatch and
   a pass over memory apiece), in one call.
@@ -668,8 +669,8 @@ PANEL = 16  # output columns per weight panel (csrc/linear.c)
 
 
 def linear_dtypes() -> frozenset[torch.dtype]:
-    """The dtypes `panel_linear` runs on this CPU: float32 needs AVX-512, bfloat16 also
-    AVX512_BF16; empty without the kernels."""
+    """The dtypes `panel_linear` runs on this CPU: float32 needs AVX-512 or AVX2 with FMA,
+    bfloat16 AVX512_BF16; empty without the kernels."""
     lib = load()
     bits = lib.linear_kernel_dtypes() if lib is not None else 0
     return frozenset(dtype for bit, dtype in enumerate(DTYPES) if bits & (1 << bit))

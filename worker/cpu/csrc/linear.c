@@ -1,4 +1,5 @@
-/* Linear layers y = x W^T (+ bias) for few-row inputs (CPU, AVX-512). Built and loaded by
+/* Linear layers y = x W^T (+ bias) for few-row inputs (CPU: AVX-512, or AVX2 with FMA for
+ * float32). Built and loaded by
  * worker/cpu_kernels.py; worker/linear.py lays the weights out and decides when to call.
  *
  * A decode step multiplies a handful of rows (one per request) by every weight of the model, so
@@ -13,6 +14,9 @@
  *   bfloat16: [K2][16][2]      panel element (k2, c, i) = W[16p + c, 2 k2 + i], K2 = ceil(K/2)
  * bfloat16 products use the CPU's bfloat16 pair dot product (vdpbf16ps), accumulated in float32;
  * bias is added in float32 and the result rounded to bfloat16 once, as oneDNN's bf16 GEMM does.
+ *
+ * With AVX2 (float32 only) a panel is two 8-wide registers per row, so a tile holds 6 rows (12
+ * accumulators) and more rows stream the panel once per 6 (from cache: a panel is 16 columns).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -20,11 +24,7 @@
 #include "team.h"
 
 #define PANEL 16     /* output columns per panel: one 512-bit register of float32 */
-#define MAX_TILE 16  /* rows per tile: 16 accumulators, leaving registers for the weights */
 #define PREFETCH 1024 /* bytes of the weight stream fetched ahead of use */
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
 
 /* REPn(F) expands to F(0) ... F(n-1): a tile's accumulators are named registers, never an
  * array (an array of vectors may be kept in memory and stored on every iteration). */
@@ -44,6 +44,11 @@
 #define REP14(F) REP13(F) F(13)
 #define REP15(F) REP14(F) F(14)
 #define REP16(F) REP15(F) F(15)
+
+#if defined(__AVX512F__)
+#define LINEAR_SIMD 512
+#define MAX_TILE 16 /* rows per tile: 16 accumulators, leaving registers for the weights */
+#include <immintrin.h>
 
 #define ZERO(i) __m512 acc##i = _mm512_setzero_ps();
 #define FMA_F32(i) acc##i = _mm512_fmadd_ps(_mm512_set1_ps(a[i]), w_k, acc##i);
@@ -123,12 +128,95 @@ static inline __m512 bias_f32(const void *bias, int64_t p, __mmask16 mask, int i
     __m256i raw = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)bias + p * PANEL);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
-#endif /* __AVX512F__ */
 
-/* Bit 0: float32 is supported; bit 1: bfloat16. 0 on CPUs (or compilers) without AVX-512. */
+/* Panel p of y for every row: the packed inputs `packed` ([depth][tile rows] per tile). */
+static void panel_rows(const void *packed, const void *panels, const void *bias, void *y,
+                       int64_t rows, int64_t n, int64_t depth, int64_t p, int is_bf16) {
+    const int64_t panel_elems = depth * PANEL * (is_bf16 ? 2 : 1);
+    const __mmask16 mask = column_mask(n, p);
+    const __m512 b = bias_f32(bias, p, mask, is_bf16);
+    for (int64_t r0 = 0; r0 < rows; r0 += MAX_TILE) {
+        const int64_t tile = tile_rows(rows - r0);
+        if (is_bf16) {
+#if defined(__AVX512BF16__)
+            TILES_BF16[tile]((const uint32_t *)packed + r0 * depth,
+                             (const uint16_t *)panels + p * panel_elems, depth, b,
+                             (uint16_t *)y + r0 * n + p * PANEL, n, mask);
+#endif
+        } else {
+            TILES_F32[tile]((const float *)packed + r0 * depth,
+                            (const float *)panels + p * panel_elems, depth, b,
+                            (float *)y + r0 * n + p * PANEL, n, mask);
+        }
+    }
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#define LINEAR_SIMD 256
+#define MAX_TILE 6 /* rows per tile: 12 accumulators, two weight vectors and a broadcast */
+#include <immintrin.h>
+
+#define ZERO_2(i) __m256 lo##i = _mm256_setzero_ps(), hi##i = lo##i;
+#define FMA_2(i)                                                                             \
+    {                                                                                        \
+        const __m256 a_i = _mm256_broadcast_ss(a + i);                                       \
+        lo##i = _mm256_fmadd_ps(a_i, w_lo, lo##i), hi##i = _mm256_fmadd_ps(a_i, w_hi, hi##i); \
+    }
+#define STORE_2(i)                                                                           \
+    _mm256_maskstore_ps(y + i * y_stride, mask_lo, _mm256_add_ps(lo##i, b_lo));              \
+    _mm256_maskstore_ps(y + i * y_stride + 8, mask_hi, _mm256_add_ps(hi##i, b_hi));
+
+/* One tile: ROWS rows of packed float32 inputs ([depth][ROWS]) times one panel ([depth][16]),
+ * plus bias, into ROWS rows of `y` (the panel's valid columns only). */
+#define TILE_2(ROWS)                                                                         \
+    static void tile_f32_##ROWS(const float *ap, const float *panel, int64_t depth,          \
+                                __m256 b_lo, __m256 b_hi, float *y, int64_t y_stride,        \
+                                __m256i mask_lo, __m256i mask_hi) {                          \
+        REP##ROWS(ZERO_2)                                                                    \
+        for (int64_t d = 0; d < depth; d++) {                                                \
+            const float *a = ap + d * ROWS;                                                  \
+            const float *w_d = panel + d * PANEL;                                            \
+            const __m256 w_lo = _mm256_loadu_ps(w_d), w_hi = _mm256_loadu_ps(w_d + 8);       \
+            _mm_prefetch((const char *)w_d + PREFETCH, _MM_HINT_T0);                         \
+            REP##ROWS(FMA_2)                                                                 \
+        }                                                                                    \
+        REP##ROWS(STORE_2)                                                                   \
+    }
+TILE_2(1) TILE_2(2) TILE_2(3) TILE_2(4) TILE_2(5) TILE_2(6)
+static void (*const TILES_F32[MAX_TILE + 1])(const float *, const float *, int64_t, __m256,
+                                             __m256, float *, int64_t, __m256i, __m256i) = {
+    NULL, tile_f32_1, tile_f32_2, tile_f32_3, tile_f32_4, tile_f32_5, tile_f32_6};
+
+static inline int64_t tile_rows(int64_t left) { return left < MAX_TILE ? left : MAX_TILE; }
+
+/* All-ones in the lanes below `valid` (of 8). */
+static inline __m256i lanes_below(int64_t valid) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(valid < 0 ? 0 : valid > 8 ? 8 : valid)),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* Panel p of y for every row (float32 only: `linear_kernel_dtypes` offers no bfloat16). */
+static void panel_rows(const void *packed, const void *panels, const void *bias, void *y,
+                       int64_t rows, int64_t n, int64_t depth, int64_t p, int is_bf16) {
+    (void)is_bf16;
+    const __m256i mask_lo = lanes_below(n - p * PANEL), mask_hi = lanes_below(n - p * PANEL - 8);
+    __m256 b_lo = _mm256_setzero_ps(), b_hi = b_lo;
+    if (bias != NULL) {
+        b_lo = _mm256_maskload_ps((const float *)bias + p * PANEL, mask_lo);
+        b_hi = _mm256_maskload_ps((const float *)bias + p * PANEL + 8, mask_hi);
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += MAX_TILE)
+        TILES_F32[tile_rows(rows - r0)]((const float *)packed + r0 * depth,
+                                        (const float *)panels + p * depth * PANEL, depth, b_lo,
+                                        b_hi, (float *)y + r0 * n + p * PANEL, n, mask_lo,
+                                        mask_hi);
+}
+#endif /* SIMD */
+
+/* Bit 0: float32 is supported (AVX-512, or AVX2 with FMA); bit 1: bfloat16 (AVX512_BF16). */
 int linear_kernel_dtypes(void) {
     int dtypes = 0;
-#if defined(__AVX512F__)
+#if defined(LINEAR_SIMD)
     dtypes |= 1;
 #if defined(__AVX512BF16__)
     dtypes |= 2;
@@ -147,8 +235,7 @@ int64_t linear_packed_bytes(int64_t rows, int64_t k, int is_bf16) {
  * values, a float32 or a pair of bfloat16, to broadcast), then split the panels. */
 void panel_linear_team(const void *x, int64_t x_stride, const void *panels, const void *bias,
                        void *y, int64_t rows, int64_t n, int64_t k, int is_bf16, void *packed) {
-#if defined(__AVX512F__)
-    const int64_t num_panels = (n + PANEL - 1) / PANEL;
+#if defined(LINEAR_SIMD)
     const int64_t depth = is_bf16 ? (k + 1) / 2 : k; /* K, or K2 bfloat16 pairs */
     for (int64_t r0 = 0; r0 < rows; r0 += MAX_TILE) {
         const int64_t tile = tile_rows(rows - r0);
@@ -167,26 +254,9 @@ void panel_linear_team(const void *x, int64_t x_stride, const void *panels, cons
         }
     }
 #pragma omp barrier
-    const int64_t panel_elems = depth * PANEL * (is_bf16 ? 2 : 1);
 #pragma omp for schedule(static)
-    for (int64_t p = 0; p < num_panels; p++) {
-        const __mmask16 mask = column_mask(n, p);
-        const __m512 b = bias_f32(bias, p, mask, is_bf16);
-        for (int64_t r0 = 0; r0 < rows; r0 += MAX_TILE) {
-            const int64_t tile = tile_rows(rows - r0);
-            if (is_bf16) {
-#if defined(__AVX512BF16__)
-                TILES_BF16[tile]((const uint32_t *)packed + r0 * depth,
-                                 (const uint16_t *)panels + p * panel_elems, depth, b,
-                                 (uint16_t *)y + r0 * n + p * PANEL, n, mask);
-#endif
-            } else {
-                TILES_F32[tile]((const float *)packed + r0 * depth,
-                                (const float *)panels + p * panel_elems, depth, b,
-                                (float *)y + r0 * n + p * PANEL, n, mask);
-            }
-        }
-    }
+    for (int64_t p = 0; p < (n + PANEL - 1) / PANEL; p++)
+        panel_rows(packed, panels, bias, y, rows, n, depth, p, is_bf16);
 #else
     (void)x, (void)x_stride, (void)panels, (void)bias, (void)y, (void)rows, (void)n, (void)k;
     (void)is_bf16, (void)packed;
