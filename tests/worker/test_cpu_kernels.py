@@ -113,6 +113,43 @@ def test_multi_row_queries_match_dense_reference(
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=0)
 
 
+@pytest.fixture(scope="module")
+def avx2_library(tmp_path_factory: pytest.TempPathFactory):
+    """The library built without AVX-512 (`-mno-avx512f`), so that its AVX2 bodies run and
+    are checked on an AVX-512 CPU too (on an AVX2-only CPU it is the usual build)."""
+    if not {"avx2", "fma"} <= set(kernels._cpu_signature().split()):
+        pytest.skip("no AVX2 with FMA on this CPU")
+    tmp = tmp_path_factory.mktemp("avx2-kernels")
+    target = tmp / "specserve_kernels-avx2.so"
+    kernels._compile(kernels._compiler(), tmp, target, (*kernels.COMPILE_FLAGS, "-mno-avx512f"))
+    return kernels.open_library(target)
+
+
+def test_avx2_bodies_match_the_references(avx2_library, monkeypatch, prefill_calls) -> None:
+    """The AVX2 multi-row attention (float32 and bfloat16) against the dense reference, and
+    the AVX2 panel kernel (float32; no bfloat16 without AVX512_BF16) against float64."""
+    monkeypatch.setattr(kernels, "load", lambda: avx2_library)
+    assert kernels.prefill_available()
+    assert kernels.linear_dtypes() == {torch.float32}
+    for dtype, window, block_size, head_dim in [
+        (torch.float32, None, 16, 64),
+        (torch.float32, 3, 4, 16),
+        (torch.bfloat16, 40, 8, 48),
+    ]:
+        prefill_calls.clear()
+        out, expected = _run_case(MULTI_ROW, window, dtype, block_size, head_dim)
+        assert prefill_calls == [sum(q > 1 for q, _, _ in MULTI_ROW)]
+        torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=0)
+    g = torch.Generator().manual_seed(0)
+    for rows, n, k in [(1, 50, 37), (6, 960, 576), (17, 50, 37), (40, 960, 576)]:
+        w = torch.randn(n, k, generator=g) / k**0.5
+        b = torch.randn(n, generator=g)
+        x = torch.randn(rows, k, generator=g)
+        got = kernels.panel_linear(x, kernels.pack_panels(w), b, n)
+        expected = (x.double() @ w.double().T + b.double()).float()
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 @needs_multi_row_kernel
 def test_multi_row_kernel_matches_sdpa_path() -> None:
     kernel_out, _ = _run_case(MULTI_ROW, 40, torch.float32, 16, 64)
