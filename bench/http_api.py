@@ -104,7 +104,8 @@ class Result:
     itl_p50_ms: float
     itl_p99_ms: float
     output_tokens_per_s: float
-    requests: int
+    requests: int  # that finished (the percentiles cover these only)
+    asked: int  # sent
 
 
 # --- servers ---------------------------------------------------------------------------------
@@ -202,7 +203,7 @@ def guidellm(url: str, model: Path, data: Path, concurrency: int, requests: int)
     return Result(
         "", concurrency, pct("time_to_first_token_ms", "p50"), pct("time_to_first_token_ms", "p99"),
         pct("inter_token_latency_ms", "p50"), pct("inter_token_latency_ms", "p99"),
-        tokens / bench["duration"], count,
+        tokens / bench["duration"], count, requests,
     )  # fmt: skip
 
 
@@ -236,7 +237,7 @@ async def closed_loop(concurrency: int, requests: int, send: Callable[[int], Arr
     seconds = time.perf_counter() - started
     return Result(
         "", concurrency, percentile(ttfts, 0.5), percentile(ttfts, 0.99),
-        percentile(itls, 0.5), percentile(itls, 0.99), tokens / seconds, requests,
+        percentile(itls, 0.5), percentile(itls, 0.99), tokens / seconds, len(ttfts), requests,
     )  # fmt: skip
 
 
@@ -368,13 +369,20 @@ def print_table(rounds: list[list[Result]]) -> None:
         runs = [r for rs in rounds for r in rs if (r.engine, r.concurrency) == key]
         med[key] = {f: statistics.median(getattr(r, f) for r in runs) for f in fields}
     header = ["concurrency", "engine", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"]
-    print("| " + " | ".join([*header, "output tok/s"]) + " |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    print("| " + " | ".join([*header, "output tok/s", "finished"]) + " |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    short = []
     for c, engine in [(k[1], k[0]) for k in keys]:
         m = med[(engine, c)]
         cells = " | ".join(f"{m[f]:.1f}" for f in fields)
-        print(f"| {c} | {engine} | {cells} |")
+        runs = [r for rs in rounds for r in rs if (r.engine, r.concurrency) == (engine, c)]
+        done, asked = min(r.requests for r in runs), max(r.asked for r in runs)
+        print(f"| {c} | {engine} | {cells} | {done}/{asked} |")
+        if done < asked:
+            short.append(f"{engine} at c={c}")
     print()
+    if short:
+        print(f"not every request finished ({', '.join(short)}): their percentiles leave it out")
     for c in sorted({k[1] for k in keys}):
         engines = ("specserve http", "specserve zmq sdk", "specserve http driver", "vllm http")
         http, sdk, driver, peer = (med.get((e, c)) for e in engines)
