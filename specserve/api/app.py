@@ -165,6 +165,34 @@ class ApiKeyAuth:
         return sum(secrets.compare_digest(given.strip(), key) for key in self.keys) > 0
 
 
+class RequestCounter:
+    """ASGI middleware: counts each response by path and status
+    (`specserve_api_requests_total`). Starlette's `@app.middleware("http")` would pass every
+    chunk of a stream through a task and a memory stream of its own; this only notes the status
+    as it goes by."""
+
+    def __init__(self, app: Any, metrics: ApiMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500  # what the client gets if the app fails before answering
+
+        async def noting_status(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, noting_status)
+        finally:
+            self.metrics.requests.labels(scope["path"], str(status)).inc()
+
+
 class _TooLarge(BaseException):
     """Not an Exception: FastAPI turns any Exception raised while it reads a body into its
     own 400, and this one must reach `BodyLimit`."""
@@ -258,8 +286,9 @@ def create_app(settings: ApiSettings) -> FastAPI:
 
     app = FastAPI(title="specserve", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    if settings.api_keys:  # added last: the outermost, so nothing runs before it
+    if settings.api_keys:  # outside everything but the counter, which reads nothing
         app.add_middleware(ApiKeyAuth, keys=settings.api_keys)
+    app.add_middleware(RequestCounter, metrics=state.metrics)  # counts 401s and 413s too
     app.state.api = state
 
     @app.exception_handler(ApiError)
@@ -281,12 +310,6 @@ def create_app(settings: ApiSettings) -> FastAPI:
         param = ".".join(loc) or None
         message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(exc)
         return ApiError(400, message, param=param).response()
-
-    @app.middleware("http")
-    async def _count(request: Request, call_next: Callable[[Request], Awaitable[Response]]):
-        response = await call_next(request)
-        state.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -481,6 +481,16 @@ def test_api_keys_guard_v1_and_leave_probes_open(served: Running, tmp_path) -> N
             assert reply.status_code == 401, reply.text
             assert reply.headers["www-authenticate"] == "Bearer"
             assert reply.json()["error"]["type"] == "authentication_error"
+        client = openai.OpenAI(base_url=f"{api}/v1", api_key="sk-first", max_retries=0)
+        streamed = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, stream=True)
+        assert "".join(c.choices[0].text for c in streamed if c.choices)
+        # every response is counted by path and status, refusals and streams included
+        metrics = httpx.get(f"{api}/metrics", timeout=5).text
+        for endpoint, status, count in [
+            ("/v1/completions", 200, 3), ("/v1/completions", 401, 3), ("/v1/models", 401, 3)
+        ]:  # fmt: skip
+            line = f'specserve_api_requests_total{{endpoint="{endpoint}",status="{status}"}}'
+            assert f"{line} {count}.0" in metrics, metrics
     empty = tmp_path / "empty"
     empty.write_text("# nothing\n")
     failed = subprocess.run(
