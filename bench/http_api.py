@@ -365,9 +365,11 @@ def print_table(rounds: list[list[Result]]) -> None:
     )
     fields = ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "output_tokens_per_s"]
     med: dict[tuple[str, int], dict[str, float]] = {}
+    finished: dict[tuple[str, int], tuple[int, int]] = {}  # fewest finished, most sent
     for key in keys:
         runs = [r for rs in rounds for r in rs if (r.engine, r.concurrency) == key]
         med[key] = {f: statistics.median(getattr(r, f) for r in runs) for f in fields}
+        finished[key] = min(r.requests for r in runs), max(r.asked for r in runs)
     header = ["concurrency", "engine", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"]
     print("| " + " | ".join([*header, "output tok/s", "finished"]) + " |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
@@ -375,8 +377,7 @@ def print_table(rounds: list[list[Result]]) -> None:
     for c, engine in [(k[1], k[0]) for k in keys]:
         m = med[(engine, c)]
         cells = " | ".join(f"{m[f]:.1f}" for f in fields)
-        runs = [r for rs in rounds for r in rs if (r.engine, r.concurrency) == (engine, c)]
-        done, asked = min(r.requests for r in runs), max(r.asked for r in runs)
+        done, asked = finished[(engine, c)]
         print(f"| {c} | {engine} | {cells} | {done}/{asked} |")
         if done < asked:
             short.append(f"{engine} at c={c}")

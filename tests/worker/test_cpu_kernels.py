@@ -18,6 +18,7 @@ import pytest
 import structlog
 import torch
 from structlog.testing import CapturedCall
+from test_linear import _reference
 from test_worker_attention import LONG_MIXED, MIXED, _run_case
 
 from specserve.worker.cpu import kernels, ops
@@ -146,8 +147,7 @@ def test_avx2_bodies_match_the_references(avx2_library, monkeypatch, prefill_cal
         b = torch.randn(n, generator=g)
         x = torch.randn(rows, k, generator=g)
         got = kernels.panel_linear(x, kernels.pack_panels(w), b, n)
-        expected = (x.double() @ w.double().T + b.double()).float()
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, _reference(x, w, b).float(), atol=1e-5, rtol=1e-5)
 
 
 @needs_multi_row_kernel

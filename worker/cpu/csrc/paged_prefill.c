@@ -47,24 +47,18 @@
 #define PREFILL_SIMD 512
 #include <immintrin.h>
 
-/* exp(x) for x <= 0 within 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor
- * series to r^7 (error below 1e-8), scaled by 2^n. Inputs below -87 give exp(-87). */
-static inline __m512 exp_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
+/* The vector vocabulary the shared helpers below are written in: 16 float32 lanes. */
+typedef __m512 vf;
+#define VL 16
+#define vf_load _mm512_load_ps
+#define vf_store _mm512_store_ps
+#define vf_set1 _mm512_set1_ps
+#define vf_mul _mm512_mul_ps
+#define vf_max _mm512_max_ps
+#define vf_fmadd _mm512_fmadd_ps
+#define vf_fnmadd _mm512_fnmadd_ps
+#define vf_round_nearest(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define vf_times_pow2 _mm512_scalef_ps /* p * 2^n */
 
 /* Bits [a, b) of a 16-bit mask for lanes `base .. base + 16`. */
 static inline __mmask16 lanes(int64_t a, int64_t b, int64_t base) {
@@ -97,88 +91,25 @@ static inline void score_tile(float *restrict s, const float *restrict q,
 #undef STORE
 }
 
-/* o[r] += sum_n p[r][n] v[n] for two rows, 64 columns at a time (8 accumulators). */
-static inline void weigh_values(float *restrict o0, float *restrict o1,
-                                const float *restrict p0, const float *restrict p1,
-                                const float *restrict v, int64_t nk, int64_t dim) {
-    for (int64_t c = 0; c < dim; c += 64) {
-        const int64_t w = dim - c < 64 ? (dim - c) / 16 : 4;
-        __m512 x0 = _mm512_load_ps(o0 + c), y0 = _mm512_load_ps(o1 + c);
-        __m512 x1 = w > 1 ? _mm512_load_ps(o0 + c + 16) : x0, y1 = w > 1 ? _mm512_load_ps(o1 + c + 16) : y0;
-        __m512 x2 = w > 2 ? _mm512_load_ps(o0 + c + 32) : x0, y2 = w > 2 ? _mm512_load_ps(o1 + c + 32) : y0;
-        __m512 x3 = w > 3 ? _mm512_load_ps(o0 + c + 48) : x0, y3 = w > 3 ? _mm512_load_ps(o1 + c + 48) : y0;
-        for (int64_t n = 0; n < nk; n++) {
-            const float *restrict vn = v + n * dim + c;
-            const __m512 pa = _mm512_set1_ps(p0[n]), pb = _mm512_set1_ps(p1[n]);
-            const __m512 v0 = _mm512_load_ps(vn);
-            x0 = _mm512_fmadd_ps(pa, v0, x0), y0 = _mm512_fmadd_ps(pb, v0, y0);
-            if (w > 1) {
-                const __m512 v1 = _mm512_load_ps(vn + 16);
-                x1 = _mm512_fmadd_ps(pa, v1, x1), y1 = _mm512_fmadd_ps(pb, v1, y1);
-            }
-            if (w > 2) {
-                const __m512 v2 = _mm512_load_ps(vn + 32);
-                x2 = _mm512_fmadd_ps(pa, v2, x2), y2 = _mm512_fmadd_ps(pb, v2, y2);
-            }
-            if (w > 3) {
-                const __m512 v3 = _mm512_load_ps(vn + 48);
-                x3 = _mm512_fmadd_ps(pa, v3, x3), y3 = _mm512_fmadd_ps(pb, v3, y3);
-            }
-        }
-        _mm512_store_ps(o0 + c, x0), _mm512_store_ps(o1 + c, y0);
-        if (w > 1) _mm512_store_ps(o0 + c + 16, x1), _mm512_store_ps(o1 + c + 16, y1);
-        if (w > 2) _mm512_store_ps(o0 + c + 32, x2), _mm512_store_ps(o1 + c + 32, y2);
-        if (w > 3) _mm512_store_ps(o0 + c + 48, x3), _mm512_store_ps(o1 + c + 48, y3);
-    }
-}
-
-/* A row's weights in one block: p = exp(s - max) on lanes [a, b), zero elsewhere, where max
- * is the row's running maximum updated with this block's (stored back to *row_max); returns
- * the sum of p. */
-static inline float softmax_block(float *restrict p, const float *restrict s, int64_t a,
-                                  int64_t b, float *row_max) {
-    const __mmask16 lo_mask = lanes(a, b, 0), hi_mask = lanes(a, b, 16);
-    const __m512 neg = _mm512_set1_ps(MASKED);
-    const __m512 s0 = _mm512_mask_blend_ps(lo_mask, neg, _mm512_load_ps(s));
-    const __m512 s1 = _mm512_mask_blend_ps(hi_mask, neg, _mm512_load_ps(s + 16));
-    const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-    const float new_max = block_max > *row_max ? block_max : *row_max;
-    const __m512 top = _mm512_set1_ps(new_max);
-    const __m512 e0 = _mm512_maskz_mov_ps(lo_mask, exp_ps(_mm512_sub_ps(s0, top)));
-    const __m512 e1 = _mm512_maskz_mov_ps(hi_mask, exp_ps(_mm512_sub_ps(s1, top)));
-    _mm512_store_ps(p, e0), _mm512_store_ps(p + 16, e1);
-    *row_max = new_max;
-    return _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
-}
-
-/* o[0..dim) *= f. */
-static inline void scale_row(float *restrict o, float f, int64_t dim) {
-    const __m512 by = _mm512_set1_ps(f);
-    for (int64_t d = 0; d < dim; d += 16) _mm512_store_ps(o + d, _mm512_mul_ps(by, _mm512_load_ps(o + d)));
-}
-
 #elif defined(__AVX2__) && defined(__FMA__)
 #define PREFILL_SIMD 256
 #include <immintrin.h>
 
-/* The same kernel on 8-wide AVX2 registers: 16 of them hold half the score tile or half of
- * P x V's accumulators, so each runs in passes; exp, masks and reductions by hand. */
+/* The same kernel on 8-wide AVX2 registers: 16 of them hold half the score tile, so it runs
+ * in passes; masks and reductions by hand. */
+typedef __m256 vf;
+#define VL 8
+#define vf_load _mm256_load_ps
+#define vf_store _mm256_store_ps
+#define vf_set1 _mm256_set1_ps
+#define vf_mul _mm256_mul_ps
+#define vf_max _mm256_max_ps
+#define vf_fmadd _mm256_fmadd_ps
+#define vf_fnmadd _mm256_fnmadd_ps
+#define vf_round_nearest(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
-/* exp(x) for x <= 0, as the AVX-512 version (2^n built in the exponent bits: n >= -126). */
-static inline __m256 exp_ps(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 5040);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+/* p * 2^n for whole n >= -126, built in the exponent bits (AVX2 has no scalef). */
+static inline vf vf_times_pow2(vf p, vf n) {
     const __m256i bits = _mm256_slli_epi32(
         _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
@@ -236,44 +167,89 @@ static inline void score_tile(float *restrict s, const float *restrict q,
             score_quarter(s + m * KB + c, q + m * dim, kt + c, dim);
 }
 
-/* o[r] += sum_n p[r][n] v[n] for two rows, 32 columns at a time (8 accumulators). */
+#endif /* SIMD */
+
+#if defined(PREFILL_SIMD)
+
+/* exp(x) for x <= 0 within 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor
+ * series to r^7 (error below 1e-8), scaled by 2^n. Inputs below -87 give exp(-87). */
+static inline vf exp_ps(vf x) {
+    x = vf_max(x, vf_set1(-87.0f));
+    const vf n = vf_round_nearest(vf_mul(x, vf_set1(1.44269504088896341f)));
+    vf r = vf_fnmadd(n, vf_set1(0.693145751953125f), x);
+    r = vf_fnmadd(n, vf_set1(1.428606765330187e-06f), r);
+    vf p = vf_set1(1.0f / 5040);
+    p = vf_fmadd(p, r, vf_set1(1.0f / 720));
+    p = vf_fmadd(p, r, vf_set1(1.0f / 120));
+    p = vf_fmadd(p, r, vf_set1(1.0f / 24));
+    p = vf_fmadd(p, r, vf_set1(1.0f / 6));
+    p = vf_fmadd(p, r, vf_set1(0.5f));
+    p = vf_fmadd(p, r, vf_set1(1.0f));
+    p = vf_fmadd(p, r, vf_set1(1.0f));
+    return vf_times_pow2(p, n);
+}
+
+/* o[r] += sum_n p[r][n] v[n] for two rows, 4 vectors of columns at a time (8 accumulators). */
 static inline void weigh_values(float *restrict o0, float *restrict o1,
                                 const float *restrict p0, const float *restrict p1,
                                 const float *restrict v, int64_t nk, int64_t dim) {
-    for (int64_t c = 0; c < dim; c += 32) {
-        const int64_t w = dim - c < 32 ? (dim - c) / 8 : 4;
-        __m256 x0 = _mm256_load_ps(o0 + c), y0 = _mm256_load_ps(o1 + c);
-        __m256 x1 = w > 1 ? _mm256_load_ps(o0 + c + 8) : x0, y1 = w > 1 ? _mm256_load_ps(o1 + c + 8) : y0;
-        __m256 x2 = w > 2 ? _mm256_load_ps(o0 + c + 16) : x0, y2 = w > 2 ? _mm256_load_ps(o1 + c + 16) : y0;
-        __m256 x3 = w > 3 ? _mm256_load_ps(o0 + c + 24) : x0, y3 = w > 3 ? _mm256_load_ps(o1 + c + 24) : y0;
+    for (int64_t c = 0; c < dim; c += 4 * VL) {
+        const int64_t w = dim - c < 4 * VL ? (dim - c) / VL : 4;
+        vf x0 = vf_load(o0 + c), y0 = vf_load(o1 + c);
+        vf x1 = w > 1 ? vf_load(o0 + c + VL) : x0, y1 = w > 1 ? vf_load(o1 + c + VL) : y0;
+        vf x2 = w > 2 ? vf_load(o0 + c + 2 * VL) : x0, y2 = w > 2 ? vf_load(o1 + c + 2 * VL) : y0;
+        vf x3 = w > 3 ? vf_load(o0 + c + 3 * VL) : x0, y3 = w > 3 ? vf_load(o1 + c + 3 * VL) : y0;
         for (int64_t n = 0; n < nk; n++) {
             const float *restrict vn = v + n * dim + c;
-            const __m256 pa = _mm256_broadcast_ss(p0 + n), pb = _mm256_broadcast_ss(p1 + n);
-            const __m256 v0 = _mm256_load_ps(vn);
-            x0 = _mm256_fmadd_ps(pa, v0, x0), y0 = _mm256_fmadd_ps(pb, v0, y0);
+            const vf pa = vf_set1(p0[n]), pb = vf_set1(p1[n]);
+            const vf v0 = vf_load(vn);
+            x0 = vf_fmadd(pa, v0, x0), y0 = vf_fmadd(pb, v0, y0);
             if (w > 1) {
-                const __m256 v1 = _mm256_load_ps(vn + 8);
-                x1 = _mm256_fmadd_ps(pa, v1, x1), y1 = _mm256_fmadd_ps(pb, v1, y1);
+                const vf v1 = vf_load(vn + VL);
+                x1 = vf_fmadd(pa, v1, x1), y1 = vf_fmadd(pb, v1, y1);
             }
             if (w > 2) {
-                const __m256 v2 = _mm256_load_ps(vn + 16);
-                x2 = _mm256_fmadd_ps(pa, v2, x2), y2 = _mm256_fmadd_ps(pb, v2, y2);
+                const vf v2 = vf_load(vn + 2 * VL);
+                x2 = vf_fmadd(pa, v2, x2), y2 = vf_fmadd(pb, v2, y2);
             }
             if (w > 3) {
-                const __m256 v3 = _mm256_load_ps(vn + 24);
-                x3 = _mm256_fmadd_ps(pa, v3, x3), y3 = _mm256_fmadd_ps(pb, v3, y3);
+                const vf v3 = vf_load(vn + 3 * VL);
+                x3 = vf_fmadd(pa, v3, x3), y3 = vf_fmadd(pb, v3, y3);
             }
         }
-        _mm256_store_ps(o0 + c, x0), _mm256_store_ps(o1 + c, y0);
-        if (w > 1) _mm256_store_ps(o0 + c + 8, x1), _mm256_store_ps(o1 + c + 8, y1);
-        if (w > 2) _mm256_store_ps(o0 + c + 16, x2), _mm256_store_ps(o1 + c + 16, y2);
-        if (w > 3) _mm256_store_ps(o0 + c + 24, x3), _mm256_store_ps(o1 + c + 24, y3);
+        vf_store(o0 + c, x0), vf_store(o1 + c, y0);
+        if (w > 1) vf_store(o0 + c + VL, x1), vf_store(o1 + c + VL, y1);
+        if (w > 2) vf_store(o0 + c + 2 * VL, x2), vf_store(o1 + c + 2 * VL, y2);
+        if (w > 3) vf_store(o0 + c + 3 * VL, x3), vf_store(o1 + c + 3 * VL, y3);
     }
 }
 
-/* A row's weights in one block: p = exp(s - max) on lanes [a, b), zero elsewhere, where max
+/* o[0..dim) *= f. */
+static inline void scale_row(float *restrict o, float f, int64_t dim) {
+    const vf by = vf_set1(f);
+    for (int64_t d = 0; d < dim; d += VL) vf_store(o + d, vf_mul(by, vf_load(o + d)));
+}
+
+/* Per ISA, a row's weights in one block: p = exp(s - max) on lanes [a, b), zero elsewhere, where max
  * is the row's running maximum updated with this block's (stored back to *row_max); returns
  * the sum of p. */
+#if PREFILL_SIMD == 512
+static inline float softmax_block(float *restrict p, const float *restrict s, int64_t a,
+                                  int64_t b, float *row_max) {
+    const __mmask16 lo_mask = lanes(a, b, 0), hi_mask = lanes(a, b, 16);
+    const __m512 neg = _mm512_set1_ps(MASKED);
+    const __m512 s0 = _mm512_mask_blend_ps(lo_mask, neg, _mm512_load_ps(s));
+    const __m512 s1 = _mm512_mask_blend_ps(hi_mask, neg, _mm512_load_ps(s + 16));
+    const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+    const float new_max = block_max > *row_max ? block_max : *row_max;
+    const __m512 top = _mm512_set1_ps(new_max);
+    const __m512 e0 = _mm512_maskz_mov_ps(lo_mask, exp_ps(_mm512_sub_ps(s0, top)));
+    const __m512 e1 = _mm512_maskz_mov_ps(hi_mask, exp_ps(_mm512_sub_ps(s1, top)));
+    _mm512_store_ps(p, e0), _mm512_store_ps(p + 16, e1);
+    *row_max = new_max;
+    return _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+}
+#else
 static inline float softmax_block(float *restrict p, const float *restrict s, int64_t a,
                                   int64_t b, float *row_max) {
     __m256 mask[KB / 8], score[KB / 8], top = _mm256_set1_ps(MASKED);
@@ -294,16 +270,7 @@ static inline float softmax_block(float *restrict p, const float *restrict s, in
     *row_max = new_max;
     return hsum_ps(sum);
 }
-
-/* o[0..dim) *= f. */
-static inline void scale_row(float *restrict o, float f, int64_t dim) {
-    const __m256 by = _mm256_set1_ps(f);
-    for (int64_t d = 0; d < dim; d += 8) _mm256_store_ps(o + d, _mm256_mul_ps(by, _mm256_load_ps(o + d)));
-}
-
-#endif /* SIMD */
-
-#if defined(PREFILL_SIMD)
+#endif
 
 /* Row r's value at `d` of the page row `src` (float32 or bfloat16). */
 static inline float element(const char *src, int64_t d, int is_bf16) {
