@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import secrets
 import time
@@ -18,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -514,16 +514,16 @@ class Generation:
                 raise
             raise from_service_error(exc) from None  # type: ignore[arg-type]
 
-        async def events() -> AsyncIterator[str]:
+        async def events() -> AsyncIterator[bytes]:
             offsets = dict.fromkeys(self.choices, 0)
             try:
                 for index in sorted(self.choices):
                     opening = chunks.opening(index)
                     if opening is not None:
                         yield _sse(opening)
-                pending = [first] if first is not None else []
+                item = first
                 async with contextlib.aclosing(outputs):
-                    async for item in _chain(pending, outputs):
+                    while item is not None:
                         index, output = item
                         self._note_first()
                         choice = self.choices[index]
@@ -531,13 +531,14 @@ class Generation:
                         if text or entries or output.finished:
                             yield _sse(chunks.chunk(choice, text, entries, offsets[index]))
                             offsets[index] += len(text)
+                        item = await anext(outputs, None)
                 if include_usage:
                     yield _sse(chunks.usage([self.choices[i] for i in sorted(self.choices)]))
-                yield "data: [DONE]\n\n"
+                yield b"data: [DONE]\n\n"
             except Exception as exc:  # after the 200: the error goes in the stream
                 err = from_service_error(exc)
                 yield _sse(error_body(str(err), err.kind, err.param, err.status))
-                yield "data: [DONE]\n\n"
+                yield b"data: [DONE]\n\n"
             finally:
                 await self._finish(outputs)
 
@@ -570,7 +571,7 @@ class _ClosingStream(StreamingResponse):
     for garbage collection; here it runs at once: the choices are aborted and their KV freed.
     """
 
-    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]) -> None:
         super().__init__(body, media_type="text/event-stream")
         self._on_close = on_close
 
@@ -582,15 +583,12 @@ class _ClosingStream(StreamingResponse):
             await self._on_close()
 
 
-async def _chain(first: list, rest: AsyncIterator) -> AsyncIterator:
-    for item in first:
-        yield item
-    async for item in rest:
-        yield item
+def _sse(payload: dict[str, Any]) -> bytes:
+    """One server-sent event (msgspec's encoder: several times json's speed, UTF-8 as is)."""
+    return b"data: " + _json(payload) + b"\n\n"
 
 
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+_json = msgspec.json.Encoder().encode
 
 
 async def _until_disconnected(request: Request) -> None:

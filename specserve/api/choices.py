@@ -48,18 +48,42 @@ def plan_choices(
 _DONE = object()
 
 
-async def run_choices(
+def run_choices(
     client: AsyncClient, groups: list[list[Choice]], timeout: float | None
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Every output of every choice as it arrives. An error of any choice ends the whole
     iteration with that error; leaving early (or an error) aborts the choices still running."""
+    if len(groups) == 1 and len(groups[0]) == 1:
+        return _one_choice(client, groups[0][0], timeout)
+    return _merged(client, groups, timeout)
+
+
+def _open(
+    client: AsyncClient, choice: Choice, timeout: float | None
+) -> AsyncIterator[RequestOutput]:
+    return client.stream(
+        choice.prompt, choice.sampling, request_id=choice.request_id, timeout=timeout
+    )
+
+
+async def _one_choice(
+    client: AsyncClient, choice: Choice, timeout: float | None
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The common case, read straight from the SDK's stream: no task or queue in between, so
+    each streamed token costs one task switch less."""
+    async with contextlib.aclosing(_open(client, choice, timeout)) as outputs:
+        async for output in outputs:
+            yield choice.index, output
+
+
+async def _merged(
+    client: AsyncClient, groups: list[list[Choice]], timeout: float | None
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Several choices: a task per choice, their outputs merged through one queue."""
     queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | object] = asyncio.Queue()
 
     async def one(choice: Choice, started: asyncio.Event | None) -> None:
-        stream = client.stream(
-            choice.prompt, choice.sampling, request_id=choice.request_id, timeout=timeout
-        )
-        async with contextlib.aclosing(stream) as outputs:
+        async with contextlib.aclosing(_open(client, choice, timeout)) as outputs:
             async for output in outputs:
                 if started is not None:
                     started.set()

@@ -65,6 +65,9 @@ class AsyncClient(
         # The tasks waiting for news of an id (see `_wake`); an event is dropped once set.
         self._news: dict[str, asyncio.Event] = {}
         self._receiver: asyncio.Task[None] | None = None
+        # The same socket without asyncio's wrapping, to drain what has already arrived: the
+        # asyncio socket makes a future of each message, a large share of a streamed token's cost.
+        self._inbox = zmq.Socket.shadow(self._socket.underlying)
 
     async def abort(self, request_id: str) -> None:
         """Ask the control plane to stop a request. A submitted request stays collectable: its
@@ -131,11 +134,19 @@ class AsyncClient(
             await self._wait(step)
 
     async def _wait(self, step: Wait) -> None:
-        """Sleep until the receive task brings news of the request, or until `step.until`."""
+        """Sleep until the receive task brings news of the request, or until `step.until` (the
+        same event, set by a timer: cheaper per streamed token than a timeout's cancellation)."""
         news = self._news.setdefault(step.request_id, asyncio.Event())
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout_at(step.until):
-                await news.wait()
+        if step.until is None:
+            await news.wait()
+            return
+        timer = asyncio.get_running_loop().call_at(step.until, news.set)
+        try:
+            await news.wait()
+        finally:
+            timer.cancel()
+            if self._news.get(step.request_id) is news and news.is_set():
+                del self._news[step.request_id]  # set by the timer: the next wait needs a new one
 
     def _wake(self, request_id: str) -> None:
         news = self._news.pop(request_id, None)
@@ -157,7 +168,7 @@ class AsyncClient(
                 failover_at = self._failover_at()
                 wait_ms = None if failover_at is None else (failover_at - time.monotonic()) * 1e3
                 ready = dict(await poller.poll(None if wait_ms is None else max(wait_ms, 1)))
-                await self._file_waiting()
+                self._file_waiting()
                 if self._monitor in ready:
                     await self._send_all(await self._connection_news())
                 await self._send_all(self._failover())
@@ -167,13 +178,6 @@ class AsyncClient(
             log.error("client.receive.failed", error=repr(exc))
             self._fail_all(ServiceError(f"receiving from {self.url} failed: {exc!r}"))
 
-    async def _file_waiting(self) -> None:
-        while True:
-            try:
-                self._file(await self._socket.recv_multipart(zmq.NOBLOCK))
-            except zmq.Again:
-                return
-
     async def _connection_news(self) -> list[bytes]:
         events = []
         while True:
@@ -181,7 +185,7 @@ class AsyncClient(
                 events.append(connection_event(await self._monitor.recv_multipart(zmq.NOBLOCK)))
             except zmq.Again:
                 break
-        await self._file_waiting()  # what arrived before the connection dropped comes first
+        self._file_waiting()  # what arrived before the connection dropped comes first
         return self._on_connection_events(events)
 
     async def _wait_writable(self, wait: float | None) -> bool:

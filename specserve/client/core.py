@@ -85,6 +85,7 @@ class ClientCore(ABC, Generic[CompletionT, IdT, OutputsT]):
         # Watched before it connects, so that no change of the connection goes unseen.
         self._monitor = watch_connection(self._socket)
         connect_dealer(self._socket, self.url, **connect)
+        self._inbox: zmq.Socket = self._socket  # what `_file_waiting` reads the socket through
         self._lost_at: float | None = time.monotonic()  # None while a control plane answers
         self._unreachable = False  # the last send found no connection
         self._refusal: str | None = None  # why the control plane refused the last handshake
@@ -240,6 +241,14 @@ class ClientCore(ABC, Generic[CompletionT, IdT, OutputsT]):
         yield Send(abort_frame(request_id))
 
     # -- receiving --
+
+    def _file_waiting(self) -> None:
+        """File every message that has already arrived."""
+        while True:
+            try:
+                self._file(self._inbox.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
 
     def _file(self, frames: list[bytes]) -> None:
         """File one message from the control plane under its request (or drop it)."""

@@ -131,13 +131,6 @@ class Client(ClientCore[Completion, str, Iterator[RequestOutput]]):
             self._send_all(self._connection_news())
         self._send_all(self._failover())
 
-    def _file_waiting(self) -> None:
-        while True:
-            try:
-                self._file(self._socket.recv_multipart(zmq.NOBLOCK))
-            except zmq.Again:
-                return
-
     def _connection_news(self) -> list[bytes]:
         events = self._early_events + pending_events(self._monitor)
         self._early_events = []
