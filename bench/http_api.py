@@ -13,9 +13,14 @@ tokens, prefix caching on). Every request is a ShareGPT first user turn as a cha
 
 Every measured request is cold: each concurrency has its own prompts (max(16, 2c) of them),
 and a warm-up on 8 other prompts precedes the runs. Per round, each server runs alone: specserve
-three times, fresh each time (guidellm over HTTP; the SDK over ZeroMQ; the SDK's driver over
-HTTP, which isolates what the HTTP layer costs), then vLLM under guidellm. Rounds repeat all of
-it, so the machine's drift reaches every engine; the table shows the median over rounds.
+three times, fresh each time (guidellm over HTTP; the bench's driver over the ZeroMQ SDK; the
+same driver over HTTP with aiohttp, the client library of vLLM's own serving benchmark, which
+isolates what the HTTP layer costs), then vLLM under guidellm. Rounds repeat all of it, so the
+machine's drift reaches every engine; the table shows the median over rounds.
+
+On two cores the load generator's CPU competes with the server's, so the table also gives the CPU
+each output token cost the load generator (the driver, or guidellm's process) and specserve's
+HTTP API process.
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
+import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -34,6 +42,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import httpx
 from service import percentile
 
@@ -106,6 +115,8 @@ class Result:
     output_tokens_per_s: float
     requests: int  # that finished (the percentiles cover these only)
     asked: int  # sent
+    client_us_per_token: float | None = None  # the load generator's CPU per output token
+    api_us_per_token: float | None = None  # specserve's HTTP API process's
 
 
 # --- servers ---------------------------------------------------------------------------------
@@ -261,10 +272,13 @@ async def sdk_load(
 async def http_load(
     api: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int
 ) -> Result:
-    """The same load through the HTTP API with the same driver (httpx, server-sent events), so
-    that what the HTTP layer adds is measured apart from the client that drives it."""
-    limits = httpx.Limits(max_connections=concurrency)
-    async with httpx.AsyncClient(base_url=api, timeout=600, limits=limits) as client:
+    """The same load through the HTTP API with the same driver (server-sent events read with
+    aiohttp, whose C parser costs the driver less per token than the SDK; httpx's pure-Python
+    one cost it 2.5x more, which on two cores showed up as the server's latency), so that what
+    the HTTP layer adds is measured apart from the client that drives it."""
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(api, connector=connector, timeout=timeout) as session:
 
         async def send(i: int) -> Arrivals:
             body = {
@@ -272,20 +286,63 @@ async def http_load(
                 "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
             }  # fmt: skip
             sent = time.perf_counter()
-            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                async for line in response.aiter_lines():
+            async with session.post("/v1/chat/completions", json=body) as response:
+                response.raise_for_status()
+                async for line in response.content:
                     if _has_content(line):
                         yield time.perf_counter() - sent, 1
 
         return await closed_loop(concurrency, requests, send)
 
 
-def _has_content(line: str) -> bool:
+def _has_content(line: bytes) -> bool:
     """A chunk with new text (not the opening role chunk, the finish chunk or [DONE])."""
-    if not line.startswith("data: {") or '"content"' not in line:
+    if not line.startswith(b"data: {") or b'"content"' not in line:
         return False
     choices = json.loads(line[6:])["choices"]
     return bool(choices and choices[0]["delta"].get("content"))
+
+
+# --- CPU per token -----------------------------------------------------------------------------
+
+
+def own_cpu_s() -> float:
+    """This process's CPU time and its finished children's (guidellm runs as one)."""
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return sum(u.ru_utime + u.ru_stime for u in usage)
+
+
+def process_cpu_s(pid: int | None) -> float:
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def api_pid(log_path: Path) -> int | None:
+    """The HTTP API process of a `specserve up`, from its log ("started api (pid N)")."""
+    found = re.search(r"started api \(pid (\d+)\)", log_path.read_text())
+    return int(found.group(1)) if found else None
+
+
+@dataclass(frozen=True)
+class CpuMark:
+    """CPU times before a run: the load generator's and (if any) the API process's."""
+
+    api: int | None
+    client_s: float
+    api_s: float
+
+    @classmethod
+    def now(cls, api: int | None) -> CpuMark:
+        return cls(api, own_cpu_s(), process_cpu_s(api))
+
+    def charge(self, result: Result, max_tokens: int) -> None:
+        """Fill in what each output token of the run cost since this mark."""
+        tokens = max(1, result.requests * max_tokens)  # EOS is ignored: each finished one's all
+        result.client_us_per_token = (own_cpu_s() - self.client_s) * 1e6 / tokens
+        if self.api is not None:
+            result.api_us_per_token = (process_cpu_s(self.api) - self.api_s) * 1e6 / tokens
 
 
 # --- the run ---------------------------------------------------------------------------------
@@ -332,8 +389,10 @@ def run_round(args: argparse.Namespace, model: Path, work: Workload, logs: Path)
         argv = specserve_argv(model, port, api_port)
         with server("specserve", argv, api, dict(os.environ), logs / "specserve.log"):
             asyncio.run(http_load(api, work.warmup, 4, len(work.warmup), args.max_tokens))
+            pid = api_pid(logs / "specserve.log")
             for c in args.concurrency:
                 prompts, n = work.by_concurrency[c], requests_at(c)
+                mark = CpuMark.now(None if mode == "specserve zmq sdk" else pid)
                 if mode == "specserve http":
                     r = guidellm(api, model, work.files[c], c, n)
                 elif mode == "specserve zmq sdk":
@@ -341,6 +400,7 @@ def run_round(args: argparse.Namespace, model: Path, work: Workload, logs: Path)
                     r = asyncio.run(sdk_load(url, prompts, c, n, args.max_tokens))
                 else:
                     r = asyncio.run(http_load(api, prompts, c, n, args.max_tokens))
+                mark.charge(r, args.max_tokens)
                 r.engine = mode
                 results.append(r)
                 log(f"{mode} c={c}: {r}")
@@ -352,7 +412,9 @@ def run_round(args: argparse.Namespace, model: Path, work: Workload, logs: Path)
     with server("vllm", vllm_argv(model, vport), url, vllm_env(), logs / "vllm.log"):
         guidellm(url, model, work.files["warmup"], 4, WARMUP_REQUESTS)
         for c in args.concurrency:
+            mark = CpuMark.now(None)
             r = guidellm(url, model, work.files[c], c, requests_at(c))
+            mark.charge(r, args.max_tokens)
             r.engine = "vllm http"
             results.append(r)
             log(f"vllm http c={c}: {r}")
@@ -364,21 +426,27 @@ def print_table(rounds: list[list[Result]]) -> None:
         {(r.engine, r.concurrency) for rs in rounds for r in rs}, key=lambda k: (k[1], k[0])
     )
     fields = ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "output_tokens_per_s"]
+    cpu_fields = ["client_us_per_token", "api_us_per_token"]
     med: dict[tuple[str, int], dict[str, float]] = {}
     finished: dict[tuple[str, int], tuple[int, int]] = {}  # fewest finished, most sent
     for key in keys:
         runs = [r for rs in rounds for r in rs if (r.engine, r.concurrency) == key]
         med[key] = {f: statistics.median(getattr(r, f) for r in runs) for f in fields}
+        for f in cpu_fields:
+            values = [getattr(r, f) for r in runs if getattr(r, f) is not None]
+            med[key][f] = statistics.median(values) if values else math.nan
         finished[key] = min(r.requests for r in runs), max(r.asked for r in runs)
     header = ["concurrency", "engine", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"]
-    print("| " + " | ".join([*header, "output tok/s", "finished"]) + " |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    cpu_header = ["load generator CPU us/tok", "API CPU us/tok"]
+    print("| " + " | ".join([*header, "output tok/s", "finished", *cpu_header]) + " |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     short = []
     for c, engine in [(k[1], k[0]) for k in keys]:
         m = med[(engine, c)]
         cells = " | ".join(f"{m[f]:.1f}" for f in fields)
         done, asked = finished[(engine, c)]
-        print(f"| {c} | {engine} | {cells} | {done}/{asked} |")
+        cpu = " | ".join("-" if math.isnan(m[f]) else f"{m[f]:.0f}" for f in cpu_fields)
+        print(f"| {c} | {engine} | {cells} | {done}/{asked} | {cpu} |")
         if done < asked:
             short.append(f"{engine} at c={c}")
     print()
