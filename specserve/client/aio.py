@@ -18,7 +18,6 @@ from specserve.client.errors import ServiceError, ServiceUnreachable
 from specserve.client.state import Completion
 from specserve.client.steps import Run, Send, Step, Steps, Wait
 from specserve.client.wire import ConnectOptions, abort_frame
-from specserve.shared.connection import connection_event
 from specserve.shared.protocol import GenerateRequest, RequestOutput
 
 log = structlog.get_logger(__name__)
@@ -65,9 +64,10 @@ class AsyncClient(
         # The tasks waiting for news of an id (see `_wake`); an event is dropped once set.
         self._news: dict[str, asyncio.Event] = {}
         self._receiver: asyncio.Task[None] | None = None
-        # The same socket without asyncio's wrapping, to drain what has already arrived: the
+        # The same sockets without asyncio's wrapping, to drain what has already arrived: the
         # asyncio socket makes a future of each message, a large share of a streamed token's cost.
         self._inbox = zmq.Socket.shadow(self._socket.underlying)
+        self._monitor_inbox = zmq.Socket.shadow(self._monitor.underlying)
 
     async def abort(self, request_id: str) -> None:
         """Ask the control plane to stop a request. A submitted request stays collectable: its
@@ -170,23 +170,13 @@ class AsyncClient(
                 ready = dict(await poller.poll(None if wait_ms is None else max(wait_ms, 1)))
                 self._file_waiting()
                 if self._monitor in ready:
-                    await self._send_all(await self._connection_news())
+                    await self._send_all(self._connection_news())
                 await self._send_all(self._failover())
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the socket is unusable: nothing more will arrive
             log.error("client.receive.failed", error=repr(exc))
             self._fail_all(ServiceError(f"receiving from {self.url} failed: {exc!r}"))
-
-    async def _connection_news(self) -> list[bytes]:
-        events = []
-        while True:
-            try:
-                events.append(connection_event(await self._monitor.recv_multipart(zmq.NOBLOCK)))
-            except zmq.Again:
-                break
-        self._file_waiting()  # what arrived before the connection dropped comes first
-        return self._on_connection_events(events)
 
     async def _wait_writable(self, wait: float | None) -> bool:
         """Wait up to `wait` seconds for a connection to send on; False if none came, or as

@@ -34,7 +34,12 @@ from specserve.client.wire import (
     request_args,
 )
 from specserve.shared import protocol
-from specserve.shared.connection import HANDSHAKE_REFUSALS, next_url, watch_connection
+from specserve.shared.connection import (
+    HANDSHAKE_REFUSALS,
+    next_url,
+    pending_events,
+    watch_connection,
+)
 from specserve.shared.protocol import GenerateRequest, RequestOutput, SamplingParams
 
 log = structlog.get_logger(__name__)
@@ -85,7 +90,9 @@ class ClientCore(ABC, Generic[CompletionT, IdT, OutputsT]):
         # Watched before it connects, so that no change of the connection goes unseen.
         self._monitor = watch_connection(self._socket)
         connect_dealer(self._socket, self.url, **connect)
-        self._inbox: zmq.Socket = self._socket  # what `_file_waiting` reads the socket through
+        # What `_file_waiting` and `_connection_news` read the socket and its monitor through.
+        self._inbox: zmq.Socket = self._socket
+        self._monitor_inbox: zmq.Socket = self._monitor
         self._lost_at: float | None = time.monotonic()  # None while a control plane answers
         self._unreachable = False  # the last send found no connection
         self._refusal: str | None = None  # why the control plane refused the last handshake
@@ -249,6 +256,14 @@ class ClientCore(ABC, Generic[CompletionT, IdT, OutputsT]):
                 self._file(self._inbox.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
+
+    def _connection_news(self) -> list[bytes]:
+        """Act on the connection's waiting events (and any a blocking send read early): the
+        frames to send because of them."""
+        events = self._early_events + pending_events(self._monitor_inbox)
+        self._early_events = []
+        self._file_waiting()  # what arrived before the connection dropped comes first
+        return self._on_connection_events(events)
 
     def _file(self, frames: list[bytes]) -> None:
         """File one message from the control plane under its request (or drop it)."""

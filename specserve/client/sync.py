@@ -131,12 +131,6 @@ class Client(ClientCore[Completion, str, Iterator[RequestOutput]]):
             self._send_all(self._connection_news())
         self._send_all(self._failover())
 
-    def _connection_news(self) -> list[bytes]:
-        events = self._early_events + pending_events(self._monitor)
-        self._early_events = []
-        self._file_waiting()  # what arrived before the connection dropped comes first
-        return self._on_connection_events(events)
-
     def _send_all(self, frames: list[bytes]) -> None:
         for frame in frames:
             self._send(frame)
