@@ -379,11 +379,13 @@ def make_workload(prompts: list[str], concurrencies: list[int], max_tokens: int,
     return Workload(warmup, {c: sets[c] for c in concurrencies}, files)  # type: ignore[misc]
 
 
+MODES = ("specserve http", "specserve zmq sdk", "specserve http driver")
+
+
 def run_round(args: argparse.Namespace, model: Path, work: Workload, logs: Path) -> list[Result]:
     """specserve in each mode (a fresh server per mode: cold caches), then vLLM."""
     results: list[Result] = []
-    modes = ("specserve http", "specserve zmq sdk", "specserve http driver")
-    for mode in modes:
+    for mode in args.modes:
         port, api_port = free_port(), free_port()
         api = f"http://127.0.0.1:{api_port}"
         argv = specserve_argv(model, port, api_port)
@@ -478,7 +480,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-prompt-tokens", type=int, default=512)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--no-peer", action="store_true", help="specserve only (no vLLM)")
+    p.add_argument(
+        "--modes",
+        type=lambda s: s.split(","),
+        default=list(MODES),
+        help=f"specserve's rows, comma-separated from: {', '.join(MODES)}",
+    )
     args = p.parse_args(argv)
+    if unknown := set(args.modes) - set(MODES):
+        p.error(f"unknown mode(s): {', '.join(sorted(unknown))}")
     if not (PEER_BIN / "guidellm").exists():
         print("error: run `bash scripts/setup_peer.sh` first (vLLM and guidellm)", file=sys.stderr)
         return 2

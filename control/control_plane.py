@@ -77,6 +77,7 @@ from specserve.shared.protocol import (
     GenerateRequest,
     Heartbeat,
     Leaving,
+    OutputBatch,
     ProtocolError,
     Register,
     Rejected,
@@ -742,6 +743,10 @@ class ControlPlane:
         """An answer from a plane requests were forwarded to: an output to relay, or a refusal
         (the request is then served here)."""
         msg = self._decode(url.encode(), payload)
+        for reply in msg.outputs if isinstance(msg, OutputBatch) else [msg]:
+            self._on_peer_reply(url, reply)
+
+    def _on_peer_reply(self, url: str, msg: protocol.Message | ProtocolError) -> None:
         request_id = getattr(msg, "request_id", None)
         req = self.frontend.requests.get(request_id) if isinstance(request_id, str) else None
         if req is None or req.forwarded_to != url:

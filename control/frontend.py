@@ -23,6 +23,7 @@ from specserve.shared.protocol import (
     ErrorReply,
     GenerateRequest,
     Message,
+    OutputBatch,
     RequestOutput,
     SamplingParams,
     SpecStats,
@@ -115,6 +116,8 @@ class Frontend:
         self.max_pending_per_client = max_pending_per_client
         self.requests: dict[str, ClientRequest] = {}
         self.pending = Counter[bytes]()  # per client: its requests in `requests`
+        # While a step's updates are delivered: each client's outputs, sent as one frame after.
+        self._outbox: dict[bytes, list[RequestOutput]] | None = None
 
     # --- requests in ----------------------------------------------------------------------
 
@@ -348,6 +351,17 @@ class Frontend:
         """Pass one step's updates on to their clients (buffered for non-streaming requests).
         A stop string in the new text ends its request there, on its worker too."""
         now = time.monotonic()
+        self._outbox = {}
+        try:
+            self._deliver(updates, now)
+        finally:
+            outbox, self._outbox = self._outbox, None
+            for client, outputs in outbox.items():
+                batch = outputs[0] if len(outputs) == 1 else OutputBatch(PROTOCOL_VERSION, outputs)
+                if not self._send(client, batch):
+                    self._client_gone(client)
+
+    def _deliver(self, updates: list[RequestUpdate], now: float) -> None:
         for update in updates:
             req = self.requests.get(update.request_id)
             if req is None:
@@ -402,9 +416,7 @@ class Frontend:
                 req.text.append(text)
             req.logprobs.extend(logprobs)
             return
-        out = self.output(req, new, text, logprobs=logprobs or None)
-        if not self._send(req.client, out):
-            self._client_gone(req.client)
+        self._send_output(req.client, self.output(req, new, text, logprobs=logprobs or None))
 
     def finish(
         self,
@@ -444,8 +456,15 @@ class Frontend:
             req, tokens, text, finished=True, finish_reason=reason, error=error,
             logprobs=out_logprobs or None, spec=spec, resumable=resumable,
         )  # fmt: skip
-        self._send(req.client, out)
+        self._send_output(req.client, out)
         log.debug("request.finished", request_id=req.request_id, reason=reason, error=error)
+
+    def _send_output(self, client: bytes, out: RequestOutput) -> None:
+        """Send an output now, or with the rest of its client's while a step is delivered."""
+        if self._outbox is not None:
+            self._outbox.setdefault(client, []).append(out)
+        elif not self._send(client, out):
+            self._client_gone(client)
 
     def text_delta(self, req: ClientRequest, final: bool) -> tuple[str | None, bool]:
         """Text completed by the newest tokens, and whether it holds a stop string.

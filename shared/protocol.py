@@ -399,6 +399,15 @@ class RequestOutput(msgspec.Struct, frozen=True, tag="output", forbid_unknown_fi
     resumable: bool = False
 
 
+class OutputBatch(msgspec.Struct, frozen=True, tag="outputs", forbid_unknown_fields=True):
+    """Control -> client: a step's outputs for one client's requests, in one frame. A client
+    streaming many requests gets one frame (and one wake-up) per step instead of one per
+    request; each output reads as if it had come alone, in order."""
+
+    version: int
+    outputs: list[RequestOutput]
+
+
 class StatusRequest(msgspec.Struct, frozen=True, tag="status", forbid_unknown_fields=True):
     """Client -> control: how is the service? Answered with a `ServiceStatus`."""
 
@@ -440,6 +449,7 @@ Message = (
     | AbortRequest
     | StatusRequest
     | RequestOutput
+    | OutputBatch
     | ServiceStatus
     | ErrorReply
 )

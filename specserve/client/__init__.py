@@ -24,7 +24,7 @@ from specserve.client.state import Completion
 from specserve.client.status import fetch_status, get_status
 from specserve.client.sync import Client
 from specserve.client.tombstones import TOMBSTONE_TTL_S
-from specserve.client.wire import Prompt, Reply, build_request, check_reply, parse_reply
+from specserve.client.wire import Prompt, Reply, build_request, check_reply, parse_replies
 from specserve.shared.protocol import ChatMessage, SamplingParams, ServiceStatus
 
 __all__ = [
@@ -48,5 +48,5 @@ __all__ = [
     "check_reply",
     "fetch_status",
     "get_status",
-    "parse_reply",
+    "parse_replies",
 ]

@@ -25,12 +25,13 @@ from specserve.client.wire import (
     ConnectOptions,
     Options,
     Prompt,
+    Reply,
     RequestArgs,
     abort_frame,
     check_reply,
     connect_dealer,
     ends_request,
-    parse_reply,
+    parse_replies,
     request_args,
 )
 from specserve.shared import protocol
@@ -266,10 +267,13 @@ class ClientCore(ABC, Generic[CompletionT, IdT, OutputsT]):
         return self._on_connection_events(events)
 
     def _file(self, frames: list[bytes]) -> None:
-        """File one message from the control plane under its request (or drop it)."""
+        """File one message from the control plane under its requests (or drop it)."""
         self._heard = True
-        reply = parse_reply(frames)
-        if reply is None or self._tombstones.swallow(reply):
+        for reply in parse_replies(frames):
+            self._file_reply(reply)
+
+    def _file_reply(self, reply: Reply) -> None:
+        if self._tombstones.swallow(reply):
             return
         state = self._requests.get(reply.request_id)
         if state is None:  # e.g. the tail of an aborted request whose tombstone expired

@@ -21,6 +21,7 @@ from specserve.shared.protocol import (
     ChatMessage,
     ErrorReply,
     GenerateRequest,
+    OutputBatch,
     ProtocolError,
     RequestOutput,
     SamplingParams,
@@ -177,21 +178,24 @@ def abort_frame(request_id: str) -> bytes:
     return protocol.encode(AbortRequest(version=PROTOCOL_VERSION, request_id=request_id))
 
 
-def parse_reply(frames: list[bytes]) -> Reply | None:
-    """Decode one message from the control plane; None (logged) for anything no request awaits."""
+def parse_replies(frames: list[bytes]) -> list[Reply]:
+    """Decode one message from the control plane into the replies it carries (a step's outputs
+    come batched); none (logged) for anything no request awaits."""
     try:
         msg = protocol.decode(frames[-1])  # the payload is the last frame, delimiter or not
     except ProtocolError as exc:
         log.warning("client.frame.undecodable", error=str(exc), size=len(frames[-1]))
-        return None
+        return []
+    if isinstance(msg, OutputBatch):
+        return list(msg.outputs)
     if isinstance(msg, ErrorReply) and msg.request_id is None:
         # About a frame the control plane could not decode: no request of ours to fail.
         log.warning("client.server_error", message=msg.message)
-        return None
+        return []
     if not isinstance(msg, RequestOutput | ErrorReply):
         log.warning("client.frame.unexpected", type=type(msg).__name__)
-        return None
-    return msg
+        return []
+    return [msg]
 
 
 def check_reply(reply: Reply) -> RequestOutput:

@@ -35,6 +35,7 @@ from specserve.shared.protocol import (
     ErrorReply,
     GenerateRequest,
     Message,
+    OutputBatch,
     RequestOutput,
     SamplingParams,
     SpecStats,
@@ -166,10 +167,12 @@ def echoed(request_id: str, n: int) -> Completion:
 
 class Interleaved:
     """Script: hold requests until `n` have arrived, then answer them round-robin, newest first,
-    so every request's outputs arrive between the other requests' outputs."""
+    so every request's outputs arrive between the other requests' outputs. `batched`: each
+    round in one `OutputBatch`, as the control plane sends a step's outputs for one client."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, batched: bool = False) -> None:
         self.n = n
+        self.batched = batched
         self.waiting: list[GenerateRequest] = []
 
     def __call__(self, msg: Message) -> Sequence[Message | bytes]:
@@ -179,7 +182,10 @@ class Interleaved:
         if len(self.waiting) < self.n:
             return []
         batch, self.waiting = self.waiting[::-1], []
-        return [echo(request, step) for step in range(2) for request in batch]
+        rounds = [[echo(request, step) for request in batch] for step in range(2)]
+        if self.batched:
+            return [OutputBatch(PROTOCOL_VERSION, outputs) for outputs in rounds]
+        return [output for outputs in rounds for output in outputs]
 
 
 @pytest.fixture
@@ -273,8 +279,9 @@ def test_generate_folds_the_outputs_into_one_completion(serve) -> None:
     assert sent.stream is False
 
 
-def test_interleaved_outputs_reach_their_own_requests(serve) -> None:
-    server = serve(Interleaved(2))
+@pytest.mark.parametrize("batched", [False, True], ids=["one per frame", "batched"])
+def test_interleaved_outputs_reach_their_own_requests(serve, batched: bool) -> None:
+    server = serve(Interleaved(2, batched))
     with Client(server.url, timeout=WAIT) as client:
         first = client.submit([1])
         second = client.submit([2])
@@ -366,8 +373,9 @@ def test_undecodable_frames_are_logged_and_skipped(serve, monkeypatch) -> None:
 # -- AsyncClient -------------------------------------------------------------------------------
 
 
-def test_async_interleaved_outputs_reach_their_own_requests(serve) -> None:
-    server = serve(Interleaved(2))
+@pytest.mark.parametrize("batched", [False, True], ids=["one per frame", "batched"])
+def test_async_interleaved_outputs_reach_their_own_requests(serve, batched: bool) -> None:
+    server = serve(Interleaved(2, batched))
 
     async def main() -> None:
         async with AsyncClient(server.url, timeout=WAIT) as client:

@@ -26,6 +26,7 @@ from specserve.shared.protocol import (
     Heartbeat,
     KeptRequest,
     NewRequest,
+    OutputBatch,
     Register,
     Rejected,
     RequestOutput,
@@ -80,8 +81,13 @@ class RecordingPlane(ControlPlane):
         return [m for i, m in self.sent if i == wid and isinstance(m, StepBatch)]
 
     def outputs(self, client: bytes = b"c1") -> list:
+        """What `client` was sent, a step's batched outputs one by one."""
+        sent = [m for i, m in self.sent if i == client]
         return [
-            m for i, m in self.sent if i == client and isinstance(m, RequestOutput | ErrorReply)
+            m
+            for msg in sent
+            for m in (msg.outputs if isinstance(msg, OutputBatch) else [msg])
+            if isinstance(m, RequestOutput | ErrorReply)
         ]
 
     def answer(self, worker_id: str, batch: StepBatch, token: int) -> None:
@@ -145,6 +151,29 @@ def test_worker_lost_right_after_its_result_resumes_without_repeats(plane: Recor
     assert tokens(plane.outputs()) == [10, 11, 12]
     assert [o.finish_reason for o in plane.outputs() if o.finished] == ["length"]
     assert a not in plane.workers
+
+
+def test_a_steps_outputs_reach_each_client_in_one_frame(plane: RecordingPlane):
+    plane.register("w0")
+    for request_id in ("a1", "a2", "a3"):
+        plane.generate(request_id, [1, 2, 3, 4, 5], client=b"alice", max_tokens=3)
+    plane.generate("b1", [6, 7, 8, 9], client=b"bob", max_tokens=3)
+    plane._dispatch_all()
+    batch = plane.batches("w0")[-1]
+    plane.sent.clear()
+    plane.answer("w0", batch, token=10)
+    (alice,) = [m for i, m in plane.sent if i == b"alice"]
+    assert isinstance(alice, OutputBatch)
+    assert [(o.request_id, o.token_ids) for o in alice.outputs] == [
+        ("a1", [10]), ("a2", [10]), ("a3", [10])
+    ]  # fmt: skip
+    (bob,) = [m for i, m in plane.sent if i == b"bob"]
+    assert isinstance(bob, RequestOutput) and bob.token_ids == [10]  # alone: not wrapped
+    plane.unreachable.add(b"alice")  # alice is gone when the next step's frame is sent
+    plane.answer("w0", plane.batches("w0")[-1], token=11)
+    assert list(plane.frontend.requests) == ["b1"]
+    assert plane.metrics.sample("specserve_requests_total", {"reason": "abort"}) == 3.0
+    assert tokens(plane.outputs(b"bob")) == [10, 11]
 
 
 def test_a_late_result_of_an_earlier_registration_is_ignored(plane: RecordingPlane):

@@ -294,7 +294,8 @@ def raw_exchange(url: str, frames: list[bytes], expect: int) -> list[protocol.Me
         replies = []
         while len(replies) < expect:
             assert sock.poll(20_000), f"no reply after {len(replies)} of {expect}"
-            replies.append(protocol.decode(sock.recv()))
+            reply = protocol.decode(sock.recv())  # (outputs of one step come in one frame)
+            replies += reply.outputs if isinstance(reply, protocol.OutputBatch) else [reply]
         return replies
     finally:
         sock.close()
