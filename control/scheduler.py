@@ -64,7 +64,7 @@ class Scheduler:
         self.config = config
         self.spec = config.spec
         self.kv = KVCacheManager(
-            cache_config, config.max_model_len, use_eagle=self.spec.reads_target_hidden_states
+            cache_config, config.max_model_len, use_eagle=self.spec.draft_kv_reads_next_token
         )
         self.lookahead_tokens = self.spec.lookahead_tokens
         # KV is always computed here, so a first prefill gets the full lookahead too.

@@ -87,9 +87,17 @@ class SpecConfig:
 
     @property
     def reads_target_hidden_states(self) -> bool:
-        """EAGLE-style drafters: their draft KV at a block's last position depends on the next
-        token, so prefix hits drop their last block and sliding-window masks shift by one."""
+        """Drafters that read the target's hidden states (EAGLE-3, DFlash)."""
         return self.method in (SpecMethod.EAGLE3, SpecMethod.DFLASH)
+
+    @property
+    def draft_kv_reads_next_token(self) -> bool:
+        """EAGLE-3: its drafter's row at position p reads the token at p + 1, so the draft KV at
+        a cached block's last position is that of the request which computed it: prefix hits
+        drop their last block and sliding-window masks shift by one. DFlash's context K/V at p
+        reads the target's hidden state at p alone, the same for every request that shares the
+        prefix: its hits are whole."""
+        return self.method == SpecMethod.EAGLE3
 
     @property
     def drafter_input_slots(self) -> int:

@@ -162,6 +162,28 @@ class Attention(nn.Module):
         out = self.backend.forward(q, layer_cache, group_meta, self.scale)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
+    def write_context_kv(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: PagedKVCache,
+        rows: tuple[torch.Tensor, torch.Tensor],
+    ) -> None:
+        """Write the K/V of rows no query reads out (`x` as `forward` takes it; `rows` from
+        `kv_write_rows`): the k/v columns of `qkv_proj` alone, `k_norm`, RoPE. A drafter's
+        context rows need nothing more, and q, the attention and what follows it would be a
+        forward's larger part."""
+        q_size, kv_size, _ = self.split
+        weight = self.qkv_proj.weight[q_size:]
+        bias = None if self.qkv_proj.bias is None else self.qkv_proj.bias[q_size:]
+        k, v = F.linear(x, weight, bias).split(kv_size, dim=-1)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        kv_cache.write_rows(self.layer_id, apply_rope(k, cos, sin), v, rows)
+
     def _rope_and_write(
         self,
         qkv: torch.Tensor,

@@ -402,6 +402,20 @@ def test_prefix_cache_statistics():
     assert s.kv.stats.hit_rate == pytest.approx(0.4)
 
 
+@pytest.mark.parametrize(("method", "hit"), [(None, 32), ("eagle3", 16), ("dflash", 32)])
+def test_prefix_hits_drop_their_last_block_only_for_eagle3(method, hit):
+    """An EAGLE-3 drafter's row at a block's last position read the next token of the request
+    that computed it; DFlash's context K/V reads the target's hidden state there alone."""
+    s = make_scheduler(SpecConfig(method, 3) if method else None)
+    worker = ScriptedWorker(s)
+    add(s, "a", list(range(40)))
+    worker.step()
+    add(s, "b", list(range(40)))
+    step, _ = worker.step()
+    assert step.num_scheduled_tokens["b"] == 40 - hit
+    assert step.batch.new_requests[0].num_computed_tokens == hit
+
+
 @pytest.mark.parametrize(
     ("prompt", "sampling", "message"),
     [

@@ -183,6 +183,47 @@ def test_eagle3_matches_dense_reference(
         feed = feed_next
 
 
+@pytest.mark.parametrize("case", ["yuhuili-d2t", "speculators-qwen3-d2t"])  # one layer
+def test_eagle3_context_kv_alone_then_one_query_per_request(
+    case: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """A catch-up over rows whose outputs nobody reads writes the K/V a full pass writes; the
+    last rows then run alone against it and give the full pass's outputs."""
+    style, target_name, draft_vocab, nbr, layers, lm_head, _ = EAGLE_CASES[case]
+    target: Target = request.getfixturevalue(f"{target_name}_target")
+    path = write_random_eagle3(
+        tmp_path, target.config, style, draft_vocab, seed=3, num_layers=layers,
+        aux_layer_ids=[1, 2, 4], norm_before_residual=nbr, with_lm_head=lm_head,
+    )  # fmt: skip
+    drafter = load_eagle3(path, target.model)
+    assert drafter.context_rows_are_kv
+    gen = torch.Generator().manual_seed(4)
+    lens = [9, 6]
+    ids = torch.randint(0, 256, (sum(lens),), generator=gen)
+    hidden = drafter.combine_hidden_states(torch.randn(sum(lens), 3 * 64, generator=gen))
+    positions = torch.cat([torch.arange(n) for n in lens])
+    full = drafter.make_kv_cache(NUM_BLOCKS, BLOCK)
+    meta = drafter.build_attn_metadata([_step(n, n, r) for r, n in enumerate(lens)], BLOCK, "cpu")
+    normed, prenorm = drafter(ids, hidden, positions, meta, full)
+
+    alone = drafter.make_kv_cache(NUM_BLOCKS, BLOCK)
+    slots = [s for r, n in enumerate(lens) for s in _slots(TABLES[r], range(n))]
+    drafter.write_context_kv(ids, hidden, positions, torch.tensor(slots), alone)
+    written = torch.tensor(slots)
+    for got, want in zip(alone.layers.values(), full.layers.values(), strict=True):
+        for kv in range(2):
+            flat_got = got[:, kv].reshape(-1, *got.shape[3:])  # [blocks * block, heads, dim]
+            flat_want = want[:, kv].reshape(-1, *want.shape[3:])
+            torch.testing.assert_close(flat_got[written], flat_want[written], atol=ATOL, rtol=0)
+    last = torch.tensor([lens[0] - 1, sum(lens) - 1])
+    one_each = drafter.build_attn_metadata(
+        [_step(1, n, r) for r, n in enumerate(lens)], BLOCK, "cpu"
+    )
+    normed_last, prenorm_last = drafter(ids[last], hidden[last], positions[last], one_each, alone)
+    torch.testing.assert_close(normed_last, normed[last], atol=ATOL, rtol=0)
+    torch.testing.assert_close(prenorm_last, prenorm[last], atol=ATOL, rtol=0)
+
+
 def _check_eagle3_logits(
     drafter: Eagle3Drafter, normed: torch.Tensor, w: Weights, target: Target
 ) -> None:

@@ -363,6 +363,37 @@ def _scripted_drafts(llm: LLM, num_drafts) -> dict[tuple[str, int], list[int]]:
     return recorded
 
 
+@pytest.mark.parametrize(("method", "hit"), [("eagle3", 8), ("dflash", 12)])
+def test_after_a_prefix_hit_the_drafts_are_those_of_a_cold_request(
+    qwen3_ckpt, tmp_path, method, hit
+):
+    """DFlash keeps a whole hit (its context K/V at a position reads the target's hidden state
+    there alone), EAGLE-3 computes the hit's last block again (its row there read the next
+    token): either way a request's drafts after a hit are those it proposes from scratch."""
+    drafter = _drafter(qwen3_ckpt, method, tmp_path)
+    (shared,) = prompts([12], seed=8)  # three blocks of 4
+    first, second = [*shared, 5, 6], [*shared, 9, 10, 11]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    runs = []
+    for warm in (True, False):
+        llm = LLM(str(qwen3_ckpt.path), spec_method=method, drafter=drafter, num_spec_tokens=K,
+                  block_size=4, num_blocks=256, dtype="float64",
+                  enable_prefix_caching=True)  # fmt: skip
+        recorded = _scripted_drafts(llm, lambda handle, step: K)
+        if warm:
+            llm.generate([first], params)
+            recorded.clear()
+        stats = llm.engine.scheduler.kv.stats
+        hits_before = stats.hits
+        (out,) = llm.generate([second], params)
+        drafts = {length: d for (_, length), d in recorded.items()}
+        runs.append((stats.hits - hits_before, drafts, out.token_ids))
+    (warm_hit, warm_drafts, warm_out), (cold_hit, cold_drafts, cold_out) = runs
+    assert (warm_hit, cold_hit) == (hit, 0)
+    assert warm_out == cold_out
+    assert len(warm_drafts) >= 3 and warm_drafts == cold_drafts
+
+
 @pytest.mark.parametrize("method", ["eagle3", "dflash"])
 def test_fewer_drafts_are_a_prefix_of_k_drafts(qwen3_ckpt, tmp_path, method):
     """The policy asks each request for its own number of drafts; a drafter model gives each

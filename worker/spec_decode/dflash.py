@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specserve.worker.attention.base import AttentionBackend, SequenceStep
@@ -47,7 +46,6 @@ from specserve.worker.models import (
     DecoderLayer,
     DecoderModel,
     RMSNorm,
-    apply_rope,
     rope_cos_sin,
     rope_inv_freq,
 )
@@ -242,16 +240,7 @@ class DFlashDrafter(HiddenStateDrafter[DFlashConfig]):
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
         rows = kv_write_rows(slot_mapping, kv_cache.block_size)  # the same for every layer
         for layer in self.layers:
-            attn = layer.attn
-            q_size, kv_size, _ = attn.split
-            weight = attn.qkv_proj.weight[q_size:]
-            bias = None if attn.qkv_proj.bias is None else attn.qkv_proj.bias[q_size:]
-            k, v = F.linear(x, weight, bias).split(kv_size, dim=-1)
-            k = k.reshape(-1, attn.num_kv_heads, attn.head_dim)
-            v = v.reshape(-1, attn.num_kv_heads, attn.head_dim)
-            if attn.k_norm is not None:
-                k = attn.k_norm(k)
-            kv_cache.write_rows(attn.layer_id, apply_rope(k, cos, sin), v, rows)
+            layer.attn.write_context_kv(x, cos, sin, kv_cache, rows)
 
     @torch.no_grad()
     def forward(

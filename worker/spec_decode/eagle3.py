@@ -47,7 +47,7 @@ from torch import nn
 
 from specserve.worker.attention.base import AttentionBackend, AttentionMetadata, SequenceStep
 from specserve.worker.cpu.linear import Linear
-from specserve.worker.kv_cache import PagedKVCache
+from specserve.worker.kv_cache import PagedKVCache, kv_write_rows
 from specserve.worker.loader import assign_weights, map_decoder_layer
 from specserve.worker.model_config import ModelConfig
 from specserve.worker.models import (
@@ -247,6 +247,32 @@ class Eagle3Drafter(HiddenStateDrafter[Eagle3Config]):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         embed = self.embed_tokens if self.embed_tokens is not None else self.target.embed_tokens
         return embed(input_ids).to(self.dtype)
+
+    @property
+    def context_rows_are_kv(self) -> bool:
+        """One layer: what a row whose output nobody reads leaves behind is its K/V alone
+        (`write_context_kv`); a deeper layer's K/V would need the layers below it."""
+        return self.num_layers == 1
+
+    @torch.no_grad()
+    def write_context_kv(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        kv_cache: PagedKVCache,
+    ) -> None:
+        """The K/V `forward` would write for these rows (one-layer drafters only), without
+        computing their outputs: a catch-up over rows put aside needs nothing else."""
+        if not self.context_rows_are_kv:
+            raise ValueError(f"context K/V alone needs a one-layer drafter ({self.num_layers})")
+        first = self.layers[0]
+        embeds = first.input_layernorm(self.embed(input_ids))
+        x = torch.cat([embeds, first.hidden_norm(hidden.to(self.dtype))], dim=-1)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
+        rows = kv_write_rows(slot_mapping, kv_cache.block_size)
+        first.attn.write_context_kv(x, cos, sin, kv_cache, rows)
 
     @torch.no_grad()
     def forward(

@@ -294,36 +294,54 @@ class Eagle3Speculator(_DrafterSpeculator[Eagle3Drafter]):
         steps: list[SequenceStep] = []
         last_rows: list[int] = []
         proposing: list[DraftInput] = []
+        slots: list[int] = []
+        last_steps: list[SequenceStep] = []  # the proposing rows alone, one query each
         contexts = self._contexts(inputs, aux_hidden)
         for ctx in contexts:
             inp, end = ctx.inp, ctx.end
-            draft_slots(inp.block_table, [end - 1], bs, inp.handle)
+            span = range(ctx.start, end)
+            slots.extend(draft_slots(inp.block_table, span, bs, inp.handle))
             # Row p reads (token p+1, target hidden at p): the token ids shift left by one.
             ids.extend(inp.token_ids[ctx.start + 1 : end + 1])
-            positions.extend(range(ctx.start, end))
+            positions.extend(span)
             steps.append(SequenceStep(end - ctx.start, end, [inp.block_table]))
             if inp.num_drafts:
                 last_rows.append(len(ids) - 1)
+                last_steps.append(SequenceStep(1, end, [inp.block_table]))
                 proposing.append(inp)
         if not steps:
             return {}
         hidden = drafter.combine_hidden_states(torch.cat([ctx.features for ctx in contexts]))
-        normed, prenorm = drafter(
-            self._tensor(ids),
-            hidden,
-            self._tensor(positions),
-            drafter.build_attn_metadata(steps, bs, self.device),
-            self.kv_cache,
-        )
-        if not proposing:
-            return {}
-        last = self._tensor(last_rows)
-        tokens, probs = choose_drafts(
-            drafter.compute_logits(normed[last]), proposing, self.sample_drafts
-        )
+        if drafter.context_rows_are_kv and len(ids) > len(proposing):
+            # Only the proposing rows' outputs are read: the rest need their K/V alone, and a
+            # full pass runs on those rows only (one query each, over the K/V just written).
+            ids_t, positions_t = self._tensor(ids), self._tensor(positions)
+            drafter.write_context_kv(ids_t, hidden, positions_t, self._tensor(slots), self.kv_cache)
+            if not proposing:
+                return {}
+            last = self._tensor(last_rows)
+            normed, hidden = drafter(
+                ids_t[last],
+                hidden[last],
+                positions_t[last],
+                drafter.build_attn_metadata(last_steps, bs, self.device),
+                self.kv_cache,
+            )
+        else:
+            normed, prenorm = drafter(
+                self._tensor(ids),
+                hidden,
+                self._tensor(positions),
+                drafter.build_attn_metadata(steps, bs, self.device),
+                self.kv_cache,
+            )
+            if not proposing:
+                return {}
+            last = self._tensor(last_rows)
+            normed, hidden = normed[last], prenorm[last]
+        tokens, probs = choose_drafts(drafter.compute_logits(normed), proposing, self.sample_drafts)
         drafts = {inp.handle: _DraftRows([], []) for inp in proposing}
         active = proposing  # requests still drafting; each stops at its own num_drafts
-        hidden = prenorm[last]
         pos = [inp.start + inp.num_valid - 1 for inp in proposing]
         deepest = max(inp.num_drafts for inp in proposing)
         for depth in range(1, deepest + 1):
