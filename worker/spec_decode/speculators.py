@@ -184,10 +184,11 @@ MAX_DEFERRED_ROWS = 64  # verified rows per request a drafter model may put asid
 class _Deferred:
     start: int  # position of the first row put aside
     rows: list[torch.Tensor]  # the target features of positions start.., one tensor per step
+    num_rows: int  # their rows, counted as they are put aside (asked for every step)
 
-    @property
-    def num_rows(self) -> int:
-        return sum(r.shape[0] for r in self.rows)
+    def put_aside(self, rows: torch.Tensor) -> None:
+        self.rows.append(rows.clone())  # joined only when taken
+        self.num_rows += rows.shape[0]
 
 
 @dataclass(frozen=True)
@@ -250,9 +251,8 @@ class _DrafterSpeculator(Speculator, Generic[_D]):
             held = backlog.num_rows if backlog is not None else 0
             if inp.defer and not inp.num_drafts and held + rows.shape[0] <= MAX_DEFERRED_ROWS:
                 if backlog is None:
-                    self.deferred[inp.handle] = _Deferred(inp.start, [rows.clone()])
-                else:
-                    backlog.rows.append(rows.clone())  # joined only when taken
+                    backlog = self.deferred[inp.handle] = _Deferred(inp.start, [], 0)
+                backlog.put_aside(rows)
                 continue
             start = inp.start
             if backlog is not None:
