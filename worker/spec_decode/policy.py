@@ -33,7 +33,7 @@ many drafts it verifies, so a seeded request stays reproducible run to run.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 REQUEST_RATE_WEIGHT = 0.3  # how fast one request's acceptance rates follow its own outcomes
@@ -104,13 +104,17 @@ class CostLine:
 
     def predict(self, x: float, borrowed_slope: float = 0.0) -> float:
         """Seconds at size `x`; `borrowed_slope` stands in for a slope this line lacks."""
+        return self.fitted(borrowed_slope)(x)
+
+    def fitted(self, borrowed_slope: float = 0.0) -> Callable[[float], float]:
+        """`predict` with the fit done once, for many sizes."""
         w = self.weight
         if w <= 0.0:
-            return 0.0
+            return lambda x: 0.0
         mean_x, mean_y = self.sum_x / w, self.sum_y / w
         slope = self.slope()
         slope = borrowed_slope if slope is None else slope
-        return max(mean_y + slope * (x - mean_x), 1e-9)
+        return lambda x: max(mean_y + slope * (x - mean_x), 1e-9)
 
 
 def pooled_slope(lines: Sequence[CostLine]) -> float:
@@ -269,17 +273,17 @@ class SpecPolicy:
         # lines show together (none: flat), a verification step or drafting scales in
         # proportion.
         per_draft = self.drafting.per_unit()
-        per_row = pooled_slope((self.plain_step, self.verify_step))
+        drafted_line = self.prefill_step if prefill_rows else self.verify_step
+        drafted_step = drafted_line.fitted(drafted_line.per_unit())
+        plain = None
+        if not prefill_rows and self.plain_step.known:
+            per_row = pooled_slope((self.plain_step, self.verify_step))
+            plain = self.plain_step.predict(base_rows, per_row)
 
         def seconds(num_drafts: int) -> float:
-            drafting = per_draft * num_drafts
-            if prefill_rows:
-                line = self.prefill_step
-                return line.predict(base_rows + num_drafts, line.per_unit()) + drafting
-            if num_drafts == 0 and self.plain_step.known:
-                return self.plain_step.predict(base_rows, per_row)
-            line = self.verify_step
-            return line.predict(base_rows + num_drafts, line.per_unit()) + drafting
+            if num_drafts == 0 and plain is not None:
+                return plain
+            return drafted_step(base_rows + num_drafts) + per_draft * num_drafts
 
         plain_rate = tokens / seconds(forced_drafts)
         best_rate, best_n = plain_rate, 0
