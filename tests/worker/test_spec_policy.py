@@ -84,6 +84,28 @@ def test_plain_steps_seen_at_batch_1_are_not_priced_in_proportion_at_batch_16():
     assert sum(policy.plan(candidates).verify.values()) > 0
 
 
+def test_a_verification_step_is_never_priced_below_the_plain_step():
+    """Plain steps seen at batch 16 (40 ms, one fused call), verification steps mostly at batch 1
+    (4 rows, 13 ms) and once in a while at 64 rows (90 ms): the verification line passes below
+    the plain one just above 16 rows, where a few drafts accepted at 0.3 would look like a 1.4x
+    gain. Priced no lower than a plain step, they are not worth verifying."""
+    policy = SpecPolicy(K, free_drafts=False)
+    for _ in range(20):
+        policy.observe_step(16, 0, False, 0.040)
+        policy.observe_step(4, 3, False, 0.013)
+        policy.observe_step(64, 48, False, 0.090)
+        policy.observe_drafting(0, 0.0)
+        policy.observe_drafting(16, 0.0)
+    assert policy.verify_step.predict(17) < policy.plain_step.predict(16)
+    candidates = [Candidate(h, []) for h in range(16)]
+    for h in range(16):
+        _set_rates(policy, h, [0.3] * K)
+    assert not any(policy.plan(candidates).verify.values())
+    for h in range(16):
+        _set_rates(policy, h, [0.9] * K)  # drafts that do pay are still verified
+    assert sum(policy.plan(candidates).verify.values()) > 0
+
+
 def test_verified_outcomes_move_request_rates_and_the_prior():
     policy = SpecPolicy(K, free_drafts=True)
     policy.observe_verified(7, num_drafts=3, num_accepted=1)  # draft 1 accepted, 2 rejected
@@ -135,7 +157,8 @@ def _throughput(
     elif drafts == 0:
         seconds = policy.plain_step.predict(rows)
     else:
-        seconds = policy.verify_step.predict(rows + drafts) + policy.drafting.slope() * drafts
+        step = max(policy.verify_step.predict(rows + drafts), policy.plain_step.predict(rows))
+        seconds = step + policy.drafting.slope() * drafts
     return tokens / seconds
 
 

@@ -24,7 +24,8 @@ drafts that maximises expected tokens per second (down to none), from:
   plain line measured at one size only (plain steps seen at batch 1, then a batch of 16)
   borrows the per-row slope of the plain and verification lines fitted together; a
   verification or drafting line measured at one size scales in proportion (errors that make
-  drafts look dear, never cheap).
+  drafts look dear, never cheap), and a step with drafts is never priced below the plain step
+  of the same requests.
 
 The choice never changes what is generated: drafts are verified losslessly however many there
 are. A request sampled with a seed keeps the full K, because its draws per step depend on how
@@ -281,9 +282,13 @@ class SpecPolicy:
             plain = self.plain_step.predict(base_rows, per_row)
 
         def seconds(num_drafts: int) -> float:
-            if num_drafts == 0 and plain is not None:
+            if plain is None:
+                return drafted_step(base_rows + num_drafts) + per_draft * num_drafts
+            if num_drafts == 0:
                 return plain
-            return drafted_step(base_rows + num_drafts) + per_draft * num_drafts
+            # More rows never make a step cheaper: a verification line fitted mostly on small
+            # batches can pass below the plain line measured at this batch size.
+            return max(drafted_step(base_rows + num_drafts), plain) + per_draft * num_drafts
 
         plain_rate = tokens / seconds(forced_drafts)
         best_rate, best_n = plain_rate, 0
