@@ -88,7 +88,7 @@ def test_a_verification_step_is_never_priced_below_the_plain_step():
     """Plain steps seen at batch 16 (40 ms, one fused call), verification steps mostly at batch 1
     (4 rows, 13 ms) and once in a while at 64 rows (90 ms): the verification line passes below
     the plain one just above 16 rows, where a few drafts accepted at 0.3 would look like a 1.4x
-    gain. Priced no lower than a plain step, they are not worth verifying."""
+    gain. Priced at the plain step plus their rows at the line's slope, they do not pay."""
     policy = SpecPolicy(K, free_drafts=False)
     for _ in range(20):
         policy.observe_step(16, 0, False, 0.040)
@@ -157,7 +157,8 @@ def _throughput(
     elif drafts == 0:
         seconds = policy.plain_step.predict(rows)
     else:
-        step = max(policy.verify_step.predict(rows + drafts), policy.plain_step.predict(rows))
+        floor = policy.plain_step.predict(rows) + policy.verify_step.slope() * drafts
+        step = max(policy.verify_step.predict(rows + drafts), floor)
         seconds = step + policy.drafting.slope() * drafts
     return tokens / seconds
 

@@ -25,7 +25,7 @@ drafts that maximises expected tokens per second (down to none), from:
   borrows the per-row slope of the plain and verification lines fitted together; a
   verification or drafting line measured at one size scales in proportion (errors that make
   drafts look dear, never cheap), and a step with drafts is never priced below the plain step
-  of the same requests.
+  of the same requests plus its draft rows at the verification line's slope.
 
 The choice never changes what is generated: drafts are verified losslessly however many there
 are. A request sampled with a seed keeps the full K, because its draws per step depend on how
@@ -275,20 +275,24 @@ class SpecPolicy:
         # proportion.
         per_draft = self.drafting.per_unit()
         drafted_line = self.prefill_step if prefill_rows else self.verify_step
-        drafted_step = drafted_line.fitted(drafted_line.per_unit())
+        per_row = drafted_line.per_unit()
+        drafted_step = drafted_line.fitted(per_row)
         plain = None
         if not prefill_rows and self.plain_step.known:
-            per_row = pooled_slope((self.plain_step, self.verify_step))
-            plain = self.plain_step.predict(base_rows, per_row)
+            plain = self.plain_step.predict(
+                base_rows, pooled_slope((self.plain_step, self.verify_step))
+            )
 
         def seconds(num_drafts: int) -> float:
-            if plain is None:
-                return drafted_step(base_rows + num_drafts) + per_draft * num_drafts
-            if num_drafts == 0:
-                return plain
-            # More rows never make a step cheaper: a verification line fitted mostly on small
-            # batches can pass below the plain line measured at this batch size.
-            return max(drafted_step(base_rows + num_drafts), plain) + per_draft * num_drafts
+            step = drafted_step(base_rows + num_drafts)
+            if plain is not None:
+                if num_drafts == 0:
+                    return plain
+                # A draft row costs at least the line's own slope over the plain step: a
+                # verification line fitted mostly on small batches can pass below the plain
+                # line measured at this batch size.
+                step = max(step, plain + per_row * num_drafts)
+            return step + per_draft * num_drafts
 
         plain_rate = tokens / seconds(forced_drafts)
         best_rate, best_n = plain_rate, 0
