@@ -7,15 +7,16 @@ training never saw (the first user turns of ShareGPT V3's held-out chats):
    K = 3, 5, 7 and DFlash at K+1 = 4, 8, 16 (the bundled drafters unless --eagle3/--dflash).
 2. Speed: output tokens/s at batch 1, 4 and 16 without speculation, with n-gram and with both
    drafters, the engines interleaved and repeated; every speculative output is checked to be
-   the non-speculative one, token for token.
+   the non-speculative one, token for token. Each ratio pairs a run with the plain run of the
+   same round (the median and range of those ratios), since the machine drifts between rounds.
 3. The drafter's share of step time (time in the proposer over time in the worker's step).
 4. The speculation policy: each method with `--spec-policy fixed` (always K drafts) and
    `adaptive` (the default: drafts only where they pay), and what the adaptive one chose.
 
 The speed runs repeat the same prompts, so with prefix caching on every run after the first
-would reuse their KV, and unevenly: an engine whose drafter reads the target's hidden states
-(EAGLE-3, DFlash) drops the last block of each hit, as vLLM does, and prefills it again (at batch
-16, about 5% of a run). So every run is cold, prefix caching off, unless `--prefix-caching`.
+would reuse their KV, and unevenly: EAGLE-3 drops the last block of each hit, as vLLM does, and
+prefills it again (at batch 16, about 5% of a run). So every run is cold, prefix caching off,
+unless `--prefix-caching`.
 
     .venv/bin/python bench/spec.py [--quick] [--prompts 16] [--max-tokens 128]
 """
@@ -114,6 +115,10 @@ def speed_table(
     repeats: int,
 ) -> None:
     print("\n## Output tokens/s (greedy; median of repeats, engines interleaved)\n")
+    print(
+        "Ratios pair each run with the run without speculation of the same round (the machine's\n"
+        "speed drifts between rounds): the median of those ratios, and their range.\n"
+    )
     llms = {e.name: LLM(MODEL, **e.kwargs) for e in engines}
     timers = {name: timed_proposer(llm) for name, llm in llms.items()}
     for llm in llms.values():
@@ -144,14 +149,22 @@ def speed_table(
                 step = after[1] - before[1]
                 shares[engine.name].append((after[0] - before[0]) / step if step else 0.0)
         medians = {name: statistics.median(r) for name, r in rates.items()}
-        base = medians[engines[0].name]
         cells = " | ".join(f"{medians[e.name]:.1f}" for e in engines)
-        ratios = " | ".join(f"{medians[e.name] / base:.2f}x" for e in engines[1:])
+        base = rates[engines[0].name]
+        ratios = " | ".join(paired_ratio(rates[e.name], base) for e in engines[1:])
         print(f"| {batch} | {cells} | {ratios} |", flush=True)
     print("\nDrafter's share of worker step time (all batches): " + ", ".join(
         f"{name} {statistics.mean(s):.0%}" for name, s in shares.items() if any(s)
     ))  # fmt: skip
     print_decisions(decisions)
+
+
+def paired_ratio(rates: Sequence[float], baseline: Sequence[float]) -> str:
+    """Median and range of the per-round ratios `rates[i] / baseline[i]`."""
+    ratios = [r / b for r, b in zip(rates, baseline, strict=True)]
+    low, high = min(ratios), max(ratios)
+    spread = f" ({low:.2f}-{high:.2f})" if len(ratios) > 1 else ""
+    return f"{statistics.median(ratios):.2f}x{spread}"
 
 
 def policy_totals(llm: LLM) -> tuple[int, int, int]:
