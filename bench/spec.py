@@ -14,9 +14,7 @@ training never saw (the first user turns of ShareGPT V3's held-out chats):
    `adaptive` (the default: drafts only where they pay), and what the adaptive one chose.
 
 The speed runs repeat the same prompts, so with prefix caching on every run after the first
-would reuse their KV, and unevenly: EAGLE-3 drops the last block of each hit, as vLLM does, and
-prefills it again (at batch 16, about 5% of a run). So every run is cold, prefix caching off,
-unless `--prefix-caching`.
+would reuse their KV. So every run is cold, prefix caching off, unless `--prefix-caching`.
 
     .venv/bin/python bench/spec.py [--quick] [--prompts 16] [--max-tokens 128]
 """

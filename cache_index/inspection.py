@@ -115,7 +115,7 @@ class PromptLookup(msgspec.Struct, frozen=True):
     num_full_blocks: int
     block_hashes: list[str]  # hex of the 16 key bytes, as in the block keys
     matched_blocks: dict[str, int]  # per live worker: leading blocks held
-    usable_blocks: dict[str, int]  # what the engine could use (last token, EAGLE drop)
+    usable_blocks: dict[str, int]  # what the engine could use (never the last token)
     best_worker: str | None
 
 
@@ -127,17 +127,13 @@ def lookup_prompt_blocks(
     cache_salt: str | None = None,
     adapter: str | None = None,
     group: int = 0,
-    drop_last_block: bool = False,
 ) -> PromptLookup:
     """Hash a tokenized prompt as the scheduler does and ask the index who holds its prefix."""
     hasher = BlockHasher(ns.hash_algo, ns.hash_seed)
     hashes: list[BlockHash] = []
     extend_block_hashes(hasher, hashes, token_ids, ns.block_size, cache_salt, adapter)
     matched = IndexReader(client, ns).longest_prefix(hashes, group) if hashes else {}
-    usable = {
-        w: usable_hit_blocks(n, len(token_ids), ns.block_size, drop_last_block)
-        for w, n in matched.items()
-    }
+    usable = {w: usable_hit_blocks(n, len(token_ids), ns.block_size) for w, n in matched.items()}
     best = max(sorted(matched), key=lambda w: matched[w], default=None)
     return PromptLookup(
         namespace=ns.base.decode(),

@@ -15,8 +15,7 @@ the count is where bisection lands: the end of some held stretch that starts at 
 a gap, possibly longer than the contiguous prefix; only the router's estimate is then off.
 
 The engine's own lookup stays the authority (it caps the hit at the prompt length minus one
-token, drops a block for EAGLE-3 drafters and applies sliding-window rules); this is the
-router's estimate.
+token and applies sliding-window rules); this is the router's estimate.
 """
 
 from __future__ import annotations
@@ -150,10 +149,7 @@ class IndexReader:
         return out
 
 
-def usable_hit_blocks(
-    matched_blocks: int, num_prompt_tokens: int, block_size: int, drop_last: bool = False
-) -> int:
+def usable_hit_blocks(matched_blocks: int, num_prompt_tokens: int, block_size: int) -> int:
     """What the engine could use of a match: never the prompt's last token (its logits are
-    needed), and one block fewer for EAGLE-3 drafters. A router may score with this."""
-    usable = min(matched_blocks, (num_prompt_tokens - 1) // block_size)
-    return max(0, usable - 1) if drop_last and usable > 0 else max(0, usable)
+    needed). A router may score with this."""
+    return max(0, min(matched_blocks, (num_prompt_tokens - 1) // block_size))

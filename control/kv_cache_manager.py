@@ -44,10 +44,10 @@ class CacheHit:
 
 
 class KVCacheManager:
-    def __init__(self, cache_config: CacheConfig, max_model_len: int, use_eagle: bool) -> None:
+    def __init__(self, cache_config: CacheConfig, max_model_len: int) -> None:
         self.config = cache_config
         self.max_model_len = max_model_len
-        self.coordinator = KVCoordinator(cache_config, use_eagle)
+        self.coordinator = KVCoordinator(cache_config)
         self.pool = self.coordinator.pool
         self.hasher = BlockHasher(cache_config.hash_algo, cache_config.hash_seed)
         self.hash_block_size = cache_config.hash_block_size

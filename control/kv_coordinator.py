@@ -1,9 +1,7 @@
 """Coordinates the KV groups of one model (e.g. full + sliding-window layers) over one block pool.
 
 A prefix hit is only usable if every group can serve it, so the hit length is the fixed point of
-the groups' individual lookups, aligned to the lcm of their block sizes. EAGLE-style groups verify
-one block past the candidate and then drop it, at most once per candidate length: dropping again on
-every pass would spiral the hit down to nothing.
+the groups' individual lookups, aligned to the lcm of their block sizes.
 """
 
 from __future__ import annotations
@@ -17,15 +15,14 @@ from specserve.shared.hashing import BlockHash, coarsen_block_hashes
 
 
 class KVCoordinator:
-    def __init__(self, cache_config: CacheConfig, use_eagle: bool) -> None:
+    def __init__(self, cache_config: CacheConfig) -> None:
         self.config = cache_config
-        self.use_eagle = use_eagle
         self.enable_caching = cache_config.enable_prefix_caching
         self.pool = BlockPool(cache_config.num_blocks, self.enable_caching)
         self.alignment = cache_config.scheduler_block_size
         self.hash_block_size = cache_config.hash_block_size
         self.managers = [
-            make_group_manager(spec, gid, self.pool, self.alignment, use_eagle)
+            make_group_manager(spec, gid, self.pool, self.alignment)
             for gid, spec in enumerate(cache_config.kv_groups)
         ]
         # Groups with identical specs hit together; full attention first, since its left-to-right
@@ -57,7 +54,7 @@ class KVCoordinator:
         if len(self.spec_groups) == 1:
             manager, gids = self.spec_groups[0]
             per_group = manager.find_longest_cache_hit(
-                self._hashes_for(manager, block_hashes), max_length, gids, self.use_eagle
+                self._hashes_for(manager, block_hashes), max_length, gids
             )
             for gid, blocks in zip(gids, per_group, strict=True):
                 empty[gid] = blocks
@@ -72,11 +69,10 @@ class KVCoordinator:
             len(self.spec_groups) == 2
             and self.spec_groups[0][0].spec.attention == AttentionType.FULL
         )
-        verified: set[int] = set()  # spec groups whose EAGLE drop is done for this candidate
         hit = max_length
         while True:
             candidate = hit
-            for idx, (manager, gids) in enumerate(self.spec_groups):
+            for manager, gids in self.spec_groups:
                 is_full = manager.spec.attention == AttentionType.FULL
                 if is_full and blocks_by_group[gids[0]] is not None:
                     # Full attention is downward closed: look up once, then only trim.
@@ -84,17 +80,10 @@ class KVCoordinator:
                     assert found is not None
                     candidate = min(candidate, len(found) * manager.block_size)
                     continue
-                drop = self.use_eagle and idx not in verified
-                limit = min(candidate + manager.block_size, max_length) if drop else candidate
                 per_group = manager.find_longest_cache_hit(
-                    self._hashes_for(manager, block_hashes), limit, gids, drop
+                    self._hashes_for(manager, block_hashes), candidate, gids
                 )
-                length = len(per_group[0]) * manager.block_size
-                if drop:
-                    verified.add(idx)
-                elif length < candidate:
-                    verified.clear()
-                candidate = length
+                candidate = len(per_group[0]) * manager.block_size
                 for gid, blocks in zip(gids, per_group, strict=True):
                     blocks_by_group[gid] = blocks
             if candidate >= hit:
@@ -140,8 +129,7 @@ class KVCoordinator:
     def cache_blocks(
         self, req_id: str, block_hashes: Callable[[], Sequence[BlockHash]], num_tokens: int
     ) -> None:
-        """Cache full blocks up to `num_tokens`; hybrid models only up to aligned boundaries (EAGLE
-        groups one block further, for the post-boundary block that a drafter's hit needs)."""
+        """Cache full blocks up to `num_tokens`; hybrid models only up to aligned boundaries."""
         if not self.enable_caching:
             return
         if len(self.managers) == 1:
@@ -150,10 +138,7 @@ class KVCoordinator:
             return
         aligned = num_tokens // self.alignment * self.alignment
         for m in self.managers:
-            limit = aligned
-            if self.use_eagle and aligned > 0:
-                limit = min(num_tokens, aligned + m.block_size)
-            m.cache_blocks(req_id, lambda m=m: self._hashes_for(m, block_hashes()), limit)
+            m.cache_blocks(req_id, lambda m=m: self._hashes_for(m, block_hashes()), aligned)
 
     def adopt(
         self, block_ids: Sequence[Sequence[int]], block_hashes: Sequence[BlockHash], num_tokens: int

@@ -63,9 +63,7 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.spec = config.spec
-        self.kv = KVCacheManager(
-            cache_config, config.max_model_len, use_eagle=self.spec.draft_kv_reads_next_token
-        )
+        self.kv = KVCacheManager(cache_config, config.max_model_len)
         self.lookahead_tokens = self.spec.lookahead_tokens
         # KV is always computed here, so a first prefill gets the full lookahead too.
         self.admission_lookahead = self.spec.admission_lookahead_tokens(kv_arrives_async=False)

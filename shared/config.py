@@ -91,15 +91,6 @@ class SpecConfig:
         return self.method in (SpecMethod.EAGLE3, SpecMethod.DFLASH)
 
     @property
-    def draft_kv_reads_next_token(self) -> bool:
-        """EAGLE-3: its drafter's row at position p reads the token at p + 1, so the draft KV at
-        a cached block's last position is that of the request which computed it: prefix hits
-        drop their last block and sliding-window masks shift by one. DFlash's context K/V at p
-        reads the target's hidden state at p alone, the same for every request that shares the
-        prefix: its hits are whole."""
-        return self.method == SpecMethod.EAGLE3
-
-    @property
     def drafter_input_slots(self) -> int:
         """Extra drafter query tokens per scheduled request counted against the input budget."""
         return self.num_spec_tokens if self.method == SpecMethod.DFLASH else 0

@@ -95,8 +95,7 @@ def test_multi_group_takes_the_minimum(client, ns):
 def test_usable_hit_blocks_mirrors_the_engine_caps():
     assert usable_hit_blocks(4, num_prompt_tokens=64, block_size=16) == 3  # last token recomputed
     assert usable_hit_blocks(4, num_prompt_tokens=65, block_size=16) == 4
-    assert usable_hit_blocks(4, num_prompt_tokens=65, block_size=16, drop_last=True) == 3
-    assert usable_hit_blocks(0, num_prompt_tokens=65, block_size=16, drop_last=True) == 0
+    assert usable_hit_blocks(0, num_prompt_tokens=65, block_size=16) == 0
 
 
 def test_bisection_reads_about_log2_blocks_and_counts_prefix_closed_holdings_exactly(client, ns):

@@ -13,9 +13,9 @@ def _request(rid: str, tokens: list[int]) -> Request:
     return Request(rid, tokens, SamplingParams())
 
 
-def _manager(num_blocks=20, groups=FULL16, eagle=False, caching=True) -> KVCacheManager:
+def _manager(num_blocks=20, groups=FULL16, caching=True) -> KVCacheManager:
     cfg = CacheConfig(num_blocks=num_blocks, kv_groups=groups, enable_prefix_caching=caching)
-    return KVCacheManager(cfg, max_model_len=4096, use_eagle=eagle)
+    return KVCacheManager(cfg, max_model_len=4096)
 
 
 def _run_prefill(kv: KVCacheManager, req: Request, lookahead: int = 0) -> list[list[int]]:
@@ -69,14 +69,6 @@ def test_second_request_hits_the_shared_prefix_and_recomputes_the_last_token():
     assert [blk.ref_cnt for blk in kv.pool.blocks[1:4]] == [2, 2, 1]
 
 
-def test_eagle_drops_the_last_matched_block():
-    kv = _manager(eagle=True)
-    a = _request("a", list(range(48)))
-    _run_prefill(kv, a)
-    assert kv.get_computed_blocks(_request("b", list(range(48)))).num_tokens == 16
-    assert kv.get_computed_blocks(_request("c", list(range(37)))).num_tokens == 16
-
-
 def test_lookup_has_no_side_effects():
     kv = _manager()
     a = _request("a", list(range(40)))
@@ -117,28 +109,26 @@ def test_caching_disabled_never_hits():
     assert kv.pool.num_cached_blocks() == 0
 
 
-def test_hybrid_eagle_second_request_gets_the_hit_the_mask_promised():
+def test_hybrid_second_request_gets_the_hit_the_mask_promised():
     # Full attention in blocks of 32, sliding window 8 in blocks of 8: hits align to 32 tokens,
-    # and with EAGLE the sliding group must also cache the block just past each boundary.
+    # and the sliding group caches the last block before each boundary.
     groups = (KVGroupSpec("full", 32), KVGroupSpec("sliding", 8, sliding_window=8))
-    kv = _manager(num_blocks=64, groups=groups, eagle=True)
+    kv = _manager(num_blocks=64, groups=groups)
     prompt = list(range(100))
     a = _request("a", prompt)
     _run_prefill(kv, a)
     swa_blocks = kv.coordinator.managers[1].req_blocks["a"]
-    cached = [i for i, b in enumerate(swa_blocks) if b.block_hash is not None]
-    assert cached == [3, 4, 7, 8, 11]  # the last block of each segment plus the next one
-    b = _request("b", [*prompt[:97], 7, 7, 7])  # shares 97 tokens: 64 + one block past
+    b = _request("b", [*prompt[:97], 7, 7, 7])  # shares 97 tokens: three segments and one
     hit = kv.get_computed_blocks(b)
-    assert hit.num_tokens == 64
-    assert [blk.block_id for blk in hit.blocks[0]] == kv.block_ids(a)[0][:2]
+    assert hit.num_tokens == 96
+    assert [blk.block_id for blk in hit.blocks[0]] == kv.block_ids(a)[0][:3]
     swa_hit = hit.blocks[1]
-    assert len(swa_hit) == 8 and swa_hit[7] is swa_blocks[7]
-    assert all(blk.is_null for blk in swa_hit[:7])
-    assert kv.allocate_slots(b, b.num_tokens - 64, hit) is not None
+    assert len(swa_hit) == 12 and swa_hit[11] is swa_blocks[11]
+    assert all(blk.is_null for blk in swa_hit[:11])
+    assert kv.allocate_slots(b, b.num_tokens - 96, hit) is not None
 
 
-def test_hybrid_without_eagle_caches_segment_tails_only():
+def test_hybrid_caches_segment_tails_only():
     groups = (KVGroupSpec("full", 32), KVGroupSpec("sliding", 8, sliding_window=8))
     kv = _manager(num_blocks=64, groups=groups)
     a = _request("a", list(range(100)))

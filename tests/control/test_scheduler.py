@@ -402,18 +402,19 @@ def test_prefix_cache_statistics():
     assert s.kv.stats.hit_rate == pytest.approx(0.4)
 
 
-@pytest.mark.parametrize(("method", "hit"), [(None, 32), ("eagle3", 16), ("dflash", 32)])
-def test_prefix_hits_drop_their_last_block_only_for_eagle3(method, hit):
-    """An EAGLE-3 drafter's row at a block's last position read the next token of the request
-    that computed it; DFlash's context K/V reads the target's hidden state there alone."""
+@pytest.mark.parametrize("method", [None, "eagle3", "dflash"])
+def test_prefix_hits_are_whole_with_every_drafter(method):
+    """No block of a hit is dropped for a drafter: DFlash's context K/V at a position reads only
+    the target's hidden state there; an EAGLE-3 draft row at a hit's last position read the
+    next token of the request that computed it, one stale row that drafts live with."""
     s = make_scheduler(SpecConfig(method, 3) if method else None)
     worker = ScriptedWorker(s)
     add(s, "a", list(range(40)))
     worker.step()
     add(s, "b", list(range(40)))
     step, _ = worker.step()
-    assert step.num_scheduled_tokens["b"] == 40 - hit
-    assert step.batch.new_requests[0].num_computed_tokens == hit
+    assert step.num_scheduled_tokens["b"] == 40 - 32
+    assert step.batch.new_requests[0].num_computed_tokens == 32
 
 
 @pytest.mark.parametrize(

@@ -363,13 +363,14 @@ def _scripted_drafts(llm: LLM, num_drafts) -> dict[tuple[str, int], list[int]]:
     return recorded
 
 
-@pytest.mark.parametrize(("method", "hit"), [("eagle3", 8), ("dflash", 12)])
-def test_after_a_prefix_hit_the_drafts_are_those_of_a_cold_request(
-    qwen3_ckpt, tmp_path, method, hit
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_a_prefix_hit_is_whole_and_lossless_and_dflash_drafts_as_if_cold(
+    qwen3_ckpt, tmp_path, method
 ):
-    """DFlash keeps a whole hit (its context K/V at a position reads the target's hidden state
-    there alone), EAGLE-3 computes the hit's last block again (its row there read the next
-    token): either way a request's drafts after a hit are those it proposes from scratch."""
+    """Both drafters take a whole hit. DFlash's context K/V at a position reads the target's
+    hidden state there alone, so its drafts after the hit are those it proposes from scratch;
+    EAGLE-3's draft row at the hit's last position read the next token of the request that
+    computed it (one stale row: its drafts may differ, never its output)."""
     drafter = _drafter(qwen3_ckpt, method, tmp_path)
     (shared,) = prompts([12], seed=8)  # three blocks of 4
     first, second = [*shared, 5, 6], [*shared, 9, 10, 11]
@@ -389,9 +390,11 @@ def test_after_a_prefix_hit_the_drafts_are_those_of_a_cold_request(
         drafts = {length: d for (_, length), d in recorded.items()}
         runs.append((stats.hits - hits_before, drafts, out.token_ids))
     (warm_hit, warm_drafts, warm_out), (cold_hit, cold_drafts, cold_out) = runs
-    assert (warm_hit, cold_hit) == (hit, 0)
-    assert warm_out == cold_out
-    assert len(warm_drafts) >= 3 and warm_drafts == cold_drafts
+    assert (warm_hit, cold_hit) == (12, 0)
+    assert warm_out == cold_out == hf_greedy(qwen3_ckpt.hf_model, second, 10)
+    assert len(warm_drafts) >= 3 and warm_drafts.keys() == cold_drafts.keys()
+    if method == "dflash":
+        assert warm_drafts == cold_drafts
 
 
 @pytest.mark.parametrize("method", ["eagle3", "dflash"])
