@@ -177,11 +177,18 @@ class Eagle3FirstLayer(DecoderLayer):
         metadata: AttentionMetadata,
         kv_cache: PagedKVCache,
     ) -> torch.Tensor:
-        normed_hidden = self.hidden_norm(hidden)
+        x, normed_hidden = self.attention_input(embeds, hidden)
         residual = normed_hidden if self.norm_before_residual else hidden
-        x = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)
         h = residual + self.attn(x, cos, sin, self.group, metadata, kv_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def attention_input(
+        self, embeds: torch.Tensor, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What q/k/v read, `[input_layernorm(embeds), hidden_norm(hidden)]`, and the normed
+        hidden state (the residual when `norm_before_residual`)."""
+        normed_hidden = self.hidden_norm(hidden)
+        return torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1), normed_hidden
 
 
 class Eagle3Drafter(HiddenStateDrafter[Eagle3Config]):
@@ -268,8 +275,7 @@ class Eagle3Drafter(HiddenStateDrafter[Eagle3Config]):
         if not self.context_rows_are_kv:
             raise ValueError(f"context K/V alone needs a one-layer drafter ({self.num_layers})")
         first = self.layers[0]
-        embeds = first.input_layernorm(self.embed(input_ids))
-        x = torch.cat([embeds, first.hidden_norm(hidden.to(self.dtype))], dim=-1)
+        x, _ = first.attention_input(self.embed(input_ids), hidden.to(self.dtype))
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
         rows = kv_write_rows(slot_mapping, kv_cache.block_size)
         first.attn.write_context_kv(x, cos, sin, kv_cache, rows)
