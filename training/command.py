@@ -59,6 +59,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=int, default=64, help="answers generated at once")
     p.add_argument("--no-bf16", action="store_true", help="train matmuls in float32")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--device", default="auto", help="auto (a CUDA GPU where there is one), cpu, cuda[:N]"
+    )
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="train at most this long: the step count (and its LR schedule) is cut to fit, "
+        "measured on the first steps",
+    )
     p.add_argument("--resume", action="store_true", help="continue OUT's last checkpoint")
     p.add_argument(
         "--eval-only",

@@ -73,13 +73,14 @@ class DFlashTrainee(nn.Module):
         self.mask_token_id = mask_token_id
         self.block_size = block_size
         self.decay_gamma = decay_gamma
-        self.target_embed = target_embed.detach().float()
-        self.target_head = target_head.detach().float()
-        self.inv_freq = rope_inv_freq(config)
+        # frozen and never saved; buffers so that `.to(device)` moves them with the drafter
+        self.register_buffer("target_embed", target_embed.detach().float(), persistent=False)
+        self.register_buffer("target_head", target_head.detach().float(), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
     def row_weights(self) -> torch.Tensor:
         """Loss weight of mask rows 1..B-1."""
-        j = torch.arange(1, self.block_size, dtype=torch.float32)
+        j = torch.arange(1, self.block_size, dtype=torch.float32, device=self.inv_freq.device)
         return torch.exp(-(j - 1) / self.decay_gamma)
 
     def sequence_loss(
@@ -96,14 +97,17 @@ class DFlashTrainee(nn.Module):
         anchors = _sample_anchors(prompt_len, n, max_anchors, generator)
         if anchors is None:
             return None
+        device = tokens.device
+        context_len = int(anchors.max())  # read on the host, before the anchors move
+        anchors = anchors.to(device)
         b = self.block_size
-        offsets = torch.arange(b)
+        offsets = torch.arange(b, device=device)
         positions = (anchors[:, None] + offsets).reshape(-1)  # [M * B]
-        block_ids = torch.full((anchors.numel(), b), self.mask_token_id)
+        block_ids = torch.full((anchors.numel(), b), self.mask_token_id, device=device)
         block_ids[:, 0] = tokens[anchors]
         x = self.target_embed[block_ids.reshape(-1)]
-        context = self.hidden_norm(self.fc(aux[: int(anchors.max())]))
-        context_pos = torch.arange(context.shape[0])
+        context = self.hidden_norm(self.fc(aux[:context_len]))
+        context_pos = torch.arange(context.shape[0], device=device)
         mask = _block_mask(anchors, context.shape[0], b)
         for layer in self.layers:
             x = x + self._attend(layer, x, positions, context, context_pos, mask)
@@ -164,8 +168,10 @@ def _sample_anchors(
 def _block_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
     """`[M*B, context + M*B]` booleans: a block's rows see context `< anchor` and their block."""
     m = anchors.numel()
-    rows = torch.arange(m).repeat_interleave(block_size)
-    sees_context = torch.arange(context_len)[None, :] < anchors[rows][:, None]
+    rows = torch.arange(m, device=anchors.device).repeat_interleave(block_size)
+    sees_context = (
+        torch.arange(context_len, device=anchors.device)[None, :] < anchors[rows][:, None]
+    )
     sees_block = rows[:, None] == rows[None, :]
     return torch.cat([sees_context, sees_block], dim=1)
 

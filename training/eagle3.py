@@ -86,9 +86,12 @@ class Eagle3Trainee(nn.Module):
         self.register_buffer("d2t", draft_ids - torch.arange(draft_ids.numel()))
         self.register_buffer("t2d", t2d)
         self.draft_ids = draft_ids
-        self.target_embed = target_embed.detach().float()
-        self.target_head_draft = target_head[draft_ids].detach().float()
-        self.inv_freq = rope_inv_freq(config)
+        # frozen and never saved; buffers so that `.to(device)` moves them with the drafter
+        self.register_buffer("target_embed", target_embed.detach().float(), persistent=False)
+        self.register_buffer(
+            "target_head_draft", target_head[draft_ids].detach().float(), persistent=False
+        )
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
     def sequence_loss(
         self,
@@ -120,7 +123,7 @@ class Eagle3Trainee(nn.Module):
             rows = m - step - start  # rows p >= start whose input token p+1+step exists
             if rows <= 0:
                 break
-            p = torch.arange(start, start + rows)
+            p = torch.arange(start, start + rows, device=tokens.device)
             ids = tokens[p + 1 + step]
             hidden = self._step(ids, hidden[:rows], p + step, start, keys, values)
             if step == 0:  # later steps start at `first`: keep those rows only
@@ -183,8 +186,8 @@ def _chain_attention(
     q = q.transpose(0, 1)  # [H, rows, D]
     k0, v0 = keys[0].transpose(0, 1), values[0].transpose(0, 1)  # [H, m, D]
     context = (q @ k0.transpose(1, 2)) * scale  # [H, rows, m]
-    row_ids = torch.arange(first_row, first_row + rows)
-    future = torch.arange(k0.shape[1])[None, :] > row_ids[:, None]
+    row_ids = torch.arange(first_row, first_row + rows, device=q.device)
+    future = torch.arange(k0.shape[1], device=q.device)[None, :] > row_ids[:, None]
     context = context.masked_fill(future, float("-inf"))
     own = [(q * k[:rows].transpose(0, 1)).sum(-1, keepdim=True) * scale for k in keys[1:]]
     weights = torch.softmax(torch.cat([context, *own], dim=-1).float(), dim=-1).to(q.dtype)

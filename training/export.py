@@ -105,7 +105,9 @@ def save_checkpoint(
     written under a temporary name and renamed, so a reader never sees half a checkpoint."""
     out.mkdir(parents=True, exist_ok=True)
     cast = {
-        name: (t.detach().to(dtype) if t.is_floating_point() else t.detach()).contiguous()
+        name: (
+            t.detach().to("cpu", dtype) if t.is_floating_point() else t.detach().cpu()
+        ).contiguous()
         for name, t in tensors.items()
     }
     weights_tmp = out / "model.safetensors.tmp"

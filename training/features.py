@@ -32,8 +32,9 @@ class FeatureRecorder:
         self._rows: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
 
     def record(self, request_id: str, start: int, aux: torch.Tensor, final: torch.Tensor) -> None:
-        chunk = (start, aux.to(torch.float32, copy=True), final.to(torch.float32, copy=True))
-        self._rows.setdefault(request_id, []).append(chunk)
+        """Keep rows `start ..` of a request: float32 tensors the caller no longer writes
+        (views of one step's copy), on any device."""
+        self._rows.setdefault(request_id, []).append((start, aux, final))
 
     def take(self, request_id: str, num_rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Rows 0..num_rows-1 of a request (later writes of a position win, e.g. after a
@@ -41,6 +42,12 @@ class FeatureRecorder:
         chunks = self._rows.pop(request_id, [])
         if not chunks:
             return None
+        if _tiles(chunks) and chunks[-1][0] + chunks[-1][1].shape[0] >= num_rows:
+            # the usual case, one chunk per step in order: one copy off the device
+            aux = torch.cat([a for _, a, _ in chunks])[:num_rows]
+            final = torch.cat([f for _, _, f in chunks])[:num_rows]
+            return aux.cpu(), final.cpu()
+        chunks = [(start, a.cpu(), f.cpu()) for start, a, f in chunks]
         aux = torch.zeros(num_rows, chunks[0][1].shape[1])
         final = torch.zeros(num_rows, chunks[0][2].shape[1])
         seen = torch.zeros(num_rows, dtype=torch.bool)
@@ -54,6 +61,16 @@ class FeatureRecorder:
 
     def clear(self) -> None:
         self._rows.clear()
+
+
+def _tiles(chunks: Sequence[tuple[int, torch.Tensor, torch.Tensor]]) -> bool:
+    """Whether the chunks cover rows 0.. back to back, each starting where the last ended."""
+    end = 0
+    for start, a, _ in chunks:
+        if start != end:
+            return False
+        end += a.shape[0]
+    return True
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,8 @@ class TrainDrafterArgs:
     resume: bool = False
     eval_only: bool = False
     threads: int | None = None
+    device: str = "auto"  # cuda where there is a GPU, else cpu
+    time_limit: float | None = None  # seconds of training (regeneration not counted)
     command: str = ""
 
 
@@ -84,6 +86,15 @@ def aux_layers_for(num_target_layers: int) -> tuple[int, ...]:
     return (1, L // 2 - 1, L - 4)
 
 
+def resolve_device(device: str) -> str:
+    """`auto`: the first CUDA GPU where torch sees one, else the CPU."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: torch sees no CUDA GPU here")
+    return device
+
+
 def train_drafter(args: TrainDrafterArgs) -> dict[str, Any]:
     """Run the whole pipeline; returns the report it also writes to OUT/training.json."""
     if args.method not in METHODS:
@@ -92,17 +103,19 @@ def train_drafter(args: TrainDrafterArgs) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     import specserve  # the in-process engine; heavy, so imported when a run starts
 
+    device = resolve_device(args.device)
     args.out.mkdir(parents=True, exist_ok=True)
     work_dir = args.work_dir or args.out / "data"
     started = time.perf_counter()
     if args.eval_only:
         chats = islice(read_chats(args.data), args.held_out)
         prompts = first_turn_prompts(load_tokenizer(args.model), chats, 64, args.max_len // 2)
-        report = evaluate_drafter(args, prompts)
+        report = evaluate_drafter(args, prompts, device)
         print(json.dumps(report, indent=2))
         return report
     llm = specserve.LLM(
         args.model,
+        device=device,
         max_num_seqs=args.concurrency,
         num_blocks=args.concurrency * -(-args.max_len // BLOCK_SIZE) + 1,
         block_size=BLOCK_SIZE,
@@ -122,8 +135,9 @@ def train_drafter(args: TrainDrafterArgs) -> dict[str, Any]:
         )
     held, train_chats = chats[: args.held_out], chats[args.held_out :]
     options = RegenerateOptions(
-        args.max_len, args.max_new_tokens, args.max_turns, args.concurrency, wave=128
-    )
+        args.max_len, args.max_new_tokens, args.max_turns, args.concurrency,
+        wave=max(128, 2 * args.concurrency),
+    )  # fmt: skip
     samples = regenerate(
         llm,
         held[: args.eval_samples] + train_chats,
@@ -162,6 +176,7 @@ def train_drafter(args: TrainDrafterArgs) -> dict[str, Any]:
         "tokens_seen": trainer.tokens_seen,
         "train_seconds": round(trainer.seconds, 1),
         "regenerate_seconds": round(regenerate_seconds, 1),
+        "device": device,
         "held_out_samples": len(evaluation),
         "held_out_accuracy": [round(a, 4) for a in held_out.accuracy()],
         "held_out_expected_acceptance_length": round(1 + held_out.expected_accepted(), 3),
@@ -191,6 +206,7 @@ def _train_config(
         decay_gamma=default_decay_gamma(k + 1),
         mask_token_id=mask,
         bf16=args.bf16,
+        time_limit=args.time_limit,
         provenance={
             "target": args.model,
             "command": args.command,
@@ -279,7 +295,9 @@ def _check_drafter_target(out: Path, args: TrainDrafterArgs) -> None:
         )
 
 
-def evaluate_drafter(args: TrainDrafterArgs, prompts: list[list[int]]) -> dict[str, Any]:
+def evaluate_drafter(
+    args: TrainDrafterArgs, prompts: list[list[int]], device: str = "cpu"
+) -> dict[str, Any]:
     """Mean acceptance length and per-position acceptance of the drafter in OUT on `prompts`,
     through the serving path (batched, greedy)."""
     import specserve
@@ -292,6 +310,7 @@ def evaluate_drafter(args: TrainDrafterArgs, prompts: list[list[int]]) -> dict[s
         drafter=str(args.out),
         num_spec_tokens=k,
         spec_policy="fixed",
+        device=device,
     )
     stats = measure(llm, prompts, max_tokens=128, batch=16).stats
     return {

@@ -33,5 +33,9 @@ class Progress:
         self.bar.set_postfix(shown, refresh=False)
         self.bar.update(n)
 
+    def set_total(self, total: int) -> None:
+        self.bar.total = total
+        self.bar.refresh()
+
     def close(self) -> None:
         self.bar.close()

@@ -31,6 +31,7 @@ from specserve.training.regenerate import Sample
 log = structlog.get_logger(__name__)
 
 STATE_FILE = "train_state.pt"
+TIME_PROBE_STEPS = 5  # steps timed (after the first) to fit a run into its time limit
 EXPORT_DTYPE = torch.bfloat16
 
 
@@ -55,6 +56,7 @@ class TrainConfig:
     mask_token_id: int  # DFlash
     bf16: bool  # autocast matmuls to bfloat16 (weights and optimizer stay float32)
     provenance: dict[str, Any] = field(default_factory=dict)
+    time_limit: float | None = None  # seconds of training: steps cut to fit, once measured
 
 
 @dataclass
@@ -102,14 +104,16 @@ def draft_vocabulary(samples: Sequence[Sample], vocab_size: int, size: int) -> t
 def build_trainee(
     config: TrainConfig, target, samples: Sequence[Sample]
 ) -> Eagle3Trainee | DFlashTrainee:
-    """A fresh drafter for `target` (a `DecoderModel`)."""
+    """A fresh drafter for `target` (a `DecoderModel`), on the target's device (its weights
+    are initialised on the host, so a seed gives the same drafter on any device)."""
     torch.manual_seed(config.seed)
     head = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
     embed = target.embed_tokens.weight
     if config.method == "eagle3":
         ids = draft_vocabulary(samples, target.config.vocab_size, config.draft_vocab_size)
-        return Eagle3Trainee(target.config, len(config.aux_layers), ids, embed, head)
-    return DFlashTrainee(
+        trainee = Eagle3Trainee(target.config, len(config.aux_layers), ids, embed, head)
+        return trainee.to(embed.device)
+    trainee = DFlashTrainee(
         target.config,
         config.num_layers,
         len(config.aux_layers),
@@ -119,6 +123,7 @@ def build_trainee(
         head,
         config.decay_gamma,
     )
+    return trainee.to(embed.device)
 
 
 def plan_batches(
@@ -154,6 +159,7 @@ class Trainer:
         self.train = list(train)
         self.reader = reader
         self.out = out
+        self.device = next(trainee.parameters()).device
         params = [p for p in trainee.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.95))
         self.steps_per_epoch = len(plan_batches(self.train, config.batch_tokens, config.seed, 0))
@@ -215,7 +221,7 @@ class Trainer:
             "tokens_seen": self.tokens_seen,
             "train_seconds": round(self.seconds, 1),
         }
-        state = {k: v for k, v in self.trainee.state_dict().items() if not k.startswith("target_")}
+        state = {k: v.cpu() for k, v in self.trainee.state_dict().items()}
         if config.method == "eagle3":
             assert isinstance(self.trainee, Eagle3Trainee)
             hf = eagle3_config(
@@ -256,6 +262,8 @@ class Trainer:
         epoch, offset = divmod(self.step, self.steps_per_epoch)
         plan = plan_batches(self.train, self.config.batch_tokens, self.config.seed, epoch)
         self.trainee.train()
+        run_started = time.perf_counter()
+        measured_from = None  # (time, step) after this run's first step
         while self.step < self.total_steps:
             if offset >= len(plan):
                 epoch, offset = epoch + 1, 0
@@ -275,10 +283,28 @@ class Trainer:
                 acc1=accuracy[0] if accuracy else 0.0,
                 al=1 + step_metrics.expected_accepted(),
             )
+            if self.config.time_limit is not None:
+                if measured_from is None:
+                    measured_from = (time.perf_counter(), self.step)
+                elif self.step - measured_from[1] == TIME_PROBE_STEPS:
+                    self._fit_time_limit(run_started, measured_from)
+                    progress.set_total(self.total_steps)
             if self.step % self.config.checkpoint_every == 0 or self.step == self.total_steps:
                 self.save()
         progress.close()
         return metrics
+
+    def _fit_time_limit(self, run_started: float, measured_from: tuple[float, int]) -> None:
+        """Cut `total_steps` so that this run ends within `time_limit`, at the pace of the steps
+        since its first (which pays for warming up); the LR schedule follows the new end."""
+        assert self.config.time_limit is not None
+        now = time.perf_counter()
+        per_step = (now - measured_from[0]) / max(1, self.step - measured_from[1])
+        left = self.config.time_limit - (now - run_started)
+        fitting = self.step + max(0, int(left / per_step))
+        if fitting < self.total_steps:
+            log.info("train.time_limit", steps=fitting, of=self.total_steps, step_s=per_step)
+            self.total_steps = max(self.step, fitting)
 
     def optimizer_step(self, batch: Sequence[Sample]) -> Metrics:
         for group in self.optimizer.param_groups:
@@ -300,9 +326,10 @@ class Trainer:
 
     def sample_loss(self, sample: Sample, metrics: Metrics) -> torch.Tensor | None:
         """One sample's summed loss; adds its rows, hits, weight and tokens to `metrics`."""
-        tokens, aux, final = self.reader.rows(sample.rows, sample.num_tokens)
+        rows = self.reader.rows(sample.rows, sample.num_tokens)
+        tokens, aux, final = (t.to(self.device, non_blocking=True) for t in rows)
         metrics.tokens += sample.num_tokens
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.config.bf16):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.bf16):
             return self._sample_loss(sample, tokens, aux, final, metrics)
 
     def _sample_loss(

@@ -82,7 +82,8 @@ class HiddenStateRecorder(Protocol):
     """Receives the target's hidden states of every row a step computes (drafter training).
 
     `aux` holds the outputs of `layers` concatenated (`[n, len(layers) * hidden]`), `final`
-    the normed final hidden states (`[n, hidden]`), for `n` rows at positions `start..`.
+    the normed final hidden states (`[n, hidden]`), for `n` rows at positions `start..`: float32
+    on the model's device, never written again, so the recorder may keep them as they are.
     """
 
     layers: tuple[int, ...]
@@ -362,14 +363,16 @@ class ModelRunner:
         aux: Sequence[torch.Tensor],
     ) -> None:
         assert self.recorder is not None
-        features = torch.cat(list(aux), dim=-1)
+        # one float32 copy of the step's rows, of which each request keeps its views
+        features = torch.cat(list(aux), dim=-1).to(torch.float32)
+        final = hidden.to(torch.float32, copy=True)
         for item, row_start in zip(scheduled, row_starts, strict=True):
             rows = slice(row_start, row_start + item.num_tokens)
             self.recorder.record(
                 item.state.request_id,
                 item.state.num_computed_tokens,
                 features[rows],
-                hidden[rows],
+                final[rows],
             )
 
     def _prompt_logprobs(

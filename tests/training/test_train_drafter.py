@@ -389,3 +389,57 @@ def test_the_command_trains_and_refuses_bad_input_with_a_message(
     assert missing.returncode == 2
     assert "error: cannot read data file" in missing.stderr and "nope.jsonl" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+def test_a_time_limit_cuts_the_steps_once_their_pace_is_measured(
+    chat_target: Path, regenerated: Path, tmp_path: Path
+) -> None:
+    """`--time-limit`: the first step warms up, the next TIME_PROBE_STEPS are timed, and the
+    run is cut to what fits (here nothing more: the limit is already spent)."""
+    from specserve.training.trainer import TIME_PROBE_STEPS
+
+    data = regenerated / "prompts.jsonl"
+    args = _args("eagle3", chat_target, data, tmp_path / "drafter", work_dir=regenerated)
+    report = train_drafter(replace(args, steps=50, time_limit=0.001))
+    assert report["steps"] == 1 + TIME_PROBE_STEPS
+    state = torch.load(tmp_path / "drafter" / STATE_FILE, weights_only=False)
+    assert state["step"] == 1 + TIME_PROBE_STEPS  # saved at the new end
+    config = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert config["specserve_training"]["steps"] == 1 + TIME_PROBE_STEPS
+
+
+def test_a_cuda_device_without_a_gpu_is_refused(chat_target: Path, prompts_file: Path) -> None:
+    from specserve.training.pipeline import resolve_device
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")
+    assert resolve_device("auto") == "cpu"
+    args = _args("eagle3", chat_target, prompts_file, Path("unused"), device="cuda")
+    with pytest.raises(ValueError, match="--device cuda: torch sees no CUDA GPU"):
+        train_drafter(args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_a_drafters_loss_on_a_gpu_is_the_hosts(
+    method: str, chat_target: Path, regenerated: Path, tmp_path: Path
+) -> None:
+    """The same drafter, sample and anchors on CUDA and on the CPU: the same loss, rows and
+    hits (float32), so nothing in the loss is left on the wrong device or indexed off it."""
+    import copy
+
+    from specserve.training.trainer import Metrics
+
+    on_cpu = _trainer(method, chat_target, regenerated, tmp_path / "cpu")
+    on_gpu = copy.copy(on_cpu)
+    on_gpu.trainee = copy.deepcopy(on_cpu.trainee).to("cuda")
+    on_gpu.device = torch.device("cuda")
+    on_gpu.generator = torch.Generator().manual_seed(0)
+    on_cpu.generator.manual_seed(0)
+    for sample in on_cpu.train[:4]:
+        host, device = Metrics(), Metrics()
+        a = on_cpu.sample_loss(sample, host)
+        b = on_gpu.sample_loss(sample, device)
+        assert b is not None and a is not None and b.device.type == "cuda"
+        torch.testing.assert_close(b.cpu(), a, rtol=1e-4, atol=1e-4)
+        assert device.rows == host.rows and device.correct == host.correct
