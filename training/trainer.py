@@ -31,7 +31,7 @@ from specserve.training.regenerate import Sample
 log = structlog.get_logger(__name__)
 
 STATE_FILE = "train_state.pt"
-TIME_PROBE_STEPS = 5  # steps timed (after the first) to fit a run into its time limit
+TIME_PROBE_STEPS = 5  # a time-limited run refits its step count every this many steps
 EXPORT_DTYPE = torch.bfloat16
 
 
@@ -56,7 +56,7 @@ class TrainConfig:
     mask_token_id: int  # DFlash
     bf16: bool  # autocast matmuls to bfloat16 (weights and optimizer stay float32)
     provenance: dict[str, Any] = field(default_factory=dict)
-    time_limit: float | None = None  # seconds of training: steps cut to fit, once measured
+    time_limit: float | None = None  # seconds of training: the step count is fitted as it runs
 
 
 @dataclass
@@ -165,6 +165,7 @@ class Trainer:
         self.steps_per_epoch = len(plan_batches(self.train, config.batch_tokens, config.seed, 0))
         total = math.ceil(self.steps_per_epoch * config.epochs)
         self.total_steps = min(total, config.max_steps) if config.max_steps else total
+        self.planned_steps = self.total_steps  # before a time limit cuts it
         self.step = 0
         self.tokens_seen = 0
         self.seconds = 0.0
@@ -286,7 +287,7 @@ class Trainer:
             if self.config.time_limit is not None:
                 if measured_from is None:
                     measured_from = (time.perf_counter(), self.step)
-                elif self.step - measured_from[1] == TIME_PROBE_STEPS:
+                elif (self.step - measured_from[1]) % TIME_PROBE_STEPS == 0:
                     self._fit_time_limit(run_started, measured_from)
                     progress.set_total(self.total_steps)
             if self.step % self.config.checkpoint_every == 0 or self.step == self.total_steps:
@@ -295,15 +296,16 @@ class Trainer:
         return metrics
 
     def _fit_time_limit(self, run_started: float, measured_from: tuple[float, int]) -> None:
-        """Cut `total_steps` so that this run ends within `time_limit`, at the pace of the steps
-        since its first (which pays for warming up); the LR schedule follows the new end."""
+        """Set `total_steps` to what ends this run within `time_limit` at the pace of its steps
+        so far (not counting the first, which warms up), at most the planned count; the LR
+        schedule follows the new end. Refitted as the run goes, since steps differ in cost."""
         assert self.config.time_limit is not None
         now = time.perf_counter()
         per_step = (now - measured_from[0]) / max(1, self.step - measured_from[1])
         left = self.config.time_limit - (now - run_started)
-        fitting = self.step + max(0, int(left / per_step))
-        if fitting < self.total_steps:
-            log.info("train.time_limit", steps=fitting, of=self.total_steps, step_s=per_step)
+        fitting = min(self.planned_steps, self.step + max(0, int(left / per_step)))
+        if fitting != self.total_steps:
+            log.debug("train.time_limit", steps=fitting, of=self.planned_steps, step_s=per_step)
             self.total_steps = max(self.step, fitting)
 
     def optimizer_step(self, batch: Sequence[Sample]) -> Metrics:
