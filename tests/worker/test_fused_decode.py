@@ -204,9 +204,10 @@ def test_steps_the_kernel_cannot_run_go_layer_by_layer(
     driver.allocate(seq, 6)
     step = SequenceStep(1, 6, [list(seq.block_tables[0])])  # the first group only
     one_group = hybrid.backend.build_metadata([step], hybrid.config.kv_groups[:1], 4, "cpu")
+    ids, pos = torch.tensor(seq.tokens[5:6]), torch.tensor([5])
+    assert fused_decode.decode_step(hybrid, ids, pos, one_group, driver.cache, ()) is None
     with pytest.raises(IndexError):  # the layer path indexes the missing group
-        hybrid(torch.tensor(seq.tokens[5:6]), torch.tensor([5]), one_group, driver.cache)
-    assert fused_results[-1] is False
+        hybrid(ids, pos, one_group, driver.cache)
 
 
 def test_pages_that_do_not_cover_the_keys_raise(llama_ckpt, monkeypatch) -> None:
@@ -246,3 +247,34 @@ def test_a_block_outside_the_cache_raises(llama_ckpt) -> None:
     seq.num_computed = 8
     with pytest.raises(IndexError, match="outside the cache"):
         driver.step([(seq, 1)])
+
+
+@pytest.mark.parametrize("name", ["llama_ckpt", "qwen3_hybrid_ckpt"])
+def test_a_verification_block_runs_fused_as_its_tokens_would_decode(
+    request, name: str, fused_results
+) -> None:
+    """A step of short causal blocks (speculative verification) runs as one decode row per
+    token, in the fused kernel: each row's logits are those of decoding its token alone."""
+    ckpt = request.getfixturevalue(name)
+    model = load_model(ckpt.path, torch.float32)
+    hybrid = len(model.config.kv_groups) > 1
+    verify, decode = (PagedDriver(model, block_size=4, drop_out_of_window=hybrid) for _ in "ab")
+    lengths = [9, 23, 14]
+    blocks = [verify.new_seq(p) for p in prompts(lengths, seed=8)]
+    singles = [decode.new_seq(p) for p in prompts(lengths, seed=8)]
+    verify.prefill(blocks)
+    decode.prefill(singles)
+    drafts = [[11, 5, 40], [7, 7, 7], [3, 19, 2]]
+    for seq, single, extra in zip(blocks, singles, drafts, strict=True):
+        seq.tokens += extra
+        single.tokens += extra
+    del fused_results[:]
+    block_logits = verify.step([(s, 4) for s in blocks], all_rows=True)
+    assert fused_results == [True]
+    rows = []
+    for _ in range(4):
+        rows.append(decode.step([(s, 1) for s in singles]))
+    expected = torch.stack(rows, dim=1).reshape(len(lengths) * 4, -1)
+    # bit for bit where the panel kernel runs every row count; a linear layer that leaves few
+    # rows to `F.linear` rounds them its own way
+    torch.testing.assert_close(block_logits, expected, rtol=1e-5, atol=1e-5)

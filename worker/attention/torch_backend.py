@@ -15,7 +15,10 @@ request's context per layer (1.4-2.5x less attention time at 16 requests of 0.5-
 docs/benchmarks.md). Every multi-row query (prompt chunks, verification and draft blocks)
 goes to `cpu_ops.paged_prefill_attention` in one call per layer, which also reads the pages
 where they lie; the SDPA batches for them are built only where that kernel cannot run the
-layer (its dtype or head dim), on first use.
+layer (its dtype or head dim), on first use. A CPU step whose requests all bring short causal
+blocks (speculative verification) is instead laid out as decode rows, one per token
+(`token_rows`), so that it runs as a decode step: a verification block of 4 tokens then costs
+about 1.15x a one-token decode step at batch 1 instead of 1.95x (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ from specserve.worker.model_config import KVLayerGroup
 # layer costs about 0.1 ms, small beside the chunk's own attention); shorter multi-row queries
 # (verification and draft blocks) share one padded batch.
 LONG_QUERY_ROWS = 32
+# On CPU, a step whose requests all bring causal blocks of at most this many tokens (decodes and
+# verification) runs as decode rows, one per token (`token_rows`).
+TOKEN_ROW_BLOCK = 16
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,8 @@ class TorchAttentionBackend(AttentionBackend):
         validate_steps(steps, len(kv_groups), block_size)
         if all(s.query_len == 1 for s in steps):
             return _decode_metadata(steps, kv_groups, block_size, device)
+        if torch.device(device).type == "cpu" and (rows := token_rows(steps)) is not None:
+            return _decode_metadata(rows, kv_groups, block_size, device)
         starts = query_starts(steps)
         decode_rows = [i for i, s in enumerate(steps) if s.query_len == 1]
         multi_rows = [i for i, s in enumerate(steps) if s.query_len > 1]
@@ -293,6 +301,23 @@ class TorchAttentionBackend(AttentionBackend):
             out[batch.out_rows] = o[batch.out_select]
         assert out is not None
         return out
+
+
+def token_rows(steps: Sequence[SequenceStep]) -> list[SequenceStep] | None:
+    """A step of short causal blocks (verification) as one single-token step per row, or None.
+
+    A causal row sees exactly what the same token would see decoded on its own: the keys below
+    its position. Every layer writes the step's K/V before it attends, so as decode rows the
+    block's tokens see each other, and the step runs as a decode step: on CPU in one kernel
+    call (`fused_decode`), with each row attended as plain decoding attends it.
+    """
+    if any(not s.causal or s.query_len > TOKEN_ROW_BLOCK for s in steps):
+        return None
+    return [
+        SequenceStep(1, s.first_position + j + 1, s.block_tables)
+        for s in steps
+        for j in range(s.query_len)
+    ]
 
 
 def _decode_metadata(
