@@ -1,9 +1,9 @@
 """How many drafts each request verifies next step: speculation only where it pays.
 
 A verified draft is worth the probability that it is accepted (the product of the acceptance
-rates up to its position); it costs a target row, and a step with any verification rows loses
-the plain decode path (on CPU the fused one-call decode kernel, `worker/cpu/fused_decode.py`),
-and drafting it costs drafter time. At batch 1 a step is mostly fixed cost and drafts are cheap;
+rates up to its position); it costs a target row (on CPU a verification block runs as decode
+rows in the fused one-call decode kernel, `torch_backend.token_rows`; elsewhere a step with
+verification rows leaves the decode path), and drafting it costs drafter time. At batch 1 a step is mostly fixed cost and drafts are cheap;
 at batch 16 a row costs almost as much as a whole batch-1 step and low-acceptance drafts cost
 more than they add. So after every step the policy picks, for the batch it just ran, the set of
 drafts that maximises expected tokens per second (down to none), from:
