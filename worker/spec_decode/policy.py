@@ -3,10 +3,11 @@
 A verified draft is worth the probability that it is accepted (the product of the acceptance
 rates up to its position); it costs a target row (on CPU a verification block runs as decode
 rows in the fused one-call decode kernel, `torch_backend.token_rows`; elsewhere a step with
-verification rows leaves the decode path), and drafting it costs drafter time. At batch 1 a step is mostly fixed cost and drafts are cheap;
-at batch 16 a row costs almost as much as a whole batch-1 step and low-acceptance drafts cost
-more than they add. So after every step the policy picks, for the batch it just ran, the set of
-drafts that maximises expected tokens per second (down to none), from:
+verification rows leaves the decode path), and drafting it costs drafter time. At batch 1 a
+step is mostly fixed cost and drafts are cheap; at batch 16 a row costs almost as much as a
+whole batch-1 step and low-acceptance drafts cost more than they add. So after every step the
+policy picks, for the batch it just ran, the set of drafts that maximises expected tokens per
+second (down to none), from:
 
 - each request's acceptance rates per draft position, learnt from its verified drafts and from
   *shadow* drafts: drafts proposed but not verified, scored against the tokens the target then
