@@ -28,6 +28,7 @@ from specserve.shared.protocol import (
     check_token_ids,
 )
 from specserve.worker.attention.base import AttentionMetadata, SequenceStep
+from specserve.worker.attention.torch_backend import verifies_as_decode_rows
 from specserve.worker.cpu import fused_decode
 from specserve.worker.kv_cache import PagedKVCache
 from specserve.worker.models import DecoderModel
@@ -117,7 +118,10 @@ class ModelRunner:
         self.spec_policy = None
         if speculator is not None:
             self.spec_policy = SpecPolicy(
-                speculator.num_spec_tokens, speculator.drafts_are_free, adaptive_spec
+                speculator.num_spec_tokens,
+                speculator.drafts_are_free,
+                adaptive_spec,
+                verifies_as_decode_rows(model.backend, self.device, speculator.num_spec_tokens + 1),
             )
         self.recorder: HiddenStateRecorder | None = None  # set for drafter training only
         self.requests: dict[int, RequestState] = {}

@@ -106,6 +106,37 @@ def test_a_verification_step_is_never_priced_below_the_plain_step():
     assert sum(policy.plan(candidates).verify.values()) > 0
 
 
+@pytest.mark.parametrize("as_decode_rows", [False, True])
+def test_verification_run_as_decode_rows_is_priced_on_the_plain_line(as_decode_rows):
+    """Batch 1 on CPU: plain steps 22 ms, 4-row verification steps 22.9 ms (decode rows in the
+    fused kernel), drafting 2.5 ms a draft. On one line, a draft row costs its 0.3 ms slope and
+    a request accepting 60% of its drafts gains 1.4x from one; a verification line of one size
+    in proportion prices a row at 5.7 ms, and the same draft is refused."""
+    policy = SpecPolicy(K, free_drafts=False, verifies_as_decode_rows=as_decode_rows)
+    for _ in range(20):
+        policy.observe_step(1, 0, False, 0.022)
+        policy.observe_step(4, 3, False, 0.0229)
+        policy.observe_drafting(3, 0.0075)
+    assert (policy.verify_step is policy.plain_step) == as_decode_rows
+    _set_rates(policy, 0, [0.6, 0.2, 0.1])
+    verify = policy.plan([Candidate(0, [1, 2, 3])]).verify
+    assert verify.get(0, 0) == (1 if as_decode_rows else 0)
+
+
+def test_one_line_seen_at_one_size_prices_draft_rows_at_nothing_until_measured():
+    """Every step plain for a while (the verification points forgotten): the shared line has no
+    slope, and a draft worth verifying at no row cost is verified, which measures it."""
+    policy = SpecPolicy(K, free_drafts=False, verifies_as_decode_rows=True)
+    for _ in range(50):
+        policy.observe_step(1, 0, False, 0.022)
+        policy.observe_drafting(3, 0.0075)
+    assert policy.plain_step.slope() is None
+    _set_rates(policy, 0, [0.6, 0.2, 0.1])
+    assert policy.plan([Candidate(0, [1, 2, 3])]).verify == {0: 1}
+    _set_rates(policy, 0, [0.1, 0.1, 0.1])  # 1.1 tokens for 1.11x the time: below the margin
+    assert not any(policy.plan([Candidate(0, [1, 2, 3])]).verify.values())
+
+
 def test_verified_outcomes_move_request_rates_and_the_prior():
     policy = SpecPolicy(K, free_drafts=True)
     policy.observe_verified(7, num_drafts=3, num_accepted=1)  # draft 1 accepted, 2 rejected

@@ -303,6 +303,15 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
 
+def verifies_as_decode_rows(backend: AttentionBackend, device: torch.device, block: int) -> bool:
+    """Whether verification blocks of `block` tokens run as decode rows (`token_rows`)."""
+    return (
+        isinstance(backend, TorchAttentionBackend)
+        and device.type == "cpu"
+        and block <= TOKEN_ROW_BLOCK
+    )
+
+
 def token_rows(steps: Sequence[SequenceStep]) -> list[SequenceStep] | None:
     """A step of short causal blocks (verification) as one single-token step per row, or None.
 

@@ -171,7 +171,17 @@ class PolicyStats:
 class SpecPolicy:
     """Plans each step's drafts; `adaptive=False` always asks for all K (the fixed policy)."""
 
-    def __init__(self, num_spec_tokens: int, free_drafts: bool, adaptive: bool = True) -> None:
+    def __init__(
+        self,
+        num_spec_tokens: int,
+        free_drafts: bool,
+        adaptive: bool = True,
+        verifies_as_decode_rows: bool = False,
+    ) -> None:
+        """`verifies_as_decode_rows`: a verification step runs as a decode step of as many rows
+        (CPU, `torch_backend.token_rows`), so both kinds of step are fitted on one line, whose
+        slope the two sizes they come in give; with one size seen, a draft row is priced at
+        nothing until a verification measures it."""
         self.k = num_spec_tokens
         self.adaptive = adaptive
         self.base_probe_every = 1 if free_drafts else PROBE_EVERY
@@ -181,7 +191,8 @@ class SpecPolicy:
         self.prior = [INITIAL_RATE] * num_spec_tokens
         self.requests: dict[int, _RequestAcceptance] = {}
         self.plain_step = CostLine()  # one row per request
-        self.verify_step = CostLine()  # one row per request plus drafts
+        # one row per request plus drafts
+        self.verify_step = self.plain_step if verifies_as_decode_rows else CostLine()
         self.prefill_step = CostLine()  # any step with a prompt chunk
         self.drafting = CostLine()
         self.stats = PolicyStats()
@@ -277,6 +288,11 @@ class SpecPolicy:
         per_draft = self.drafting.per_unit()
         drafted_line = self.prefill_step if prefill_rows else self.verify_step
         per_row = drafted_line.per_unit()
+        if drafted_line is self.plain_step:
+            # Verification runs as decode rows: one line, and while it has seen one size only
+            # (every step plain, say) a draft row is priced at nothing, so that a draft worth
+            # it gets verified, which gives the line its slope (and prices the next ones).
+            per_row = drafted_line.slope() or 0.0
         drafted_step = drafted_line.fitted(per_row)
         plain = None
         if not prefill_rows and self.plain_step.known:
