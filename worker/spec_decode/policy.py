@@ -21,7 +21,9 @@ second (down to none), from:
   request one row), verification steps (decode rows and drafts) and steps with prompt chunks,
   and one for drafting, seconds against draft tokens, all fitted online with forgetting so they
   follow the machine's load. Each line is fitted only on its own kind of step: a prompt chunk's
-  rows cost differently from a verification's, and a line through both mispredicts either. A
+  rows cost differently from a verification's, and a line through both mispredicts either.
+  Where verification runs as decode rows (CPU), plain and verification steps are one kind and
+  share one line. A
   plain line measured at one size only (plain steps seen at batch 1, then a batch of 16)
   borrows the per-row slope of the plain and verification lines fitted together; a
   verification or drafting line measured at one size scales in proportion (errors that make
