@@ -424,8 +424,9 @@ def test_a_cuda_device_without_a_gpu_is_refused(chat_target: Path, prompts_file:
 def test_a_drafters_loss_on_a_gpu_is_the_hosts(
     method: str, chat_target: Path, regenerated: Path, tmp_path: Path
 ) -> None:
-    """The same drafter, sample and anchors on CUDA and on the CPU: the same loss, rows and
-    hits (float32), so nothing in the loss is left on the wrong device or indexed off it."""
+    """The same drafter, sample and anchors on CUDA and on the CPU: the same loss and rows, and
+    the same hits up to a near tie (float32), so nothing in the loss is left on the wrong device
+    or indexed off it."""
     import copy
 
     from specserve.training.trainer import Metrics
@@ -442,4 +443,6 @@ def test_a_drafters_loss_on_a_gpu_is_the_hosts(
         b = on_gpu.sample_loss(sample, device)
         assert b is not None and a is not None and b.device.type == "cuda"
         torch.testing.assert_close(b.cpu(), a, rtol=1e-4, atol=1e-4)
-        assert device.rows == host.rows and device.correct == host.correct
+        assert device.rows == host.rows
+        # hits are argmax matches: a near tie may round the other way on the other device
+        assert all(abs(a - b) <= 1 for a, b in zip(device.correct, host.correct, strict=True))
