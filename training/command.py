@@ -67,8 +67,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="train at most this long: the step count (and its LR schedule) is cut to fit, "
-        "measured on the first steps",
+        help="train at most this long: the step count (and its LR schedule) is fitted to the "
+        "pace of the steps so far, every few steps",
+    )
+    p.add_argument(
+        "--regenerate-time-limit",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="regenerate at most this long (between waves of 2x --concurrency chats; one always "
+        "runs), then train on the chats done; a later run continues the regeneration",
     )
     p.add_argument("--resume", action="store_true", help="continue OUT's last checkpoint")
     p.add_argument(

@@ -76,6 +76,7 @@ class TrainDrafterArgs:
     threads: int | None = None
     device: str = "auto"  # cuda where there is a GPU, else cpu
     time_limit: float | None = None  # seconds of training (regeneration not counted)
+    regenerate_time_limit: float | None = None  # seconds of regeneration; a later run goes on
     command: str = ""
 
 
@@ -137,6 +138,7 @@ def train_drafter(args: TrainDrafterArgs) -> dict[str, Any]:
     options = RegenerateOptions(
         args.max_len, args.max_new_tokens, args.max_turns, args.concurrency,
         wave=max(128, 2 * args.concurrency),
+        time_limit=args.regenerate_time_limit,
     )  # fmt: skip
     samples = regenerate(
         llm,

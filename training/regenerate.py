@@ -14,6 +14,7 @@ at the first wave it had not finished.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,8 @@ class RegenerateOptions:
     max_turns: int
     concurrency: int  # requests in flight at once
     wave: int  # chats per wave (one engine call per turn of a wave)
+    # seconds: no wave starts that the last one's pace says would end past them (one always runs)
+    time_limit: float | None = None
 
 
 def read_samples(path: Path) -> list[Sample]:
@@ -92,7 +95,8 @@ def regenerate(
     `layers`; samples go to `work_dir/samples.jsonl`, rows to `work_dir/shards/`.
 
     Chats whose samples are already there are skipped, so calling it again after a stop
-    continues the run.
+    continues the run. With `options.time_limit` it stops between waves and returns the samples
+    done so far (a later call goes on from there).
     """
     index = work_dir / "samples.jsonl"
     done = [s for s in read_samples(index) if (work_dir / "shards" / s.shard).is_file()]
@@ -104,9 +108,19 @@ def regenerate(
     progress = Progress(
         "regenerating", total=len(chats), unit="chats", initial=len(chats) - len(todo)
     )
+    started, last_wave = time.perf_counter(), 0.0
     try:
         with index.open("ab") as out:
             for first in range(0, len(todo), options.wave):
+                elapsed = time.perf_counter() - started
+                if (
+                    options.time_limit is not None
+                    and first
+                    and elapsed + last_wave > options.time_limit
+                ):
+                    log.info("regenerate.time_limit", chats_left=len(todo) - first, seconds=elapsed)
+                    break
+                wave_started = time.perf_counter()
                 wave = todo[first : first + options.wave]
                 answered = _answer_wave(llm, recorder, wave, options)
                 samples = _save_wave(work_dir, answered, held_out_ids)
@@ -115,6 +129,7 @@ def regenerate(
                 out.flush()
                 done.extend(samples)
                 progress.update(len(wave), tokens=sum(len(s.response) for s in samples))
+                last_wave = time.perf_counter() - wave_started
     finally:
         llm.engine.runner.recorder = None
         progress.close()

@@ -446,3 +446,25 @@ def test_a_drafters_loss_on_a_gpu_is_the_hosts(
         assert device.rows == host.rows
         # hits are argmax matches: a near tie may round the other way on the other device
         assert all(abs(a - b) <= 1 for a, b in zip(device.correct, host.correct, strict=True))
+
+
+def test_regeneration_stops_between_waves_at_its_time_limit_and_goes_on_later(
+    chat_target: Path, tmp_path: Path
+) -> None:
+    """A time limit already spent: the first wave runs (one always does), the next does not; a
+    later call answers the rest and keeps the first wave's samples as they were."""
+    from specserve.training.corpus import read_chats
+    from specserve.training.regenerate import RegenerateOptions, regenerate
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    chats = list(read_chats(str(data)))
+    llm = specserve.LLM(str(chat_target), max_num_seqs=4, enable_prefix_caching=False)
+    options = RegenerateOptions(96, 8, 1, 4, wave=4, time_limit=0.0)
+    first = regenerate(llm, chats, set(), tmp_path / "work", LAYERS, options)
+    assert sorted(s.chat for s in first) == sorted(c.id for c in chats[:4])
+    rest = regenerate(
+        llm, chats, set(), tmp_path / "work", LAYERS, replace(options, time_limit=None)
+    )
+    assert sorted(s.chat for s in rest) == sorted(c.id for c in chats)
+    assert [s for s in rest if s.chat in {c.id for c in chats[:4]}] == first
