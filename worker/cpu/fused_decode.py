@@ -8,9 +8,10 @@ one OpenMP parallel region with the same kernels the layer-by-layer path calls, 
 are bit for bit the same (tests/worker/test_fused_decode.py) and only the glue goes.
 
 It runs where the layer-by-layer path would use the C kernels throughout: a CPU model whose
-linear layers are packed as panels (`worker.linear`), one query token per request, and the
-PyTorch attention backend's metadata. Anything else (prefill chunks, verification blocks,
-FlashInfer, float64, a layer of another dtype) keeps the layer-by-layer path.
+linear layers are packed as panels (`worker.linear`), one query token per row, and the PyTorch
+attention backend's metadata. Verification blocks and short prompt chunks come as one decode row
+per token (`torch_backend.token_rows`). Anything else (longer prompt chunks, DFlash's
+non-causal blocks, FlashInfer, float64, a layer of another dtype) keeps the layer-by-layer path.
 
 The table of weight addresses is read from the modules afresh every step (~0.2 ms), with each
 tensor's dtype and size checked, so a weight that was moved, cast, reloaded or replaced is
