@@ -79,18 +79,16 @@ class Eagle3Trainee(nn.Module):
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, draft_ids.numel(), bias=False)
         init_weights(self)
-        with torch.no_grad():  # the target's head rows of the draft vocab: a strong start
-            self.lm_head.weight.copy_(target_head[draft_ids].float())
+        head_rows = target_head[draft_ids].detach().float()  # the target's, for the draft vocab
+        with torch.no_grad():  # a strong start
+            self.lm_head.weight.copy_(head_rows)
         t2d = torch.zeros(target_embed.shape[0], dtype=torch.bool)
         t2d[draft_ids] = True
         self.register_buffer("d2t", draft_ids - torch.arange(draft_ids.numel()))
         self.register_buffer("t2d", t2d)
-        self.draft_ids = draft_ids
         # frozen and never saved; buffers so that `.to(device)` moves them with the drafter
         self.register_buffer("target_embed", target_embed.detach().float(), persistent=False)
-        self.register_buffer(
-            "target_head_draft", target_head[draft_ids].detach().float(), persistent=False
-        )
+        self.register_buffer("target_head_draft", head_rows, persistent=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
     def sequence_loss(

@@ -112,7 +112,8 @@ def regenerate(
     try:
         with index.open("ab") as out:
             for first in range(0, len(todo), options.wave):
-                elapsed = time.perf_counter() - started
+                wave_started = time.perf_counter()
+                elapsed = wave_started - started
                 if (
                     options.time_limit is not None
                     and first
@@ -120,7 +121,6 @@ def regenerate(
                 ):
                     log.info("regenerate.time_limit", chats_left=len(todo) - first, seconds=elapsed)
                     break
-                wave_started = time.perf_counter()
                 wave = todo[first : first + options.wave]
                 answered = _answer_wave(llm, recorder, wave, options)
                 samples = _save_wave(work_dir, answered, held_out_ids)

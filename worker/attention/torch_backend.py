@@ -153,7 +153,7 @@ class TorchAttentionBackend(AttentionBackend):
         validate_steps(steps, len(kv_groups), block_size)
         if all(s.query_len == 1 for s in steps):
             return _decode_metadata(steps, kv_groups, block_size, device)
-        if torch.device(device).type == "cpu" and (rows := token_rows(steps)) is not None:
+        if (rows := token_rows(steps, device)) is not None:
             return _decode_metadata(rows, kv_groups, block_size, device)
         starts = query_starts(steps)
         decode_rows = [i for i, s in enumerate(steps) if s.query_len == 1]
@@ -303,24 +303,27 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
 
+def _block_runs_as_decode_rows(device: torch.device | str, query_len: int) -> bool:
+    return torch.device(device).type == "cpu" and query_len <= TOKEN_ROW_BLOCK
+
+
 def verifies_as_decode_rows(backend: AttentionBackend, device: torch.device, block: int) -> bool:
     """Whether verification blocks of `block` tokens run as decode rows (`token_rows`)."""
-    return (
-        isinstance(backend, TorchAttentionBackend)
-        and device.type == "cpu"
-        and block <= TOKEN_ROW_BLOCK
-    )
+    return isinstance(backend, TorchAttentionBackend) and _block_runs_as_decode_rows(device, block)
 
 
-def token_rows(steps: Sequence[SequenceStep]) -> list[SequenceStep] | None:
-    """A step of short causal blocks (verification) as one single-token step per row, or None.
+def token_rows(
+    steps: Sequence[SequenceStep], device: torch.device | str
+) -> list[SequenceStep] | None:
+    """A CPU step of short causal blocks (verification) as one single-token step per row, else
+    None.
 
     A causal row sees exactly what the same token would see decoded on its own: the keys below
     its position. Every layer writes the step's K/V before it attends, so as decode rows the
     block's tokens see each other, and the step runs as a decode step: on CPU in one kernel
     call (`fused_decode`), with each row attended as plain decoding attends it.
     """
-    if any(not s.causal or s.query_len > TOKEN_ROW_BLOCK for s in steps):
+    if not all(s.causal and _block_runs_as_decode_rows(device, s.query_len) for s in steps):
         return None
     return [
         SequenceStep(1, s.first_position + j + 1, s.block_tables)

@@ -23,10 +23,9 @@ second (down to none), from:
   follow the machine's load. Each line is fitted only on its own kind of step: a prompt chunk's
   rows cost differently from a verification's, and a line through both mispredicts either.
   Where verification runs as decode rows (CPU), plain and verification steps are one kind and
-  share one line. A
-  plain line measured at one size only (plain steps seen at batch 1, then a batch of 16)
-  borrows the per-row slope of the plain and verification lines fitted together; a
-  verification or drafting line measured at one size scales in proportion (errors that make
+  share one line. A plain line measured at one size only (plain steps seen at batch 1, then a
+  batch of 16) borrows the per-row slope of the plain and verification lines fitted together;
+  a verification or drafting line measured at one size scales in proportion (errors that make
   drafts look dear, never cheap), and a step with drafts is never priced below the plain step
   of the same requests plus its draft rows at the verification line's slope.
 
@@ -289,12 +288,13 @@ class SpecPolicy:
         # proportion.
         per_draft = self.drafting.per_unit()
         drafted_line = self.prefill_step if prefill_rows else self.verify_step
-        per_row = drafted_line.per_unit()
         if drafted_line is self.plain_step:
             # Verification runs as decode rows: one line, and while it has seen one size only
             # (every step plain, say) a draft row is priced at nothing, so that a draft worth
             # it gets verified, which gives the line its slope (and prices the next ones).
             per_row = drafted_line.slope() or 0.0
+        else:
+            per_row = drafted_line.per_unit()
         drafted_step = drafted_line.fitted(per_row)
         plain = None
         if not prefill_rows and self.plain_step.known:
