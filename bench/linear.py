@@ -52,6 +52,12 @@ def onednn_pass(
         torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
 
 
+def plain_pass(weights: list[torch.Tensor], inputs: dict[int, torch.Tensor]) -> None:
+    """`F.linear` on the plain weight: oneDNN's GEMM (on AMX tiles where the CPU has them)."""
+    for w in weights:
+        torch.nn.functional.linear(inputs[w.shape[1]], w)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", default="1,16,64")
@@ -60,7 +66,10 @@ def main() -> None:
     rows_list = [int(r) for r in args.rows.split(",")]
     print(f"machine: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__} "
           f"with {torch.get_num_threads()} threads")  # fmt: skip
-    print(f"{'dtype':<9} {'rows':>5} {'panels ms':>10} {'oneDNN ms':>10} {'ratio':>7}")
+    print(
+        f"{'dtype':<9} {'rows':>5} {'panels ms':>10} {'oneDNN ms':>10} {'ratio':>7} "
+        f"{'F.linear ms':>12} {'ratio':>7}"
+    )
     for dtype in (torch.float32, torch.bfloat16):
         if dtype not in kernels.linear_dtypes():
             print(f"{dtype!s:<9} the panel kernel does not run this dtype on this CPU")
@@ -75,11 +84,13 @@ def main() -> None:
             passes = {
                 "panels": partial(panels_pass, weights, panels, inputs),
                 "onednn": partial(onednn_pass, weights, onednn, inputs),
+                "plain": partial(plain_pass, weights, inputs),
             }
             best = _best(passes, args.repeats)
             print(
                 f"{str(dtype).removeprefix('torch.'):<9} {rows:>5} {best['panels'] * 1e3:>10.2f} "
-                f"{best['onednn'] * 1e3:>10.2f} {best['onednn'] / best['panels']:>6.2f}x"
+                f"{best['onednn'] * 1e3:>10.2f} {best['onednn'] / best['panels']:>6.2f}x "
+                f"{best['plain'] * 1e3:>12.2f} {best['plain'] / best['panels']:>6.2f}x"
             )
 
 

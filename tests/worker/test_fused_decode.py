@@ -17,7 +17,7 @@ from hf_reference import prompts
 from paged_driver import PagedDriver
 
 from specserve.worker.attention.base import SequenceStep
-from specserve.worker.cpu import fused_decode, kernels
+from specserve.worker.cpu import fused_decode, kernels, linear
 from specserve.worker.loader import load_model
 from specserve.worker.model_runner import forward_step
 from specserve.worker.models import DecoderModel
@@ -181,16 +181,23 @@ def test_new_weights_are_picked_up(llama_ckpt, fused_results, monkeypatch) -> No
 def test_steps_the_kernel_cannot_run_go_layer_by_layer(
     llama_ckpt, qwen3_hybrid_ckpt, fused_results
 ) -> None:
-    """A linear that keeps `F.linear` for few rows, float64, a layer cast to another dtype and
-    metadata for fewer KV groups than the model has fall back to the layer path (which runs
-    them, or raises its own error)."""
+    """A linear that keeps `F.linear` for few rows or hands them to oneDNN, float64, a layer
+    cast to another dtype and metadata for fewer KV groups than the model has fall back to the
+    layer path (which runs them, or raises its own error)."""
     model = load_model(llama_ckpt.path, torch.float32)
-    model.layers[1].mlp.down_proj.packed.min_rows = 8  # type: ignore[union-attr]
+    down = model.layers[1].mlp.down_proj.packed
+    assert down is not None
+    down.min_rows = 8
     _decode_run(model, steps=1)
     assert fused_results == [False, False]  # 5 rows < 8
-    model.layers[1].mlp.down_proj.packed.min_rows = 1  # type: ignore[union-attr]
+    down.min_rows = 1
     _decode_run(model, steps=1)
     assert fused_results[-1] is True
+    if down.large_rows_onednn:
+        down.hand_over(4)
+        _decode_run(model, steps=1)
+        assert fused_results[-1] is False  # 5 rows >= 4: oneDNN's
+        down.hand_over(linear.PANEL_MAX_ROWS)
     _decode_run(load_model(llama_ckpt.path, torch.float64), steps=1)
     assert fused_results[-1] is False
     model.layers[1].to(torch.bfloat16)

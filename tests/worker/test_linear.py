@@ -166,12 +166,8 @@ def test_packed_linear_equals_f_linear(
     assert (got.double() - expected).abs().max().item() <= tol * scale
 
 
-@pytest.mark.parametrize("dtype", PANEL_DTYPES)
-def test_panels_hand_prompt_sized_inputs_to_onednn(
-    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """From PANEL_MAX_ROWS rows on, a panel-packed layer runs oneDNN's GEMM on its plain weight
-    (same result within the GEMM's rounding); below, the panel kernel."""
+def _panel_layer(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> tuple[Linear, list[int]]:
+    """A panel-packed 576 -> 960 layer with a bias, and the row counts the panel kernel sees."""
     if not linear_module._onednn_runs(torch.empty(2, 2, dtype=dtype)):
         pytest.skip(f"oneDNN does not run {dtype} here")
     layer = Linear(576, 960, dtype=dtype)
@@ -180,7 +176,7 @@ def test_panels_hand_prompt_sized_inputs_to_onednn(
         layer.bias.uniform_(-1, 1)
     (packed,) = layer.pack_weights()
     assert packed.panels and packed.large_rows_onednn
-    panel_rows = []
+    panel_rows: list[int] = []
     panel_linear = kernels.panel_linear
 
     def spy(x, *args):  # type: ignore[no-untyped-def]
@@ -188,11 +184,48 @@ def test_panels_hand_prompt_sized_inputs_to_onednn(
         return panel_linear(x, *args)
 
     monkeypatch.setattr(kernels, "panel_linear", spy)
+    return layer, panel_rows
+
+
+@pytest.mark.parametrize("dtype", PANEL_DTYPES)
+def test_panels_hand_prompt_sized_inputs_to_onednn(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From PANEL_MAX_ROWS rows on, a panel-packed layer runs oneDNN's GEMM on its plain weight
+    (same result within the GEMM's rounding); below, the panel kernel."""
+    layer, panel_rows = _panel_layer(dtype, monkeypatch)
+    assert layer.packed is not None and layer.packed.onednn is None  # no third copy
     limit = linear_module.PANEL_MAX_ROWS
     for rows in (limit - 1, limit, 3 * limit):
         x = torch.randn(rows, 576).to(dtype)
         _assert_panel_result(layer(x), _reference(x, layer.weight, layer.bias), dtype)
     assert panel_rows == [limit - 1]
+
+
+@pytest.mark.parametrize("dtype", PANEL_DTYPES)
+def test_a_calibrated_hand_over_runs_a_blocked_copy(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hand-over moved below PANEL_MAX_ROWS gives oneDNN inputs of that many rows and more,
+    on a blocked copy of the weight that a cast or reload makes again; the hand-over returned to
+    PANEL_MAX_ROWS drops the copy."""
+    layer, panel_rows = _panel_layer(dtype, monkeypatch)
+    packed = layer.packed
+    assert packed is not None
+    packed.hand_over(16)
+    assert packed.onednn is not None and not packed.runs_panels(16) and packed.runs_panels(15)
+    for rows in (1, 15, 16, 64, 300):
+        x = torch.randn(rows, 576).to(dtype)
+        _assert_panel_result(layer(x), _reference(x, layer.weight, layer.bias), dtype)
+    assert panel_rows == [1, 15]
+    new_weight = torch.randn(960, 576, generator=torch.Generator().manual_seed(2)) / 24
+    layer.load_state_dict({"weight": new_weight.to(dtype), "bias": layer.bias.detach()})
+    assert layer.packed is not packed and layer.packed.onednn_rows == 16
+    x = torch.randn(20, 576).to(dtype)
+    _assert_panel_result(layer(x), _reference(x, layer.weight, layer.bias), dtype)
+    assert panel_rows == [1, 15]
+    layer.packed.hand_over(linear_module.PANEL_MAX_ROWS)
+    assert layer.packed.onednn is None and layer.packed.runs_panels(20)
 
 
 def test_weights_oneDNN_cannot_run_stay_unpacked() -> None:
@@ -302,6 +335,8 @@ def test_calibration_picks_a_candidate_and_large_models_get_it(
     assert [p.min_rows for p in packed] == [1] * 4
     rng = torch.get_rng_state()
     assert calibrate_min_rows(packed, (1, 2, 4)) in (1, 2, 4, 8)
+    if any(p.panels for p in packed):  # only panels run the fused decode step: from one row
+        assert calibrate_min_rows(packed, (2, 4)) == 1
     assert torch.equal(torch.get_rng_state(), rng)  # loading a model draws no random numbers
     monkeypatch.setattr(linear_module, "CALIBRATE_MIN_BYTES", 1)
     monkeypatch.setattr(linear_module, "calibrate_min_rows", lambda packed: 6)
@@ -316,10 +351,14 @@ class FakeCalibration:
 
     results: list[int]
     calls: list[int] = field(default_factory=list)
+    onednn_rows: int = 32  # what the hand-over's calibration (`hand_over`) answers
 
     def __call__(self, packed: list[PackedWeight]) -> int:
         self.calls.append(len(packed))
         return self.results[len(self.calls) - 1]
+
+    def hand_over(self, packed: list[PackedWeight]) -> int:
+        return self.onednn_rows
 
 
 @pytest.fixture
@@ -328,6 +367,7 @@ def calibration(monkeypatch: pytest.MonkeyPatch) -> FakeCalibration:
     fake = FakeCalibration([])
     monkeypatch.setattr(linear_module, "CALIBRATE_MIN_BYTES", 1)
     monkeypatch.setattr(linear_module, "calibrate_min_rows", fake)
+    monkeypatch.setattr(linear_module, "calibrate_onednn_rows", fake.hand_over)
     return fake
 
 
@@ -363,8 +403,14 @@ def test_calibration_is_logged_and_cached(calibration, linear_log, private_cache
     assert calibration.calls == [2]
     assert _events(linear_log)[2:] == ["linear.calibration_cached"]
     assert linear_log[2].kwargs["packed_from_rows"] == 6
+    assert linear_log[1].kwargs["onednn_from_rows"] == linear_log[2].kwargs["onednn_from_rows"]
+    assert linear_log[2].kwargs["onednn_from_rows"] == 32
+    packed = pack_weights(_model((48, 32), (32, 48)))  # cached
+    assert [p.onednn_rows for p in packed] == [
+        32 if p.large_rows_onednn else linear_module.PANEL_MAX_ROWS for p in packed
+    ]
     (entry,) = json.loads((private_cache / "linear_calibration.json").read_text()).values()
-    assert entry["min_rows"] == 6
+    assert entry["min_rows"] == 6 and entry["onednn_rows"] == 32
     assert entry["threads"] == torch.get_num_threads()
     assert entry["cpu"] == kernels.cpu_model()
 
@@ -392,6 +438,7 @@ CORRUPTIONS: dict[str, tuple[Callable[[str], str], int]] = {
     "a list": (lambda text: "[1, 2]", 1),
     "min_rows a string": (lambda text: text.replace('"min_rows": 6', '"min_rows": "6"'), 0),
     "min_rows zero": (lambda text: text.replace('"min_rows": 6', '"min_rows": 0'), 0),
+    "no hand-over (an older entry)": (lambda text: text.replace('"onednn_rows"', '"x"'), 0),
 }
 
 

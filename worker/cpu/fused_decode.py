@@ -186,7 +186,8 @@ def _layer_row(
     layer: DecoderLayer, config: ModelConfig, dtype: torch.dtype, rows: int
 ) -> DecodeLayer | None:
     """The layer's addresses, or None when a weight is not in the kernel's layout, dtype or
-    size (e.g. a linear without panels, or one that uses `F.linear` for `rows` rows).
+    size (e.g. a linear without panels, or one that uses `F.linear` or oneDNN for `rows`
+    rows).
 
     Submodules and parameters are read from the modules' own dicts: `nn.Module`'s attribute
     lookup would cost ~0.3 us a time, and a step reads ~400 of them."""
@@ -225,8 +226,7 @@ def _linear_addresses(
     packed = linear.packed
     if (
         packed is None
-        or not packed.panels
-        or rows < packed.min_rows
+        or not packed.runs_panels(rows)
         or (linear.in_features, linear.out_features) != (in_features, out_features)
     ):
         return None, None

@@ -16,7 +16,10 @@ every call, which is slow for the few rows of a decode step. So each weight gets
   against 2,400 in bfloat16). oneDNN is reached through `F.linear` in bfloat16 and
   `torch.ops.mkldnn._linear_pointwise` in float32, whose `F.linear` goes to a slower GEMM (860
   tokens/s); both reorder the weight per call, which costs little beside a GEMM of that many
-  rows and needs no third copy of the weights.
+  rows and needs no third copy of the weights. Where the CPU multiplies bfloat16 on AMX tiles
+  (Intel Sapphire Rapids and later), oneDNN wins from far fewer rows: on a 2-core machine of
+  that kind 19 ms against the panels' 30 ms at 16 rows, 25 against 96 at 64; there the
+  hand-over moves down (calibrated, below) and oneDNN gets a blocked copy of each weight.
 - elsewhere, oneDNN's blocked layout (`torch.ops.mkldnn`), 1.5-3x faster than `F.linear` at
   16 rows (13.6 ms instead of 40.6 ms on a Zen 5 machine, 36 ms instead of 57 ms on an Intel
   one; see docs/benchmarks.md).
@@ -25,15 +28,19 @@ The math is the same matmul in the same dtype; only the summation order differs 
 in float32; bfloat16 results are rounded once from a float32 sum, as oneDNN does).
 
 Which path wins at a handful of rows depends on the CPU (on the Intel machine, MKL's plain GEMV
-beats oneDNN's packed weights up to 3 rows). So a model large enough for it to matter times
-both over its own weights at load (`calibrate_min_rows`) and each packed weight remembers from
-how many rows on it is used. That takes seconds (tens on a small CPU with a model of a few
-hundred MB), so it is logged while it runs and its result is cached per CPU model, thread
-count, kernel library and weight shapes in `$SPECSERVE_CACHE_DIR/linear_calibration.json`: the
-next start of the same model on the same kind of machine skips it.
+beats oneDNN's packed weights up to 3 rows; panels are used from one row, since only they run
+the fused decode step), and so does where panels should hand over to oneDNN. So a model large
+enough for it to matter times both over its own weights at load
+(`calibrate_min_rows`, `calibrate_onednn_rows`) and each packed weight remembers from how many
+rows on it is used and from how many on oneDNN takes over. That takes seconds (tens on a
+small CPU with a model of a few hundred MB), so it is logged while it runs and its result is
+cached per CPU model, thread count, kernel library and weight shapes in
+`$SPECSERVE_CACHE_DIR/linear_calibration.json`: the next start of the same model on the same
+kind of machine skips it.
 
 The plain weight stays where it is, because drafters and tests read it; the packed copy is used
-by `forward` only, so a packed model holds its linear weights twice. CUDA, float16 and float64
+by `forward` only, so a packed model holds its linear weights twice (three times where the
+hand-over was calibrated below `PANEL_MAX_ROWS`). CUDA, float16 and float64
 weights, and CPUs with neither path, keep `F.linear`.
 """
 
@@ -44,8 +51,9 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -65,29 +73,65 @@ _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 CALIBRATE_MIN_BYTES = 32 * 2**20
 CALIBRATION_ROWS = (1, 2, 4, 8, 16)
 PANEL_MAX_ROWS = 256  # from this many rows on, panel-packed weights run oneDNN's GEMM instead
+ONEDNN_CALIBRATION_ROWS = (8, 16, 32, 64, 128)  # where calibration may move that hand-over
+# oneDNN takes over where its GEMMs take at most this share of the panels' time: the rest must
+# pay for the glue of the layer-by-layer path, which the fused decode step (panels only) saves.
+# On a 2-core Sapphire Rapids machine in bfloat16 that glue was about a third of a panel pass
+# at 8-16 rows: 8 rows at 0.88 of the panels' time ran 193-223 tokens/s on oneDNN against 267
+# on the panels, 16 rows at 0.65 ran even.
+ONEDNN_MARGIN = 0.6
 CALIBRATION_FILE = "linear_calibration.json"  # in `cache_root()`
 
 
 @dataclass(eq=False)
 class PackedWeight:
     """`weight` laid out for a CPU GEMM (`tensor`): panels for `kernels.panel_linear`, else
-    oneDNN's blocked layout; used for inputs of at least `min_rows` rows."""
+    oneDNN's blocked layout; used for inputs of at least `min_rows` rows. Panels hand inputs of
+    `onednn_rows` rows and more to oneDNN (`large_rows_onednn`), through `onednn`, a blocked
+    copy made where calibration moved the hand-over below `PANEL_MAX_ROWS`, else through the
+    plain weight."""
 
     tensor: torch.Tensor
     weight: torch.Tensor
     min_rows: int = 1
     panels: bool = False
 
-    large_rows_onednn: bool = False  # panels hand PANEL_MAX_ROWS rows and more to oneDNN
+    large_rows_onednn: bool = False
+    onednn_rows: int = PANEL_MAX_ROWS
+    onednn: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not self.panels:
             return torch.ops.mkldnn._linear_pointwise(x, self.tensor, bias, "none", [], "")
-        if self.large_rows_onednn and x.numel() >= PANEL_MAX_ROWS * x.shape[-1]:
-            if x.dtype == torch.bfloat16:
-                return F.linear(x, self.weight, bias)
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
-        return kernels.panel_linear(x, self.tensor, bias, self.weight.shape[0])
+        rows = x.numel() // x.shape[-1]
+        if self.runs_panels(rows):
+            return kernels.panel_linear(x, self.tensor, bias, self.weight.shape[0])
+        if self.onednn is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
+        if x.dtype == torch.bfloat16:
+            return F.linear(x, self.weight, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
+
+    def runs_panels(self, rows: int) -> bool:
+        """Whether an input of `rows` rows goes through the panel kernel (the fused decode
+        step runs only where every linear does)."""
+        return (
+            self.panels
+            and rows >= self.min_rows
+            and not (self.large_rows_onednn and rows >= self.onednn_rows)
+        )
+
+    def hand_over(self, rows: int) -> None:
+        """Panels hand `rows` rows and more to oneDNN; below `PANEL_MAX_ROWS` through a
+        blocked copy of the weight (more memory, a faster GEMM than reordering per call)."""
+        if not (self.panels and self.large_rows_onednn):
+            return
+        self.onednn_rows = rows
+        self.onednn = (
+            torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
+            if rows < PANEL_MAX_ROWS
+            else None
+        )
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -136,9 +180,14 @@ def pack_weight(weight: torch.Tensor, min_rows: int = 1) -> PackedWeight | None:
 
 
 def pack_again(packed: PackedWeight | None, weight: torch.Tensor) -> PackedWeight | None:
-    """`weight` packed with `packed`'s `min_rows`, if `packed` is in use (after `weight` was
-    moved, cast or reloaded); None stays None."""
-    return None if packed is None else pack_weight(weight, packed.min_rows)
+    """`weight` packed with `packed`'s `min_rows` and hand-over, if `packed` is in use (after
+    `weight` was moved, cast or reloaded); None stays None."""
+    if packed is None:
+        return None
+    again = pack_weight(weight, packed.min_rows)
+    if again is not None and packed.onednn_rows != PANEL_MAX_ROWS:
+        again.hand_over(packed.onednn_rows)
+    return again
 
 
 def linear(
@@ -193,46 +242,53 @@ class Linear(nn.Linear):
 def pack_weights(module: nn.Module, calibrate: bool = True) -> list[PackedWeight]:
     """Call `pack_weights()` on every submodule that has one (each `Linear`, and e.g. a model
     whose LM head reuses its embedding); with `calibrate`, a model whose packed weights reach
-    `CALIBRATE_MIN_BYTES` then times from how many rows on they beat `F.linear`."""
+    `CALIBRATE_MIN_BYTES` then times from how many rows on they beat `F.linear`, and from how
+    many rows on panels should hand over to oneDNN."""
     packed = [p for m in module.modules() if hasattr(m, "pack_weights") for p in m.pack_weights()]
     nbytes = sum(p.weight.numel() * p.weight.element_size() for p in packed)
     if calibrate and nbytes >= CALIBRATE_MIN_BYTES:
-        min_rows = _cached_min_rows(packed, round(nbytes / 2**20))
+        min_rows, onednn_rows = _cached_calibration(packed, round(nbytes / 2**20))
         for p in packed:
             p.min_rows = min_rows
+            p.hand_over(onednn_rows)
     return packed
 
 
-def _cached_min_rows(packed: Sequence[PackedWeight], megabytes: int) -> int:
-    """`calibrate_min_rows(packed)`, from the cache when this kind of machine has measured
-    these weights before (it takes seconds), else measured and cached."""
+def _cached_calibration(packed: Sequence[PackedWeight], megabytes: int) -> tuple[int, int]:
+    """`calibrate_min_rows(packed)` and `calibrate_onednn_rows(packed)`, from the cache when
+    this kind of machine has measured these weights before (it takes seconds), else measured
+    and cached."""
     path = cache_root() / CALIBRATION_FILE
     key, described = _calibration_key(packed)
     cache = _read_calibrations(path)
-    min_rows = _cached_entry(cache, key)
-    if min_rows is not None:
+    cached = _cached_entry(cache, key)
+    if cached is not None:
         log.info(
             "linear.calibration_cached",
             weights=len(packed),
             megabytes=megabytes,
-            packed_from_rows=min_rows,
+            packed_from_rows=cached[0],
+            onednn_from_rows=cached[1],
             path=str(path),
         )
-        return min_rows
+        return cached
     log.info("linear.calibrating", weights=len(packed), megabytes=megabytes, rows=CALIBRATION_ROWS)
     start = time.perf_counter()
     min_rows = calibrate_min_rows(packed)
+    onednn_rows = calibrate_onednn_rows(packed)
     seconds = round(time.perf_counter() - start, 2)
     log.info(
         "linear.packed",
         weights=len(packed),
         megabytes=megabytes,
         packed_from_rows=min_rows,
+        onednn_from_rows=onednn_rows,
         calibration_seconds=seconds,
     )
-    cache[key] = {**described, "min_rows": min_rows, "seconds": seconds}
+    rows = {"min_rows": min_rows, "onednn_rows": onednn_rows}
+    cache[key] = {**described, **rows, "seconds": seconds}
     _write_calibrations(path, cache)
-    return min_rows
+    return min_rows, onednn_rows
 
 
 def _calibration_key(packed: Sequence[PackedWeight]) -> tuple[str, dict[str, Any]]:
@@ -247,14 +303,21 @@ def _calibration_key(packed: Sequence[PackedWeight]) -> tuple[str, dict[str, Any
     weights = [
         [*p.weight.shape, str(p.weight.dtype).removeprefix("torch."), p.panels] for p in packed
     ]
-    identity = json.dumps([described, weights, CALIBRATION_ROWS]).encode()
+    rules = [CALIBRATION_ROWS, ONEDNN_CALIBRATION_ROWS, ONEDNN_MARGIN]
+    identity = json.dumps([described, weights, rules]).encode()
     return hashlib.sha256(identity).hexdigest()[:16], described
 
 
-def _cached_entry(cache: dict[str, Any], key: str) -> int | None:
+def _cached_entry(cache: dict[str, Any], key: str) -> tuple[int, int] | None:
+    """The entry's (min_rows, onednn_rows), or None where either is missing or not a row count
+    (an entry from before the hand-over was calibrated is measured again)."""
     entry = cache.get(key)
-    min_rows = entry.get("min_rows") if isinstance(entry, dict) else None
-    return min_rows if type(min_rows) is int and min_rows >= 1 else None
+    if not isinstance(entry, dict):
+        return None
+    rows = entry.get("min_rows"), entry.get("onednn_rows")
+    if all(type(r) is int and r >= 1 for r in rows):
+        return rows  # type: ignore[return-value]
+    return None
 
 
 def _read_calibrations(path: Path) -> dict[str, Any]:
@@ -297,23 +360,18 @@ def calibrate_min_rows(
     """The fewest rows in `candidates` at which one pass over all `packed` weights is faster
     packed than with `F.linear` (best of 3, alternating); twice the largest if none is.
 
-    The pass streams every weight once, as a decode step does, so memory bandwidth is part of
-    what is measured rather than weights sitting in cache."""
+    Panel-packed weights are used from one row without measuring: only they run the fused
+    decode step, whose saved glue a GEMM's time does not show (float32 at batch 1 on a 2-core
+    Sapphire Rapids machine, where MKL's GEMV beat the panels by 10% per pass: 35 tokens/s with
+    panels from one row, 25 with `F.linear` below 4 rows)."""
+    if any(p.panels for p in packed):
+        return 1
     for rows in candidates:
-        inputs = {  # constant inputs: GEMM time does not depend on values; no RNG draws
-            (p.weight.shape[1], p.weight.dtype): torch.full(
-                (rows, p.weight.shape[1]), 0.5, dtype=p.weight.dtype
-            )
-            for p in packed
-        }
-        best = [float("inf"), float("inf")]
-        for _ in range(3):
-            for i, use_packed in enumerate((False, True)):
-                start = time.perf_counter()
-                for p in packed:
-                    x = inputs[(p.weight.shape[1], p.weight.dtype)]
-                    p(x, None) if use_packed else F.linear(x, p.weight)
-                best[i] = min(best[i], time.perf_counter() - start)
+        inputs = _constant_inputs(packed, rows)
+        best = _best_passes(
+            [partial(F.linear, x, p.weight) for p, x in zip(packed, inputs, strict=True)],
+            [partial(p, x, None) for p, x in zip(packed, inputs, strict=True)],
+        )
         log.debug(
             "linear.calibration_step",
             rows=rows,
@@ -323,3 +381,69 @@ def calibrate_min_rows(
         if best[1] <= best[0]:
             return rows
     return 2 * candidates[-1]
+
+
+def calibrate_onednn_rows(
+    packed: Sequence[PackedWeight], candidates: Sequence[int] = ONEDNN_CALIBRATION_ROWS
+) -> int:
+    """The fewest rows in `candidates` from which oneDNN's GEMM on blocked copies of the
+    panel-packed weights takes at most `ONEDNN_MARGIN` of the panel kernel's time for one pass
+    over them (best of 3, alternating); `PANEL_MAX_ROWS` if it never does.
+
+    Where the CPU multiplies bfloat16 on AMX tiles, oneDNN wins from a handful of rows (3.8x at
+    64 rows on a 2-core Sapphire Rapids machine); elsewhere the panels hold up to a few hundred.
+    The margin (`ONEDNN_MARGIN`) keeps the panels where oneDNN's gain would not pay for leaving
+    the fused decode step."""
+    panels = [p for p in packed if p.panels and p.large_rows_onednn]
+    if not panels:
+        return PANEL_MAX_ROWS
+    blocked = [torch.ops.mkldnn._reorder_linear_weight(p.weight.detach()) for p in panels]
+    for rows in candidates:
+        inputs = _constant_inputs(panels, rows)
+        best = _best_passes(
+            [
+                partial(kernels.panel_linear, x, p.tensor, None, p.weight.shape[0])
+                for p, x in zip(panels, inputs, strict=True)
+            ],
+            [partial(_blocked_linear, x, b) for x, b in zip(inputs, blocked, strict=True)],
+        )
+        log.debug(
+            "linear.onednn_calibration_step",
+            rows=rows,
+            panels_ms=round(best[0] * 1e3, 2),
+            onednn_ms=round(best[1] * 1e3, 2),
+        )
+        if best[1] <= ONEDNN_MARGIN * best[0]:
+            return rows
+    return PANEL_MAX_ROWS
+
+
+def _constant_inputs(packed: Sequence[PackedWeight], rows: int) -> list[torch.Tensor]:
+    """An input of `rows` rows for each of `packed` (one per in_features and dtype): constant,
+    since GEMM time does not depend on values, and so that loading a model draws no random
+    numbers."""
+    shared: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+    for p in packed:
+        key = (p.weight.shape[1], p.weight.dtype)
+        if key not in shared:
+            shared[key] = torch.full((rows, key[0]), 0.5, dtype=key[1])
+    return [shared[p.weight.shape[1], p.weight.dtype] for p in packed]
+
+
+def _best_passes(*passes: Sequence[Callable[[], Any]]) -> list[float]:
+    """The best time of each pass (a call per weight) over 3 alternating rounds.
+
+    A pass streams every weight once, as a decode step does, so memory bandwidth is part of
+    what is measured rather than weights sitting in cache."""
+    best = [float("inf")] * len(passes)
+    for _ in range(3):
+        for i, calls in enumerate(passes):
+            start = time.perf_counter()
+            for call in calls:
+                call()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
+
+
+def _blocked_linear(x: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, blocked, None, "none", [], "")
