@@ -1,10 +1,13 @@
-"""The matmuls of a SmolLM2 decode step on CPU: the panel kernel beside oneDNN's packed GEMM.
+"""The matmuls of a SmolLM2 decode step on CPU: the panel kernel beside oneDNN's packed GEMM and
+`F.linear` on the plain weight.
 
 One pass over all 121 weights (four per layer and the LM head, as `worker/models.py` fuses
 them), the way a decode step streams them from memory, at several row counts:
     .venv/bin/python bench/linear.py [--rows 1,16,64] [--repeats 5]
 
-Both layouts are timed in alternation; the best pass of each is printed with the ratio.
+The three are timed in alternation; the best pass of each is printed with its ratio to the
+panels' time (`worker/cpu/linear.py` makes the same comparison at load to decide from how many
+rows on panels hand over to oneDNN).
 """
 
 from __future__ import annotations

@@ -72,7 +72,9 @@ def _assert_panel_result(got: torch.Tensor, expected: torch.Tensor, dtype: torch
 
 @pytest.mark.parametrize("dtype", PANEL_DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
-@pytest.mark.parametrize(("n", "k"), [(50, 37), (960, 576)])  # a partial panel, odd K
+# A partial panel and odd K; on CPUs with AMX tiles, bfloat16 runs from 4 rows on the tiles where
+# K is a multiple of 32 (960 x 576: an even count of panels; 100 x 64: an odd one, partial).
+@pytest.mark.parametrize(("n", "k"), [(50, 37), (960, 576), (100, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_panel_kernel_matches_float64(
     dtype: torch.dtype, rows: int, n: int, k: int, with_bias: bool
@@ -86,6 +88,15 @@ def test_panel_kernel_matches_float64(
     assert x.stride(0) == k + 3
     got = kernels.panel_linear(x, kernels.pack_panels(w), b, n)
     _assert_panel_result(got, _reference(x, w, b), dtype)
+
+
+def test_bfloat16_panels_run_on_amx_tiles_where_the_cpu_has_them() -> None:
+    """The library asks for the tile state at load; a CPU with AMX tiles and the bfloat16
+    panel kernel gets it (the results are checked by the float64 comparisons above)."""
+    has_tiles = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    if not (has_tiles and torch.bfloat16 in kernels.linear_dtypes()):
+        pytest.skip("no AMX tiles or no bfloat16 panel kernel on this CPU")
+    assert kernels.linear_amx_min_rows() == 4
 
 
 @pytest.mark.parametrize("dtype", PANEL_DTYPES)

@@ -13,7 +13,8 @@
   FMA in float32), over weights laid out once in panels of 16 output columns (`pack_panels`).
   A step streams every weight of the model from memory; the kernel streams each panel once
   per 16 rows (6 with AVX2), at about the CPU's peak: 1.2-1.8x oneDNN's packed GEMM up to 16
-  rows, on par beyond, on AVX-512 (`worker.linear`).
+  rows, on par beyond, on AVX-512 (`worker.linear`). On CPUs with AMX tiles bfloat16 inputs of
+  4 rows or more multiply on the tiles (`linear_amx_min_rows`).
 - `add_rms_norm`, `silu_mul` and `rope_write_kv` (q/k norms, RoPE and the K/V cache write): a
   decoder layer's element-wise glue, which PyTorch runs as 3-9 small ops each (a dispatch and
   a pass over memory apiece), in one call.
@@ -310,6 +311,8 @@ def open_library(path: Path) -> ctypes.CDLL:
         "add_rms_norm": (None, [_PTR, i64, _PTR, i64, _PTR, _PTR, _PTR, i64, i64, f32, flag]),
         "silu_mul": (None, [_PTR, i64, _PTR, i64, i64, flag]),
         "linear_kernel_dtypes": (ctypes.c_int, []),
+        "linear_enable_amx": (ctypes.c_int, []),
+        "linear_amx_min_rows": (i64, []),
         "panel_linear": (ctypes.c_int, [_PTR, i64, _PTR, _PTR, _PTR, i64, i64, i64, flag]),
         "rope_write_kv": (
             ctypes.c_int,
@@ -328,6 +331,7 @@ def open_library(path: Path) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
     check_decode_tables(lib)
+    lib.linear_enable_amx()
     return lib
 
 
@@ -677,6 +681,13 @@ def linear_dtypes() -> frozenset[torch.dtype]:
     lib = load()
     bits = lib.linear_kernel_dtypes() if lib is not None else 0
     return frozenset(dtype for bit, dtype in enumerate(DTYPES) if bits & (1 << bit))
+
+
+def linear_amx_min_rows() -> int:
+    """From how many rows on `panel_linear` multiplies bfloat16 on AMX tiles (inputs whose K is
+    a multiple of 32); 0 where it never does (no tiles, or no kernels)."""
+    lib = load()
+    return lib.linear_amx_min_rows() if lib is not None else 0
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

@@ -16,10 +16,12 @@ every call, which is slow for the few rows of a decode step. So each weight gets
   against 2,400 in bfloat16). oneDNN is reached through `F.linear` in bfloat16 and
   `torch.ops.mkldnn._linear_pointwise` in float32, whose `F.linear` goes to a slower GEMM (860
   tokens/s); both reorder the weight per call, which costs little beside a GEMM of that many
-  rows and needs no third copy of the weights. Where the CPU multiplies bfloat16 on AMX tiles
-  (Intel Sapphire Rapids and later), oneDNN wins from far fewer rows: on a 2-core machine of
-  that kind 19 ms against the panels' 30 ms at 16 rows, 25 against 96 at 64; there the
-  hand-over moves down (calibrated, below) and oneDNN gets a blocked copy of each weight.
+  rows and needs no third copy of the weights. Where a CPU's GEMM library beats the panels
+  from fewer rows, the hand-over moves down (calibrated, below) and oneDNN gets a blocked copy
+  of each weight. On CPUs with AMX tiles (Intel Sapphire Rapids and later) the bfloat16
+  panels multiply on the tiles from 4 rows on (where K is a multiple of 32): on a 2-core
+  machine of that kind 15.4 ms at 16 rows and 24.9 at 64 (oneDNN: 19.1, 26.8; the AVX512_BF16
+  panels took 29.7 and 95.9).
 - elsewhere, oneDNN's blocked layout (`torch.ops.mkldnn`), 1.5-3x faster than `F.linear` at
   16 rows (13.6 ms instead of 40.6 ms on a Zen 5 machine, 36 ms instead of 57 ms on an Intel
   one; see docs/benchmarks.md).
@@ -76,9 +78,9 @@ PANEL_MAX_ROWS = 256  # from this many rows on, panel-packed weights run oneDNN'
 ONEDNN_CALIBRATION_ROWS = (8, 16, 32, 64, 128)  # where calibration may move that hand-over
 # oneDNN takes over where its GEMMs take at most this share of the panels' time: the rest must
 # pay for the glue of the layer-by-layer path, which the fused decode step (panels only) saves.
-# On a 2-core Sapphire Rapids machine in bfloat16 that glue was about a third of a panel pass
-# at 8-16 rows: 8 rows at 0.88 of the panels' time ran 193-223 tokens/s on oneDNN against 267
-# on the panels, 16 rows at 0.65 ran even.
+# On a 2-core Sapphire Rapids machine in bfloat16 (AVX512_BF16 panels, before their AMX body)
+# that glue was about a third of a panel pass at 8-16 rows: 8 rows at 0.88 of the panels' time
+# ran 193-223 tokens/s on oneDNN against 267 on the panels, 16 rows at 0.65 ran even.
 ONEDNN_MARGIN = 0.6
 CALIBRATION_FILE = "linear_calibration.json"  # in `cache_root()`
 
@@ -390,10 +392,10 @@ def calibrate_onednn_rows(
     panel-packed weights takes at most `ONEDNN_MARGIN` of the panel kernel's time for one pass
     over them (best of 3, alternating); `PANEL_MAX_ROWS` if it never does.
 
-    Where the CPU multiplies bfloat16 on AMX tiles, oneDNN wins from a handful of rows (3.8x at
-    64 rows on a 2-core Sapphire Rapids machine); elsewhere the panels hold up to a few hundred.
-    The margin (`ONEDNN_MARGIN`) keeps the panels where oneDNN's gain would not pay for leaving
-    the fused decode step."""
+    The panels hold up to a few hundred rows on the CPUs measured so far (on AMX tiles in
+    bfloat16 too); without the tiles, oneDNN's bfloat16 GEMM on them beat the AVX512_BF16
+    panels 3.8x at 64 rows. The margin (`ONEDNN_MARGIN`) keeps the panels where oneDNN's gain
+    would not pay for leaving the fused decode step."""
     panels = [p for p in packed if p.panels and p.large_rows_onednn]
     if not panels:
         return PANEL_MAX_ROWS

@@ -17,6 +17,13 @@
  *
  * With AVX2 (float32 only) a panel is two 8-wide registers per row, so a tile holds 6 rows (12
  * accumulators) and more rows stream the panel once per 6 (from cache: a panel is 16 columns).
+ *
+ * On CPUs with AMX tiles, bfloat16 inputs of AMX_MIN_ROWS rows or more multiply on the tiles
+ * instead: a bfloat16 panel's [K2][16][2] layout is the tile layout of a B operand (16 pairs of
+ * K per 64-byte row), so each 32-deep slice of a panel loads as one tile, and the inputs load
+ * straight from their rows as the A operand (no repacking). The tiles accumulate the same
+ * bfloat16 pair products in float32, K in the same order; bias and rounding are as above. The
+ * process must be granted the tile state first (`linear_enable_amx`, called at load).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -151,6 +158,91 @@ static void panel_rows(const void *packed, const void *panels, const void *bias,
     }
 }
 
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define LINEAR_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* From this many rows on, bfloat16 panels multiply on AMX tiles (below, the AVX512_BF16 tiles
+ * stream a panel once per 16 rows at the memory's pace anyway). */
+#define AMX_MIN_ROWS 4
+#define AMX_DEPTH 16 /* bfloat16 pairs per tile row: a 32-deep slice of K */
+
+/* Tiles: 0 the inputs of 16 rows, 1 those of a last, shorter row tile, 2-3 two panels' slices,
+ * 4-5 the two panels' sums for 16 rows, 6-7 those for the shorter tile. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) amx_config;
+
+static int amx_granted = 0;
+
+static void amx_configure(int64_t tail_rows) {
+    amx_config cfg = {0};
+    cfg.palette = 1;
+    const uint8_t rows[8] = {16, (uint8_t)(tail_rows ? tail_rows : 16), AMX_DEPTH, AMX_DEPTH,
+                             16, 16, (uint8_t)(tail_rows ? tail_rows : 16),
+                             (uint8_t)(tail_rows ? tail_rows : 16)};
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = rows[t];
+    _tile_loadconfig(&cfg);
+}
+
+/* Sums (float32, `sums` rows 16 floats apart) + bias, rounded, into `m` rows of y. */
+static inline void amx_store(const float *sums, __m512 b, uint16_t *y, int64_t y_stride,
+                             int64_t m, __mmask16 mask) {
+    for (int64_t i = 0; i < m; i++)
+        _mm256_mask_storeu_epi16(y + i * y_stride, mask,
+                                 round_bf16x16(_mm512_add_ps(_mm512_loadu_ps(sums + i * 16), b)));
+}
+
+/* One row tile (A: inputs tile, C0/C1: sums tiles) times panels w0 (and w1 when `two`). */
+#define AMX_ROW_TILE(A, C0, C1)                                                              \
+    do {                                                                                     \
+        _tile_zero(C0);                                                                      \
+        if (two) _tile_zero(C1);                                                             \
+        for (int64_t s = 0; s < depth / AMX_DEPTH; s++) {                                    \
+            _tile_loadd(A, xa + s * 2 * AMX_DEPTH, x_stride * 2);                            \
+            _tile_loadd(2, w0 + s * AMX_DEPTH * 2 * PANEL, 4 * PANEL);                       \
+            _tile_dpbf16ps(C0, A, 2);                                                        \
+            if (two) {                                                                       \
+                _tile_loadd(3, w1 + s * AMX_DEPTH * 2 * PANEL, 4 * PANEL);                   \
+                _tile_dpbf16ps(C1, A, 3);                                                    \
+            }                                                                                \
+        }                                                                                    \
+        _tile_stored(C0, sums, 64);                                                          \
+        if (two) _tile_stored(C1, sums + 256, 64);                                           \
+    } while (0)
+
+/* Panels p (and p + 1 where there is one) of y for every row, on the tiles. */
+static void amx_panel_pair(const uint16_t *x, int64_t x_stride, const uint16_t *panels,
+                           const void *bias, uint16_t *y, int64_t rows, int64_t n, int64_t depth,
+                           int64_t p) {
+    const int64_t panel_elems = depth * PANEL * 2, num_panels = (n + PANEL - 1) / PANEL;
+    const int two = p + 1 < num_panels;
+    const uint16_t *w0 = panels + p * panel_elems, *w1 = w0 + panel_elems;
+    const __mmask16 mask0 = column_mask(n, p), mask1 = two ? column_mask(n, p + 1) : 0;
+    const __m512 b0 = bias_f32(bias, p, mask0, 1), b1 = two ? bias_f32(bias, p + 1, mask1, 1) : b0;
+    float sums[2 * 16 * 16];
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int64_t m = rows - r0 < 16 ? rows - r0 : 16;
+        const uint16_t *xa = x + r0 * x_stride;
+        if (m == 16)
+            AMX_ROW_TILE(0, 4, 5);
+        else
+            AMX_ROW_TILE(1, 6, 7);
+        uint16_t *yr = y + r0 * n + p * PANEL;
+        amx_store(sums, b0, yr, n, m, mask0);
+        if (two) amx_store(sums + 256, b1, yr + PANEL, n, m, mask1);
+    }
+}
+
+/* Whether this call runs on the tiles: bfloat16, enough rows, K whole 32-deep slices. */
+static inline int amx_runs(int64_t rows, int64_t k, int is_bf16) {
+    return amx_granted && is_bf16 && rows >= AMX_MIN_ROWS && k % (2 * AMX_DEPTH) == 0;
+}
+#endif /* AMX */
 #elif defined(__AVX2__) && defined(__FMA__)
 #define LINEAR_SIMD 256
 #define MAX_TILE 6 /* rows per tile: 12 accumulators, two weight vectors and a broadcast */
@@ -225,6 +317,28 @@ int linear_kernel_dtypes(void) {
     return dtypes;
 }
 
+/* Ask the kernel for the AMX tile state (once per process; Linux grants it on request). Returns
+ * 1 when bfloat16 panels will use the tiles, 0 where the CPU, the build or the kernel has none. */
+int linear_enable_amx(void) {
+#if defined(LINEAR_AMX)
+    if (!amx_granted)
+        amx_granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                              18 /* XFEATURE_XTILEDATA */) == 0;
+    return amx_granted;
+#else
+    return 0;
+#endif
+}
+
+/* The fewest rows of a bfloat16 input that run on the tiles; 0 when none do. */
+int64_t linear_amx_min_rows(void) {
+#if defined(LINEAR_AMX)
+    return amx_granted ? AMX_MIN_ROWS : 0;
+#else
+    return 0;
+#endif
+}
+
 int64_t linear_packed_bytes(int64_t rows, int64_t k, int is_bf16) {
     return rows * (is_bf16 ? (k + 1) / 2 : k) * 4;
 }
@@ -237,6 +351,17 @@ void panel_linear_team(const void *x, int64_t x_stride, const void *panels, cons
                        void *y, int64_t rows, int64_t n, int64_t k, int is_bf16, void *packed) {
 #if defined(LINEAR_SIMD)
     const int64_t depth = is_bf16 ? (k + 1) / 2 : k; /* K, or K2 bfloat16 pairs */
+#if defined(LINEAR_AMX)
+    if (amx_runs(rows, k, is_bf16)) { /* every thread decides alike: no barrier is skipped */
+        amx_configure(rows % 16);
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < (n + PANEL - 1) / PANEL; p += 2)
+            amx_panel_pair((const uint16_t *)x, x_stride, (const uint16_t *)panels, bias,
+                           (uint16_t *)y, rows, n, depth, p);
+        _tile_release();
+        return;
+    }
+#endif
     for (int64_t r0 = 0; r0 < rows; r0 += MAX_TILE) {
         const int64_t tile = tile_rows(rows - r0);
 #pragma omp for schedule(static) nowait
