@@ -104,15 +104,15 @@ class PackedWeight:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not self.panels:
-            return torch.ops.mkldnn._linear_pointwise(x, self.tensor, bias, "none", [], "")
+            return _onednn_linear(x, self.tensor, bias)
         rows = x.numel() // x.shape[-1]
         if self.runs_panels(rows):
             return kernels.panel_linear(x, self.tensor, bias, self.weight.shape[0])
         if self.onednn is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
+            return _onednn_linear(x, self.onednn, bias)
         if x.dtype == torch.bfloat16:
             return F.linear(x, self.weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
+        return _onednn_linear(x, self.weight, bias)
 
     def runs_panels(self, rows: int) -> bool:
         """Whether an input of `rows` rows goes through the panel kernel (the fused decode
@@ -187,7 +187,7 @@ def pack_again(packed: PackedWeight | None, weight: torch.Tensor) -> PackedWeigh
     if packed is None:
         return None
     again = pack_weight(weight, packed.min_rows)
-    if again is not None and packed.onednn_rows != PANEL_MAX_ROWS:
+    if again is not None:
         again.hand_over(packed.onednn_rows)
     return again
 
@@ -368,21 +368,16 @@ def calibrate_min_rows(
     panels from one row, 25 with `F.linear` below 4 rows)."""
     if any(p.panels for p in packed):
         return 1
-    for rows in candidates:
+
+    def passes(rows: int) -> dict[str, list[Callable[[], Any]]]:
         inputs = _constant_inputs(packed, rows)
-        best = _best_passes(
-            [partial(F.linear, x, p.weight) for p, x in zip(packed, inputs, strict=True)],
-            [partial(p, x, None) for p, x in zip(packed, inputs, strict=True)],
-        )
-        log.debug(
-            "linear.calibration_step",
-            rows=rows,
-            plain_ms=round(best[0] * 1e3, 2),
-            packed_ms=round(best[1] * 1e3, 2),
-        )
-        if best[1] <= best[0]:
-            return rows
-    return 2 * candidates[-1]
+        return {
+            "plain": [partial(F.linear, x, p.weight) for p, x in zip(packed, inputs, strict=True)],
+            "packed": [partial(p, x, None) for p, x in zip(packed, inputs, strict=True)],
+        }
+
+    rows = _fewest_rows(candidates, 1.0, "linear.calibration_step", passes)
+    return 2 * candidates[-1] if rows is None else rows
 
 
 def calibrate_onednn_rows(
@@ -400,24 +395,39 @@ def calibrate_onednn_rows(
     if not panels:
         return PANEL_MAX_ROWS
     blocked = [torch.ops.mkldnn._reorder_linear_weight(p.weight.detach()) for p in panels]
-    for rows in candidates:
+
+    def passes(rows: int) -> dict[str, list[Callable[[], Any]]]:
         inputs = _constant_inputs(panels, rows)
-        best = _best_passes(
-            [
+        return {
+            "panels": [
                 partial(kernels.panel_linear, x, p.tensor, None, p.weight.shape[0])
                 for p, x in zip(panels, inputs, strict=True)
             ],
-            [partial(_blocked_linear, x, b) for x, b in zip(inputs, blocked, strict=True)],
-        )
-        log.debug(
-            "linear.onednn_calibration_step",
-            rows=rows,
-            panels_ms=round(best[0] * 1e3, 2),
-            onednn_ms=round(best[1] * 1e3, 2),
-        )
-        if best[1] <= ONEDNN_MARGIN * best[0]:
+            "onednn": [partial(_onednn_linear, x, b) for x, b in zip(inputs, blocked, strict=True)],
+        }
+
+    rows = _fewest_rows(candidates, ONEDNN_MARGIN, "linear.onednn_calibration_step", passes)
+    return PANEL_MAX_ROWS if rows is None else rows
+
+
+def _fewest_rows(
+    candidates: Sequence[int],
+    share: float,
+    event: str,
+    passes: Callable[[int], dict[str, list[Callable[[], Any]]]],
+) -> int | None:
+    """The fewest rows in `candidates` at which the second of the two named `passes` for that
+    many rows takes at most `share` of the first's time (best of 3, alternating); None if it
+    never does. Each row count's times are logged at debug as `event`."""
+    for rows in candidates:
+        named = passes(rows)
+        best = _best_passes(*named.values())
+        times = {f"{name}_ms": round(t * 1e3, 2) for name, t in zip(named, best, strict=True)}
+        log.debug(event, rows=rows, **times)
+        first, second = best
+        if second <= share * first:
             return rows
-    return PANEL_MAX_ROWS
+    return None
 
 
 def _constant_inputs(packed: Sequence[PackedWeight], rows: int) -> list[torch.Tensor]:
@@ -447,5 +457,8 @@ def _best_passes(*passes: Sequence[Callable[[], Any]]) -> list[float]:
     return best
 
 
-def _blocked_linear(x: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, blocked, None, "none", [], "")
+def _onednn_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """oneDNN's GEMM on `weight`, blocked (`_reorder_linear_weight`) or plain."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

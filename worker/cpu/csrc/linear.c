@@ -158,7 +158,6 @@ static void panel_rows(const void *packed, const void *panels, const void *bias,
     }
 }
 
-
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define LINEAR_AMX 1
 #include <sys/syscall.h>
@@ -182,9 +181,8 @@ static int amx_granted = 0;
 static void amx_configure(int64_t tail_rows) {
     amx_config cfg = {0};
     cfg.palette = 1;
-    const uint8_t rows[8] = {16, (uint8_t)(tail_rows ? tail_rows : 16), AMX_DEPTH, AMX_DEPTH,
-                             16, 16, (uint8_t)(tail_rows ? tail_rows : 16),
-                             (uint8_t)(tail_rows ? tail_rows : 16)};
+    const uint8_t tail = (uint8_t)(tail_rows ? tail_rows : 16);
+    const uint8_t rows[8] = {16, tail, AMX_DEPTH, AMX_DEPTH, 16, 16, tail, tail};
     for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = rows[t];
     _tile_loadconfig(&cfg);
 }
