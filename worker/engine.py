@@ -17,7 +17,7 @@ from specserve.shared.config import SpecConfig, SpecMethod
 from specserve.worker.attention.flashinfer_backend import FlashInferBackend
 from specserve.worker.attention.selection import missing_flashinfer_kernels, select_backend
 from specserve.worker.kv_cache import PagedKVCache, bytes_per_block, num_blocks_for_budget
-from specserve.worker.memory import kv_budget_bytes
+from specserve.worker.memory import keep_freed_memory, kv_budget_bytes
 from specserve.worker.model_registry import LoadedModel, load_target, model_dtype
 from specserve.worker.model_runner import ModelRunner
 from specserve.worker.models import DecoderModel
@@ -69,6 +69,8 @@ class WorkerEngine:
         args = replace(args, drafter=drafter_path, num_spec_tokens=num_spec)
         self.args = args
         SpecConfig(method, args.num_spec_tokens)  # validate before loading anything
+        if torch.device(args.device).type == "cpu":
+            keep_freed_memory()
         if loaded is None:
             dtype = model_dtype(args.model, args.dtype, args.device)
             backend = select_backend(args.attention_backend, args.device, dtype)

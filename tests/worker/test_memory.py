@@ -1,7 +1,12 @@
-"""KV cache sizing from the memory left after the weights (`--kv-cache-memory-fraction`)."""
+"""KV cache sizing from the memory left after the weights (`--kv-cache-memory-fraction`), and
+the allocator keeping freed blocks for reuse."""
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,3 +58,58 @@ def test_an_engine_sizes_its_cache_from_the_fraction(llama_ckpt, monkeypatch):
         config.num_layers, 4, config.num_kv_heads, config.head_dim, llm.engine.loaded.model.dtype
     )
     assert llm.engine.worker.num_blocks == (5 << 20) // per_block
+
+
+# A fresh process per run: malloc's settings are process-wide. glibc's own account
+# (mallinfo2): bytes in blocks mapped on their own, and bytes of the heap, while a prompt
+# chunk's 20 MB buffer is alive and after it is freed.
+_MALLOC_PROBE = """
+import ctypes, sys, torch
+from specserve.worker.memory import keep_freed_memory
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+applied = keep_freed_memory() if sys.argv[1] == "keep" else None
+mapped = libc.mallinfo2().hblkhd
+x = torch.empty(20 << 20, dtype=torch.uint8)
+x.fill_(1)
+mapped_alive = libc.mallinfo2().hblkhd - mapped
+del x
+print(applied, mapped_alive >> 20, libc.mallinfo2().arena >> 20)
+"""
+
+
+def _malloc_probe(mode: str) -> tuple[str, int, int]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "GLIBC_TUN"))}
+    done = subprocess.run(
+        [sys.executable, "-c", _MALLOC_PROBE, mode], env=env, capture_output=True, text=True,
+        check=True,
+    )  # fmt: skip
+    applied, mapped_mb, heap_mb = done.stdout.splitlines()[-1].split()
+    return applied, int(mapped_mb), int(heap_mb)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
+def test_large_freed_blocks_stay_in_the_heap_for_reuse():
+    """By default glibc maps a 20 MB block on its own and unmaps it when freed (the next one is
+    faulted in and zeroed again); kept, it comes from the heap, which keeps it when freed."""
+    assert _malloc_probe("default")[1] >= 20
+    applied, mapped_mb, heap_mb = _malloc_probe("keep")
+    assert applied == "True"
+    assert mapped_mb == 0
+    assert heap_mb >= 20
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"},
+        {"MALLOC_MMAP_THRESHOLD_": "65536"},
+        {"MALLOC_TRIM_THRESHOLD_": "0"},
+    ],
+)
+def test_a_users_own_malloc_settings_are_left_alone(env):
+    assert memory.keep_freed_memory(env) is False
