@@ -228,6 +228,21 @@ class ApiState:
         self.formatter: Formatter | None = None
         self.active = 0
         self.metrics = ApiMetrics()
+        self.stopping = False
+
+    async def stop_generations(self) -> None:
+        """The server is stopping: refuse new work and end every generation in flight (their
+        requests aborted on the control plane, each stream closed with an error event), so that
+        their connections close at once rather than when the shutdown timeout cuts them."""
+        self.stopping = True
+        if self.client is not None:
+            await self.client.close()
+
+    def error(self, exc: Exception) -> ApiError:
+        """What a failure means to an HTTP client; while stopping, that the server stops."""
+        if self.stopping:
+            return ApiError(503, "the API server is shutting down; retry", "service_unavailable")
+        return from_service_error(exc)
 
     async def refresh_status(self) -> None:
         s = self.settings
@@ -403,6 +418,8 @@ def _ready(state: ApiState) -> Formatter:
 def _admit(state: ApiState, model: str | None) -> Formatter:
     """The checks before any work: a known model, a live worker, room for one more request."""
     formatter = _ready(state)
+    if state.stopping:
+        raise ApiError(503, "the API server is shutting down; retry", "service_unavailable")
     if model is not None and model not in state.model_names():
         raise ApiError(
             404, f"the model {model!r} does not exist; this server serves {formatter.model!r}",
@@ -488,7 +505,7 @@ class Generation:
             except ApiError:
                 raise
             except Exception as exc:
-                raise from_service_error(exc) from None
+                raise self.state.error(exc) from None
         finally:
             self._leave()
 
@@ -512,7 +529,7 @@ class Generation:
             await self._finish(outputs)
             if isinstance(exc, ApiError | asyncio.CancelledError):
                 raise
-            raise from_service_error(exc) from None  # type: ignore[arg-type]
+            raise self.state.error(exc) from None  # type: ignore[arg-type]
 
         async def events() -> AsyncIterator[bytes]:
             offsets = dict.fromkeys(self.choices, 0)
@@ -536,7 +553,7 @@ class Generation:
                     yield _sse(chunks.usage([self.choices[i] for i in sorted(self.choices)]))
                 yield b"data: [DONE]\n\n"
             except Exception as exc:  # after the 200: the error goes in the stream
-                err = from_service_error(exc)
+                err = self.state.error(exc)
                 yield _sse(error_body(str(err), err.kind, err.param, err.status))
                 yield b"data: [DONE]\n\n"
             finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ import openai
 import pytest
 
 from specserve.api.choices import plan_choices, run_choices
+from specserve.api.run import GRACEFUL_SHUTDOWN_S
 from specserve.client import AsyncClient, Client, SamplingParams, get_status
 from specserve.launch.local_redis import free_port
 from specserve.shared.tokenizer import load_tokenizer
@@ -498,3 +500,39 @@ def test_api_keys_guard_v1_and_leave_probes_open(served: Running, tmp_path) -> N
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert failed.returncode != 0 and "holds no key" in failed.stderr
+
+
+def test_stopping_the_api_ends_its_streams_at_once_and_aborts_their_requests(
+    served: Running,
+) -> None:
+    port = free_port()
+    argv = ["api", "--control", served.url, "--port", str(port), "--keys", served.keys]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specserve.cli", *argv], stderr=subprocess.PIPE, text=True
+    )
+    try:
+        api = f"http://127.0.0.1:{port}"
+        wait_healthy(api)
+        body = {"prompt": "Go on:", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{api}/v1/completions", json=body, timeout=30) as response:
+            lines = (line for line in response.iter_lines() if line)
+            for _ in range(4):
+                assert '"finish_reason":null' in next(lines)
+            stopped_at = time.monotonic()
+            proc.terminate()
+            rest = list(lines)
+        # the stream ends with the reason and its end marker, not cut mid-token
+        error = msgspec.json.decode(rest[-2].removeprefix("data: "))["error"]
+        assert (error["code"], error["type"]) == (503, "service_unavailable"), rest[-2]
+        assert rest[-1] == "data: [DONE]"
+        assert proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
+        # well before uvicorn's graceful timeout would have cut the stream
+        assert time.monotonic() - stopped_at < GRACEFUL_SHUTDOWN_S
+        assert "Traceback" not in proc.stderr.read()
+        deadline = time.monotonic() + 15  # and its request was aborted on the control plane
+        while get_status(served.url, keys=served.keys).requests_in_flight:
+            assert time.monotonic() < deadline, "the stopped API's request is still running"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait(30)
