@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import signal
@@ -502,7 +503,7 @@ def test_api_keys_guard_v1_and_leave_probes_open(served: Running, tmp_path) -> N
     assert failed.returncode != 0 and "holds no key" in failed.stderr
 
 
-def test_stopping_the_api_ends_its_streams_at_once_and_aborts_their_requests(
+def test_stopping_the_api_ends_its_generations_at_once_and_aborts_their_requests(
     served: Running,
 ) -> None:
     port = free_port()
@@ -513,18 +514,31 @@ def test_stopping_the_api_ends_its_streams_at_once_and_aborts_their_requests(
     try:
         api = f"http://127.0.0.1:{port}"
         wait_healthy(api)
-        body = {"prompt": "Go on:", "max_tokens": 3000, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{api}/v1/completions", json=body, timeout=30) as response:
+        body = {"prompt": "Go on:", "max_tokens": 3000, "ignore_eos": True}
+        with (
+            concurrent.futures.ThreadPoolExecutor(1) as pool,
+            httpx.stream(
+                "POST", f"{api}/v1/completions", json={**body, "stream": True}, timeout=30
+            ) as response,
+        ):
+            whole = pool.submit(httpx.post, f"{api}/v1/completions", json=body, timeout=30)
             lines = (line for line in response.iter_lines() if line)
             for _ in range(4):
                 assert '"finish_reason":null' in next(lines)
+            while get_status(served.url, keys=served.keys).requests_in_flight < 2:
+                assert not whole.done(), whole.result().text
+                time.sleep(0.05)
             stopped_at = time.monotonic()
             proc.terminate()
             rest = list(lines)
+            refused = whole.result()
         # the stream ends with the reason and its end marker, not cut mid-token
         error = msgspec.json.decode(rest[-2].removeprefix("data: "))["error"]
         assert (error["code"], error["type"]) == (503, "service_unavailable"), rest[-2]
         assert rest[-1] == "data: [DONE]"
+        # a whole (non-streamed) completion in flight gets the same answer as its status
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["type"] == "service_unavailable"
         assert proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
         # well before uvicorn's graceful timeout would have cut the stream
         assert time.monotonic() - stopped_at < GRACEFUL_SHUTDOWN_S
