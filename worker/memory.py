@@ -9,7 +9,6 @@ reports free; on CPU the kernel's MemAvailable, within the cgroup's memory limit
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -44,12 +43,9 @@ def keep_freed_memory(env: Mapping[str, str] = os.environ) -> bool:
         name in env for name in _USER_MALLOC_SETTINGS
     ):
         return False
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
+    try:  # the C library this process already runs on: no search for it
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
-        mallopt = None
-    if mallopt is None:
         return False
     applied = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
         mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)

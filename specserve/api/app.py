@@ -240,9 +240,7 @@ class ApiState:
 
     def error(self, exc: Exception) -> ApiError:
         """What a failure means to an HTTP client; while stopping, that the server stops."""
-        if self.stopping:
-            return ApiError(503, "the API server is shutting down; retry", "service_unavailable")
-        return from_service_error(exc)
+        return _shutting_down() if self.stopping else from_service_error(exc)
 
     async def refresh_status(self) -> None:
         s = self.settings
@@ -407,6 +405,10 @@ def create_app(settings: ApiSettings) -> FastAPI:
     return app
 
 
+def _shutting_down() -> ApiError:
+    return ApiError(503, "the API server is shutting down; retry", "service_unavailable")
+
+
 def _ready(state: ApiState) -> Formatter:
     if state.formatter is None:
         raise ApiError(
@@ -419,7 +421,7 @@ def _admit(state: ApiState, model: str | None) -> Formatter:
     """The checks before any work: a known model, a live worker, room for one more request."""
     formatter = _ready(state)
     if state.stopping:
-        raise ApiError(503, "the API server is shutting down; retry", "service_unavailable")
+        raise _shutting_down()
     if model is not None and model not in state.model_names():
         raise ApiError(
             404, f"the model {model!r} does not exist; this server serves {formatter.model!r}",
