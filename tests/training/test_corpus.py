@@ -20,7 +20,8 @@ def test_packaged_sharegpt_is_read_to_its_last_whole_conversation() -> None:
     first = next(read_sharegpt())
     assert first.id == "QWJhYvA_0"
     assert first.turns[0][0] == "user" and first.turns[0][1].startswith("Summarize the main ideas")
-    assert all(role != "assistant" for role, _ in first.turns)  # answers are regenerated
+    assert all(role != "assistant" for role, _ in first.turns)  # answers are kept apart
+    assert first.answers and len(first.answers) <= first.user_turns()
 
 
 def test_a_truncated_file_stops_at_the_last_whole_record(tmp_path: Path) -> None:
@@ -38,7 +39,7 @@ def test_a_truncated_file_stops_at_the_last_whole_record(tmp_path: Path) -> None
     path.write_text("[" + cut[1:])
     assert [r["id"] for r in sharegpt_records(path)] == ["a", "b", "c"]
     assert list(read_sharegpt(path)) == [
-        Chat("a", (("user", "hi"),)),
+        Chat("a", (("user", "hi"),), ("yo",)),
         Chat("c", (("system", "be brief"), ("user", "why?"))),
     ]
 
@@ -64,7 +65,7 @@ def test_jsonl_takes_prompts_openai_messages_and_sharegpt_records(tmp_path: Path
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
     assert list(read_jsonl(path)) == [
         Chat("chats.jsonl-1", (("user", "one"),)),
-        Chat("m", (("user", "two"), ("user", "three"))),
+        Chat("m", (("user", "two"), ("user", "three")), ("x",)),
         Chat("chats.jsonl-3", (("user", "four"),)),
     ]
 
@@ -89,3 +90,29 @@ def test_an_unreadable_file_is_named(tmp_path: Path) -> None:
     (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00")
     with pytest.raises(CorpusError, match=r"cannot read data file .*binary.jsonl"):
         list(read_jsonl(tmp_path / "binary.jsonl"))
+
+
+def test_the_datas_answers_are_the_first_reply_to_each_user_turn_while_every_turn_has_one(
+    tmp_path: Path,
+) -> None:
+    def say(role: str, text: str) -> dict:
+        return {"role": role, "content": text}
+
+    lines = [
+        {"id": "two", "messages": [say("system", "s"), say("user", "q1"), say("assistant", "a1"),
+                                   say("assistant", "again"), say("user", "q2"),
+                                   say("assistant", "a2")]},
+        {"id": "gap", "messages": [say("user", "q1"), say("user", "q2"), say("assistant", "a2"),
+                                   say("user", "q3"), say("assistant", "a3")]},
+        {"id": "early", "messages": [say("assistant", "hello"), say("user", "q1"),
+                                     say("assistant", " ")]},
+        {"id": "open", "messages": [say("user", "q1"), say("assistant", "a1"), say("user", "q2")]},
+    ]  # fmt: skip
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert [(c.id, c.answers) for c in read_jsonl(path)] == [
+        ("two", ("a1", "a2")),
+        ("gap", ()),  # the first user turn went unanswered: answers would not line up
+        ("early", ()),  # a greeting before any user turn and a blank answer are not answers
+        ("open", ("a1",)),
+    ]

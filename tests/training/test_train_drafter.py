@@ -468,3 +468,72 @@ def test_regeneration_stops_between_waves_at_its_time_limit_and_goes_on_later(
     )
     assert sorted(s.chat for s in rest) == sorted(c.id for c in chats)
     assert [s for s in rest if s.chat in {c.id for c in chats[:4]}] == first
+
+
+def test_dataset_answers_are_trained_on_with_the_targets_rows_and_held_out_chats_regenerated(
+    chat_target: Path, tmp_path: Path
+) -> None:
+    """`--answers dataset`: a training sample is the data's own answer (its tokens and EOS, cut
+    to the room left), a later turn's history holds the data's earlier answer, and every row
+    is the target's hidden state there (one prefill); held-out chats are answered by the
+    target as without the flag."""
+    from specserve.shared.tokenizer import load_tokenizer
+
+    def chat(i: int) -> dict:
+        return {"id": f"c{i}", "messages": [
+            {"role": "user", "content": PROMPTS[i]},
+            {"role": "assistant", "content": f"Answer number {i}: " + "word " * (4 * i)},
+            {"role": "user", "content": "And then?"},
+            {"role": "assistant", "content": "Then it ends."},
+        ]}  # fmt: skip
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(chat(i)) + "\n" for i in range(6)))
+    work = tmp_path / "work"
+    args = _args("eagle3", chat_target, data, tmp_path / "drafter", work_dir=work, steps=1)
+    args = replace(args, answers="dataset", held_out=2, eval_samples=2, max_samples=4,
+                   max_turns=2, max_new_tokens=24)  # fmt: skip
+    report = train_drafter(args)
+    assert report["answers"] == "dataset"
+    samples = read_samples(work / "samples.jsonl")
+    tokenizer = load_tokenizer(str(chat_target))
+    eos = tokenizer.eos_token_ids[0]
+    train = [s for s in samples if not s.held_out]
+    assert sorted((s.chat, s.turn) for s in train) == [(f"c{i}", t) for i in range(2, 6)
+                                                       for t in (0, 1)]  # fmt: skip
+    for sample in train:
+        record = chat(int(sample.chat[1:]))["messages"]
+        answer = record[2 * sample.turn + 1]["content"]
+        full = [*tokenizer.encode(answer, add_special_tokens=False), eos]
+        assert sample.response == full[:24]
+        assert sample.finish == ("stop" if len(full) <= 24 else "length")
+        history = tokenizer.apply_chat_template(record[: 2 * sample.turn + 1],
+                                                add_generation_prompt=True)  # fmt: skip
+        assert sample.prompt == tokenizer.encode(history, add_special_tokens=False)
+    assert any(s.finish == "length" for s in train) and any(s.finish == "stop" for s in train)
+    model = load_model(chat_target)
+    reader = ShardReader(work / "shards")
+    for sample in train[:3]:
+        tokens, aux, final = reader.rows(sample.rows, sample.num_tokens)
+        assert tokens.tolist() == sample.token_ids
+        want_final, want_aux = _forward(model, tokens[:-1], LAYERS)
+        torch.testing.assert_close(aux[:-1], want_aux, atol=2e-3, rtol=1e-3)  # float16 rows
+        torch.testing.assert_close(final[:-1], want_final, atol=2e-3, rtol=1e-3)
+    held = [s for s in samples if s.held_out]
+    assert sorted(s.chat for s in held if s.turn == 0) == ["c0", "c1"]
+    llm = specserve.LLM(str(chat_target))
+    first_turns = [s for s in held if s.turn == 0]
+    outputs = llm.generate([s.prompt for s in first_turns],
+                           specserve.SamplingParams(max_tokens=24, temperature=0.0))  # fmt: skip
+    assert [s.response for s in first_turns] == [list(o.token_ids) for o in outputs]
+    # The work directory now holds the data's answers: regenerated data is not mixed in.
+    with pytest.raises(ValueError, match=r"answers='dataset' \(now 'target'\)"):
+        train_drafter(replace(args, answers="target"))
+
+
+def test_dataset_answers_need_a_data_file_with_answers(
+    chat_target: Path, prompts_file: Path, tmp_path: Path
+) -> None:
+    args = _args("eagle3", chat_target, prompts_file, tmp_path / "out", answers="dataset")
+    with pytest.raises(ValueError, match=r"--answers dataset: .*prompts.jsonl holds no assistant"):
+        train_drafter(args)
