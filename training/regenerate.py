@@ -103,16 +103,34 @@ def regenerate(
     `layers`; samples go to `work_dir/samples.jsonl`, rows to `work_dir/shards/`.
 
     Chats whose samples are already there are skipped, so calling it again after a stop
-    continues the run. With `options.time_limit` it stops between waves and returns the samples
-    done so far (a later call goes on from there).
+    continues the run (samples whose shard is gone get their rows again by a prefill). With
+    `options.time_limit` it stops between waves and returns the samples done so far (a later
+    call goes on from there).
     """
+    recorder = FeatureRecorder(layers)
+    llm.engine.runner.recorder = recorder
+    try:
+        done = _answer_chats(llm, recorder, chats, held_out_ids, work_dir, options)
+    finally:
+        llm.engine.runner.recorder = None
+    wanted = {c.id for c in chats}
+    return [s for s in done if s.chat in wanted]
+
+
+def _answer_chats(
+    llm,
+    recorder: FeatureRecorder,
+    chats: Sequence[Chat],
+    held_out_ids: set[str],
+    work_dir: Path,
+    options: RegenerateOptions,
+) -> list[Sample]:
+    """`regenerate` with the recorder in place: every sample in the work directory after it."""
     index = work_dir / "samples.jsonl"
-    done = [s for s in read_samples(index) if (work_dir / "shards" / s.shard).is_file()]
+    done = _keep_or_rebuild(llm, recorder, read_samples(index), work_dir, options.wave)
     finished_chats = {s.chat for s in done}
     todo = [c for c in chats if c.id not in finished_chats]
     _rewrite(index, done)  # drops a torn last line before appending
-    recorder = FeatureRecorder(layers)
-    llm.engine.runner.recorder = recorder
     progress = Progress(
         "regenerating", total=len(chats), unit="chats", initial=len(chats) - len(todo)
     )
@@ -142,10 +160,8 @@ def regenerate(
                 progress.update(len(wave), tokens=sum(len(s.response) for s in samples))
                 last_wave = time.perf_counter() - wave_started
     finally:
-        llm.engine.runner.recorder = None
         progress.close()
-    wanted = {c.id for c in chats}
-    return [s for s in done if s.chat in wanted]
+    return done
 
 
 @dataclass(frozen=True)
@@ -162,13 +178,65 @@ class _Answer:
 def _save_wave(work_dir: Path, answers: Sequence[_Answer], held_out_ids: set[str]) -> list[Sample]:
     if not answers:
         return []
-    shards = work_dir / "shards"
-    name = f"wave-{len(list(shards.glob('wave-*.safetensors'))):05d}.safetensors"
-    firsts = write_shard(shards / name, [(a.prompt + a.response, a.aux, a.final) for a in answers])
+    name = _next_shard(work_dir)
+    firsts = write_shard(
+        work_dir / "shards" / name, [(a.prompt + a.response, a.aux, a.final) for a in answers]
+    )
     return [
         Sample(a.chat, a.turn, a.chat in held_out_ids, a.prompt, a.response, a.finish, name, first)
         for a, first in zip(answers, firsts, strict=True)
     ]
+
+
+def _next_shard(work_dir: Path) -> str:
+    """A shard name after every one there (never one in use, even where a shard was lost)."""
+    taken = [int(p.stem.split("-")[-1]) for p in (work_dir / "shards").glob("wave-*.safetensors")]
+    return f"wave-{max(taken, default=-1) + 1:05d}.safetensors"
+
+
+def _keep_or_rebuild(
+    llm, recorder: FeatureRecorder, samples: Sequence[Sample], work_dir: Path, wave: int
+) -> list[Sample]:
+    """The samples written so far; those whose shard is gone (token ids carried from another
+    machine without their rows, or shards deleted to save space) get their rows again from one
+    prefill each, into new shards, which costs far less than answering them again."""
+    kept = [s for s in samples if (work_dir / "shards" / s.shard).is_file()]
+    lost = [s for s in samples if not (work_dir / "shards" / s.shard).is_file()]
+    if not lost:
+        return kept
+    progress = Progress("rebuilding rows", total=len(lost), unit="samples")
+    for first in range(0, len(lost), wave):
+        group = lost[first : first + wave]
+        rows = _prefill_rows(llm, recorder, [s.token_ids for s in group])
+        found = [(s, r) for s, r in zip(group, rows, strict=True) if r is not None]
+        if found:
+            name = _next_shard(work_dir)
+            firsts = write_shard(work_dir / "shards" / name, [(s.token_ids, *r) for s, r in found])
+            kept += [
+                msgspec.structs.replace(s, shard=name, row=row)
+                for (s, _), row in zip(found, firsts, strict=True)
+            ]
+        progress.update(len(group), tokens=sum(s.num_tokens for s in group))
+    progress.close()
+    return kept
+
+
+def _prefill_rows(
+    llm, recorder: FeatureRecorder, sequences: Sequence[list[int]]
+) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """The target's rows at every position of each sequence but its last, from one batched
+    engine call that runs each as a prompt; None where one failed (logged)."""
+    recorder.clear()
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    outputs = llm.generate(list(sequences), params)
+    rows: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    for ids, output in zip(sequences, outputs, strict=True):
+        got = recorder.take(output.request_id, len(ids) - 1) if output.error is None else None
+        if got is None:
+            error = output.error or "hidden states incomplete"
+            log.warning("regenerate.prefill_failed", tokens=len(ids), error=error)
+        rows.append(got)
+    return rows
 
 
 def _answer_wave(
@@ -245,20 +313,12 @@ def _prefill_wave(
             full = [*tokenizer.encode(answer, add_special_tokens=False), eos]
             finish = "stop" if len(full) <= room else "length"
             turns.append((chat.id, turn, prompt, full[:room], finish))
-    if not turns:
-        return []
-    recorder.clear()
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    outputs = llm.generate([prompt + response for _, _, prompt, response, _ in turns], params)
-    answers: list[_Answer] = []
-    for (chat_id, turn, prompt, response, finish), output in zip(turns, outputs, strict=True):
-        rows = recorder.take(output.request_id, len(prompt) + len(response) - 1)
-        if output.error is not None or rows is None:
-            error = output.error or "hidden states incomplete"
-            log.warning("regenerate.turn_dropped", chat=chat_id, turn=turn, error=error)
-            continue
-        answers.append(_Answer(chat_id, turn, prompt, response, finish, *rows))
-    return answers
+    rows = _prefill_rows(llm, recorder, [prompt + response for _, _, prompt, response, _ in turns])
+    return [
+        _Answer(chat_id, turn, prompt, response, finish, *got)
+        for (chat_id, turn, prompt, response, finish), got in zip(turns, rows, strict=True)
+        if got is not None
+    ]
 
 
 def _answered_turns(chat: Chat) -> Iterable[tuple[list[dict[str, str]], str]]:

@@ -537,3 +537,49 @@ def test_dataset_answers_need_a_data_file_with_answers(
     args = _args("eagle3", chat_target, prompts_file, tmp_path / "out", answers="dataset")
     with pytest.raises(ValueError, match=r"--answers dataset: .*prompts.jsonl holds no assistant"):
         train_drafter(args)
+
+
+def test_samples_whose_shard_is_gone_get_their_rows_again_by_a_prefill(
+    chat_target: Path, tmp_path: Path
+) -> None:
+    """Token ids carried without their rows (a shard deleted): the next call rebuilds the rows
+    of exactly those samples from the tokens they hold (not by answering again: one response
+    here is not what the target would say), into a new shard that takes no name in use."""
+    import msgspec
+
+    from specserve.training.corpus import read_chats
+    from specserve.training.regenerate import RegenerateOptions, regenerate
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:6]))
+    chats = list(read_chats(str(data)))
+    work = tmp_path / "work"
+    llm = specserve.LLM(str(chat_target), max_num_seqs=4, enable_prefix_caching=False)
+    options = RegenerateOptions(96, 8, 1, 4, wave=3)
+    first = regenerate(llm, chats, set(), work, LAYERS, options)
+    assert sorted({s.shard for s in first}) == ["wave-00000.safetensors", "wave-00001.safetensors"]
+    carried = [s for s in first if s.shard == "wave-00000.safetensors"]
+    odd = msgspec.structs.replace(carried[0], response=[7, 8, 9, 10])  # not the target's answer
+    lines = [msgspec.json.encode(odd if s is carried[0] else s) for s in first]
+    (work / "samples.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    (work / "shards" / "wave-00000.safetensors").unlink()
+    again = regenerate(llm, chats, set(), work, LAYERS, options)
+    by_chat = {s.chat: s for s in again}
+    assert len(again) == len(first)
+    for sample in first:
+        now = by_chat[sample.chat]
+        want = odd if sample.chat == odd.chat else sample
+        assert (now.prompt, now.response) == (want.prompt, want.response)
+        if sample.shard == "wave-00001.safetensors":
+            assert (now.shard, now.row) == (sample.shard, sample.row)  # kept as it was
+        else:
+            assert now.shard == "wave-00002.safetensors"
+    model = load_model(chat_target)
+    reader = ShardReader(work / "shards")
+    for sample in [by_chat[s.chat] for s in carried]:
+        tokens, aux, final = reader.rows(sample.rows, sample.num_tokens)
+        assert tokens.tolist() == sample.token_ids
+        want_final, want_aux = _forward(model, tokens[:-1], LAYERS)
+        torch.testing.assert_close(aux[:-1], want_aux, atol=2e-3, rtol=1e-3)
+        torch.testing.assert_close(final[:-1], want_final, atol=2e-3, rtol=1e-3)
+    assert read_samples(work / "samples.jsonl") == again
