@@ -13,7 +13,8 @@ greedy token, i.e. what the drafter proposes whenever its chain is still accepte
 sees step-0 keys of rows <= p and the keys of row p at steps 1..j. The loss of step j at row p
 is the cross entropy against the target's distribution at position p+1+j over the draft
 vocabulary, counted where token p+2+j is a response token whose target argmax the draft
-vocabulary holds; steps are weighted 0.8^j (EAGLE-3's schedule).
+vocabulary holds; steps are weighted 0.8^j (EAGLE-3's schedule). Accuracy counts every response
+token, those outside the draft vocabulary as misses, since serving never accepts them.
 
 Parameter names are those of `LlamaForCausalLMEagle3` checkpoints (`midlayer.*`, `fc`, `norm`,
 `lm_head`, `d2t`, `t2d`), the format vLLM, SGLang and `worker/spec_decode/eagle3.py` load.
@@ -37,11 +38,13 @@ STEP_WEIGHT = 0.8  # loss weight of TTT step j: STEP_WEIGHT ** j
 
 @dataclass(frozen=True)
 class StepStats:
-    """Per TTT step: loss rows, summed loss, and rows whose argmax matched the target's."""
+    """Per TTT step: response rows, summed loss over the loss rows (those whose label the
+    draft vocabulary holds), loss rows, and rows whose argmax matched the target's."""
 
     rows: list[int]
     loss: list[float]
     correct: list[int]
+    loss_rows: list[int]
 
 
 class Eagle3FirstLayer(nn.Module):
@@ -114,7 +117,7 @@ class Eagle3Trainee(nn.Module):
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         total = aux.new_zeros(())
-        stats = StepStats([], [], [])
+        stats = StepStats([], [], [], [])
         hidden = self.fc(aux[:m])
         for step in range(num_steps):
             start = 0 if step == 0 else first
@@ -128,9 +131,9 @@ class Eagle3Trainee(nn.Module):
                 hidden = hidden[first:]
             own = p[-hidden.shape[0] :] if step == 0 else p
             label_pos = own + 2 + step  # the token the step predicts
-            mask = (label_pos >= prompt_len) & (label_pos < n)
+            in_response = (label_pos >= prompt_len) & (label_pos < n)
             labels = tokens[label_pos.clamp(max=n - 1)]
-            mask &= self.t2d[labels]
+            mask = in_response & self.t2d[labels]
             logits = self.lm_head(self.norm(hidden)).float()
             targets = target_logp[(label_pos - 2 - first).clamp(max=target_logp.shape[0] - 1)]
             row_loss = -(targets.exp() * F.log_softmax(logits, dim=-1)).sum(-1)
@@ -138,9 +141,10 @@ class Eagle3Trainee(nn.Module):
             total = total + STEP_WEIGHT**step * step_loss
             with torch.no_grad():
                 hits = (logits.argmax(-1) == targets.argmax(-1)) & mask
-            stats.rows.append(int(mask.sum()))
+            stats.rows.append(int(in_response.sum()))
             stats.loss.append(float(step_loss.detach()))
             stats.correct.append(int(hits.sum()))
+            stats.loss_rows.append(int(mask.sum()))
         return total, stats
 
     def _step(

@@ -348,7 +348,7 @@ class Trainer:
                 tokens, aux, final, prompt_len, self.config.num_spec_tokens
             )
             metrics.add(stats.rows, stats.correct)
-            metrics.weight += stats.rows[0] if stats.rows else 0
+            metrics.weight += stats.loss_rows[0] if stats.loss_rows else 0
             metrics.loss += sum(stats.loss[:1])
             return loss
         result = self.trainee.sequence_loss(

@@ -170,6 +170,28 @@ def test_training_steps_lower_the_loss(
     assert after < 0.8 * before, (before, after)
 
 
+def test_eagle3_accuracy_counts_response_tokens_outside_the_draft_vocabulary_as_misses(
+    chat_target: Path, regenerated: Path, tmp_path: Path
+) -> None:
+    """Serving never accepts a token the draft vocabulary lacks, so the accuracy's denominator
+    is every response row; the loss (and its weight) keeps the rows whose label it holds."""
+    trainer = _trainer("eagle3", chat_target, regenerated, tmp_path, draft_vocab_size=32)
+    trainee = trainer.trainee
+    sample = trainer.train[0]
+    tokens, aux, final = trainer.reader.rows(sample.rows, sample.num_tokens)
+    with torch.no_grad():
+        _, stats = trainee.sequence_loss(tokens, aux, final, len(sample.prompt), 3)
+    n, prompt_len = len(tokens), len(sample.prompt)
+    for step in range(3):
+        labels = tokens[max(prompt_len, step + 2) : n]  # row p predicts token p + 2 + step
+        in_vocab = int(trainee.t2d[labels].sum())
+        assert stats.rows[step] == len(labels) and stats.loss_rows[step] == in_vocab
+        assert stats.correct[step] <= in_vocab
+    assert 0 < stats.loss_rows[0] < stats.rows[0]  # 32 ids leave some of the response out
+    metrics = trainer.evaluate([sample])
+    assert metrics.rows[0] == stats.rows[0] and metrics.weight == stats.loss_rows[0]
+
+
 def test_trained_eagle3_is_what_serving_and_the_reference_compute(
     chat_target: Path, regenerated: Path, tmp_path: Path
 ) -> None:
