@@ -226,6 +226,8 @@ def _prefill_rows(
 ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """The target's rows at every position of each sequence but its last, from one batched
     engine call that runs each as a prompt; None where one failed (logged)."""
+    if not sequences:
+        return []
     recorder.clear()
     params = SamplingParams(max_tokens=1, temperature=0.0)
     outputs = llm.generate(list(sequences), params)
