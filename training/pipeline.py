@@ -14,8 +14,9 @@
 from __future__ import annotations
 
 import json
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -25,12 +26,19 @@ import torch
 
 from specserve.shared.tokenizer import load_tokenizer
 from specserve.training.corpus import SHAREGPT, read_chats
-from specserve.training.dflash import default_decay_gamma
+from specserve.training.dflash import DFlashTrainee, default_decay_gamma
+from specserve.training.eagle3 import Eagle3Trainee
 from specserve.training.evaluate import first_turn_prompts, measure
-from specserve.training.features import ShardReader
-from specserve.training.regenerate import RegenerateOptions, regenerate
+from specserve.training.features import FeatureRecorder, ShardReader, write_shard
+from specserve.training.regenerate import (
+    RegenerateOptions,
+    Sample,
+    prefill_rows,
+    regenerate,
+)
 from specserve.training.trainer import (
     STATE_FILE,
+    Metrics,
     TrainConfig,
     Trainer,
     build_trainee,
@@ -324,11 +332,80 @@ def evaluate_drafter(
         spec_policy="fixed",
         device=device,
     )
-    stats = measure(llm, prompts, max_tokens=128, batch=16).stats
+    served = measure(llm, prompts, max_tokens=128, batch=16)
+    del llm
+    stats = served.stats
+    estimate = teacher_forced(args, prompts, served.outputs, device)
     return {
         "num_spec_tokens": k,
         "prompts": len(prompts),
         "mean_acceptance_length": round(stats.mean_acceptance_length, 3),
         "per_position_acceptance": [round(r, 4) for r in stats.acceptance_rate_per_position],
         "draft_rounds": stats.num_drafts,
+        "teacher_forced_accuracy": [round(a, 4) for a in estimate.accuracy()],
+        "teacher_forced_expected_acceptance_length": round(1 + estimate.expected_accepted(), 3),
     }
+
+
+def teacher_forced(
+    args: TrainDrafterArgs,
+    prompts: list[list[int]],
+    outputs: list[list[int]],
+    device: str = "cpu",
+) -> Metrics:
+    """The drafter in OUT run by its training forward pass over exactly the prompts and greedy
+    outputs serving measured, their target rows rebuilt by a prefill: per-position accuracy,
+    from which training estimates the acceptance length. Served acceptance well below this
+    estimate points at serving, not at the drafter."""
+    import specserve
+
+    config = json.loads((args.out / "config.json").read_text())
+    if args.method == "eagle3":
+        layers = tuple(i - 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+        k, mask = args.num_spec_tokens or 5, 0
+    else:
+        layers = tuple(config["dflash_config"]["target_layer_ids"])
+        k, mask = config["block_size"] - 1, config["dflash_config"]["mask_token_id"]
+    llm = specserve.LLM(args.model, device=device, enable_prefix_caching=False)
+    target = llm.engine.loaded.model
+    recorder = FeatureRecorder(layers)
+    llm.engine.runner.recorder = recorder
+    sequences = [p + o for p, o in zip(prompts, outputs, strict=True)]
+    rows = prefill_rows(llm, recorder, sequences)
+    del llm
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        kept = [(i, r) for i, r in enumerate(rows) if r is not None]
+        firsts = write_shard(work / "served.safetensors", [(sequences[i], *r) for i, r in kept])
+        samples = [
+            Sample(str(i), 0, True, prompts[i], outputs[i], "", "served.safetensors", first)
+            for (i, _), first in zip(kept, firsts, strict=True)
+        ]
+        saved = replace(
+            args,
+            num_spec_tokens=k,
+            draft_vocab_size=config.get("draft_vocab_size", 0),
+            num_layers=config["num_hidden_layers"],
+        )
+        train_config = _train_config(saved, target, layers, mask)
+        trainee = _load_trainee(args.out, train_config, target)
+        trainer = Trainer(train_config, trainee, target.config, [], ShardReader(work), work)
+        return trainer.evaluate(samples)
+
+
+def _load_trainee(out: Path, config: TrainConfig, target) -> Eagle3Trainee | DFlashTrainee:
+    """The drafter saved in OUT as the trainee its training used."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(out / "model.safetensors"))
+    state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    if config.method == "eagle3":
+        draft_ids = state["d2t"] + torch.arange(state["d2t"].numel())
+        head = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+        trainee = Eagle3Trainee(
+            target.config, len(config.aux_layers), draft_ids, target.embed_tokens.weight, head
+        ).to(target.embed_tokens.weight.device)
+    else:
+        trainee = build_trainee(config, target, [])
+    trainee.load_state_dict(state)
+    return trainee

@@ -207,7 +207,7 @@ def _keep_or_rebuild(
     progress = Progress("rebuilding rows", total=len(lost), unit="samples")
     for first in range(0, len(lost), wave):
         group = lost[first : first + wave]
-        rows = _prefill_rows(llm, recorder, [s.token_ids for s in group])
+        rows = prefill_rows(llm, recorder, [s.token_ids for s in group])
         found = [(s, r) for s, r in zip(group, rows, strict=True) if r is not None]
         if found:
             name = _next_shard(work_dir)
@@ -221,7 +221,7 @@ def _keep_or_rebuild(
     return kept
 
 
-def _prefill_rows(
+def prefill_rows(
     llm, recorder: FeatureRecorder, sequences: Sequence[list[int]]
 ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """The target's rows at every position of each sequence but its last, from one batched
@@ -315,7 +315,7 @@ def _prefill_wave(
             full = [*tokenizer.encode(answer, add_special_tokens=False), eos]
             finish = "stop" if len(full) <= room else "length"
             turns.append((chat.id, turn, prompt, full[:room], finish))
-    rows = _prefill_rows(llm, recorder, [prompt + response for _, _, prompt, response, _ in turns])
+    rows = prefill_rows(llm, recorder, [prompt + response for _, _, prompt, response, _ in turns])
     return [
         _Answer(chat_id, turn, prompt, response, finish, *got)
         for (chat_id, turn, prompt, response, finish), got in zip(turns, rows, strict=True)
