@@ -7,6 +7,7 @@ rounding of one result (2^-8 relative) plus 1e-4 of the largest |output| (float3
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -481,3 +482,46 @@ def test_an_unwritable_calibration_cache_does_not_fail_packing(
     assert _min_rows(_model((48, 32))) == [6]
     assert _min_rows(_model((48, 32))) == [4]  # nothing cached: measured again
     assert _events(linear_log).count("linear.calibration_cache_unwritable") == 2
+
+
+@needs_onednn
+def test_a_calibration_made_while_other_processes_held_the_cores_is_not_cached(
+    calibration, linear_log, private_cache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A calibration whose threads got too little of the cores (here one that waits instead of
+    computing, as a thread kept off its core does) is used but not cached: the next start
+    measures again. One that kept its thread busy is cached."""
+    monkeypatch.setattr(linear_module, "MIN_CALIBRATION_CPU_SHARE", 0.5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        waiting = FakeCalibration([6, 4])
+        monkeypatch.setattr(linear_module, "calibrate_min_rows", _timed(waiting, busy=False))
+        assert _min_rows(_model((48, 32))) == [6]
+        assert _min_rows(_model((48, 32))) == [4]  # measured again
+        assert not (private_cache / "linear_calibration.json").exists()
+        refused = [c for c in linear_log if c.args[0] == "linear.calibration_not_cached"]
+        assert len(refused) == 2 and refused[0].kwargs["cpu_share"] < 0.5
+        working = FakeCalibration([5, 3])
+        monkeypatch.setattr(linear_module, "calibrate_min_rows", _timed(working, busy=True))
+        assert _min_rows(_model((48, 32))) == [5]
+        assert _min_rows(_model((48, 32))) == [5]  # cached
+        assert working.calls == [1]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _timed(fake: FakeCalibration, busy: bool) -> Callable[[list[PackedWeight]], int]:
+    """`fake`, taking 0.3 s (judged calibrations take at least MIN_JUDGED_CALIBRATION_S) either
+    computing on this thread or waiting."""
+
+    def calibrate(packed: list[PackedWeight]) -> int:
+        end = time.perf_counter() + 0.3
+        if busy:
+            while time.perf_counter() < end:
+                pass
+        else:
+            time.sleep(0.3)
+        return fake(packed)
+
+    return calibrate

@@ -38,7 +38,8 @@ rows on it is used and from how many on oneDNN takes over. That takes seconds (t
 small CPU with a model of a few hundred MB), so it is logged while it runs and its result is
 cached per CPU model, thread count, kernel library and weight shapes in
 `$SPECSERVE_CACHE_DIR/linear_calibration.json`: the next start of the same model on the same
-kind of machine skips it.
+kind of machine skips it. A calibration during which other processes held the cores (its
+threads got less than `MIN_CALIBRATION_CPU_SHARE` of their time) is used but not cached.
 
 The plain weight stays where it is, because drafters and tests read it; the packed copy is used
 by `forward` only, so a packed model holds its linear weights twice (three times where the
@@ -83,6 +84,13 @@ ONEDNN_CALIBRATION_ROWS = (8, 16, 32, 64, 128)  # where calibration may move tha
 # ran 193-223 tokens/s on oneDNN against 267 on the panels, 16 rows at 0.65 ran even.
 ONEDNN_MARGIN = 0.6
 CALIBRATION_FILE = "linear_calibration.json"  # in `cache_root()`
+# A calibration is cached only if this process had at least this share of its threads' time on
+# the cores while it ran; below, another process was using them and skewed the timings. On a
+# 2-core AMD EPYC (Zen 3), SmolLM2's calibration had 0.96-0.99 of its two threads' time when
+# quiet, 0.63 with one core busy elsewhere and 0.49 with both (which chose oneDNN from 16 rows
+# where a quiet one chose 256).
+MIN_CALIBRATION_CPU_SHARE = 0.8
+MIN_JUDGED_CALIBRATION_S = 0.2  # shorter ones (small models) are too brief to judge, and cheap
 
 
 @dataclass(eq=False)
@@ -275,10 +283,12 @@ def _cached_calibration(packed: Sequence[PackedWeight], megabytes: int) -> tuple
         )
         return cached
     log.info("linear.calibrating", weights=len(packed), megabytes=megabytes, rows=CALIBRATION_ROWS)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     min_rows = calibrate_min_rows(packed)
     onednn_rows = calibrate_onednn_rows(packed)
-    seconds = round(time.perf_counter() - start, 2)
+    wall = time.perf_counter() - start
+    cpu_share = (time.process_time() - cpu_start) / (max(wall, 1e-9) * torch.get_num_threads())
+    seconds = round(wall, 2)
     log.info(
         "linear.packed",
         weights=len(packed),
@@ -286,7 +296,16 @@ def _cached_calibration(packed: Sequence[PackedWeight], megabytes: int) -> tuple
         packed_from_rows=min_rows,
         onednn_from_rows=onednn_rows,
         calibration_seconds=seconds,
+        cpu_share=round(cpu_share, 2),
     )
+    if wall >= MIN_JUDGED_CALIBRATION_S and cpu_share < MIN_CALIBRATION_CPU_SHARE:
+        log.warning(
+            "linear.calibration_not_cached",
+            reason="other processes used the cores while it ran; the next start measures again",
+            cpu_share=round(cpu_share, 2),
+            threads=torch.get_num_threads(),
+        )
+        return min_rows, onednn_rows
     rows = {"min_rows": min_rows, "onednn_rows": onednn_rows}
     cache[key] = {**described, **rows, "seconds": seconds}
     _write_calibrations(path, cache)
