@@ -168,10 +168,9 @@ def train_drafter(args: TrainDrafterArgs) -> dict[str, Any]:
     train = [s for s in samples if not s.held_out]
     evaluation = [s for s in samples if s.held_out]
     config = _train_config(args, target, layers, mask_token or 0)
-    trainee = build_trainee(config, target, train)
-    trainer = Trainer(
-        config, trainee, target.config, train, ShardReader(work_dir / "shards"), args.out
-    )
+    reader = ShardReader(work_dir / "shards")
+    trainee = build_trainee(config, target, train, reader)
+    trainer = Trainer(config, trainee, target.config, train, reader, args.out)
     state = args.out / STATE_FILE
     if args.resume and state.is_file():
         trainer.load(state)

@@ -41,7 +41,8 @@ MIN_RESPONSE_TOKENS = 16  # a prompt leaving less room than this is skipped
 
 
 class Sample(msgspec.Struct, frozen=True):
-    """One regenerated turn: the target's greedy response to `prompt`."""
+    """One answered turn: the target's greedy response to `prompt`, or the data's own answer
+    (`by_data`, `--answers dataset`)."""
 
     chat: str
     turn: int
@@ -51,6 +52,7 @@ class Sample(msgspec.Struct, frozen=True):
     finish: str
     shard: str  # file under the work dir's shards/ holding the rows
     row: int  # the sample's first row there
+    by_data: bool = False  # the response is the data's answer, not the target's
 
     @property
     def num_tokens(self) -> int:
@@ -173,6 +175,7 @@ class _Answer:
     finish: str
     aux: torch.Tensor
     final: torch.Tensor
+    by_data: bool = False
 
 
 def _save_wave(work_dir: Path, answers: Sequence[_Answer], held_out_ids: set[str]) -> list[Sample]:
@@ -183,7 +186,17 @@ def _save_wave(work_dir: Path, answers: Sequence[_Answer], held_out_ids: set[str
         work_dir / "shards" / name, [(a.prompt + a.response, a.aux, a.final) for a in answers]
     )
     return [
-        Sample(a.chat, a.turn, a.chat in held_out_ids, a.prompt, a.response, a.finish, name, first)
+        Sample(
+            a.chat,
+            a.turn,
+            a.chat in held_out_ids,
+            a.prompt,
+            a.response,
+            a.finish,
+            name,
+            first,
+            a.by_data,
+        )
         for a, first in zip(answers, firsts, strict=True)
     ]
 
@@ -317,7 +330,7 @@ def _prefill_wave(
             turns.append((chat.id, turn, prompt, full[:room], finish))
     rows = prefill_rows(llm, recorder, [prompt + response for _, _, prompt, response, _ in turns])
     return [
-        _Answer(chat_id, turn, prompt, response, finish, *got)
+        _Answer(chat_id, turn, prompt, response, finish, *got, by_data=True)
         for (chat_id, turn, prompt, response, finish), got in zip(turns, rows, strict=True)
         if got is not None
     ]

@@ -13,7 +13,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,27 +90,56 @@ class Metrics:
         return total
 
 
-def draft_vocabulary(samples: Sequence[Sample], vocab_size: int, size: int) -> torch.Tensor:
-    """The `size` target ids most frequent in the responses (EAGLE-3's reduced vocabulary),
-    ascending; ties and unused slots go to the lowest ids."""
+def draft_vocabulary(
+    samples: Sequence[Sample],
+    vocab_size: int,
+    size: int,
+    predicted: Callable[[Sample], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The `size` target ids the target says most often in the responses (EAGLE-3's reduced
+    vocabulary), ascending; ties and unused slots go to the lowest ids. A regenerated response
+    is what the target says; for the data's own answers `predicted(sample)` gives the target's
+    greedy token at each response position (without it, their tokens are counted)."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for sample in samples:
-        counts += torch.bincount(torch.tensor(sample.response), minlength=vocab_size)
+        said = predicted(sample) if sample.by_data and predicted else torch.tensor(sample.response)
+        counts += torch.bincount(said.cpu(), minlength=vocab_size)
     size = min(size, vocab_size)
     order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))
     return torch.tensor(sorted(order[:size]))
 
 
+def target_predictions(
+    reader: ShardReader, head: torch.Tensor, rows_at_once: int = 128
+) -> Callable[[Sample], torch.Tensor]:
+    """`predicted` for `draft_vocabulary`: the target's argmax at a sample's response positions,
+    from its recorded final rows (row i predicts token i+1) through its LM head `head`."""
+
+    @torch.no_grad()
+    def predicted(sample: Sample) -> torch.Tensor:
+        _, _, final = reader.rows(sample.rows, sample.num_tokens)
+        rows = final[len(sample.prompt) - 1 : sample.num_tokens - 1].to(head.device, head.dtype)
+        return torch.cat([(rows[i : i + rows_at_once] @ head.T).argmax(-1)
+                          for i in range(0, rows.shape[0], rows_at_once)])  # fmt: skip
+
+    return predicted
+
+
 def build_trainee(
-    config: TrainConfig, target, samples: Sequence[Sample]
+    config: TrainConfig, target, samples: Sequence[Sample], reader: ShardReader | None = None
 ) -> Eagle3Trainee | DFlashTrainee:
     """A fresh drafter for `target` (a `DecoderModel`), on the target's device (its weights
-    are initialised on the host, so a seed gives the same drafter on any device)."""
+    are initialised on the host, so a seed gives the same drafter on any device). With the
+    samples' `reader`, EAGLE-3's draft vocabulary counts what the target itself would say
+    where a sample holds the data's answer."""
     torch.manual_seed(config.seed)
     head = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
     embed = target.embed_tokens.weight
     if config.method == "eagle3":
-        ids = draft_vocabulary(samples, target.config.vocab_size, config.draft_vocab_size)
+        predicted = target_predictions(reader, head) if reader is not None else None
+        ids = draft_vocabulary(
+            samples, target.config.vocab_size, config.draft_vocab_size, predicted
+        )
         trainee = Eagle3Trainee(target.config, len(config.aux_layers), ids, embed, head)
         return trainee.to(embed.device)
     trainee = DFlashTrainee(

@@ -557,6 +557,20 @@ def test_dataset_answers_are_trained_on_with_the_targets_rows_and_held_out_chats
     outputs = llm.generate([s.prompt for s in first_turns],
                            specserve.SamplingParams(max_tokens=24, temperature=0.0))  # fmt: skip
     assert [s.response for s in first_turns] == [list(o.token_ids) for o in outputs]
+    assert all(s.by_data for s in train) and not any(s.by_data for s in held)
+    # EAGLE-3's draft vocabulary counts what the target would say at the data's answers (its
+    # argmax from the recorded rows), not the answers' own tokens.
+    head = model.embed_tokens.weight  # tied in this target
+    counts = torch.zeros(head.shape[0], dtype=torch.int64)
+    for sample in train:
+        _, _, final = reader.rows(sample.rows, sample.num_tokens)
+        said = (final[len(sample.prompt) - 1 : sample.num_tokens - 1] @ head.T).argmax(-1)
+        counts += torch.bincount(said, minlength=head.shape[0])
+    wanted = sorted(sorted(range(len(counts)), key=lambda t: (-int(counts[t]), t))[:1024])
+    d2t = load_file(str(tmp_path / "drafter" / "model.safetensors"))["d2t"]
+    assert (d2t + torch.arange(d2t.numel())).tolist() == wanted
+    answered = {t for s in train for t in s.response}
+    assert not answered <= set(wanted)  # the answers' own tokens would have been chosen
     # The work directory now holds the data's answers: regenerated data is not mixed in.
     with pytest.raises(ValueError, match=r"answers='dataset' \(now 'target'\)"):
         train_drafter(replace(args, answers="target"))
