@@ -110,10 +110,11 @@ def draft_vocabulary(
 
 
 def target_predictions(
-    reader: ShardReader, head: torch.Tensor, rows_at_once: int = 128
+    reader: ShardReader, head: torch.Tensor, rows_at_once: int = 512
 ) -> Callable[[Sample], torch.Tensor]:
     """`predicted` for `draft_vocabulary`: the target's argmax at a sample's response positions,
-    from its recorded final rows (row i predicts token i+1) through its LM head `head`."""
+    from its recorded final rows (row i predicts token i+1) through its LM head `head`, a few
+    hundred rows at a time (SmolLM2 on 2 Zen 3 cores: ~1,500 rows/s, 1,260 at 128 at a time)."""
 
     @torch.no_grad()
     def predicted(sample: Sample) -> torch.Tensor:
