@@ -398,13 +398,7 @@ def _load_trainee(out: Path, config: TrainConfig, target) -> Eagle3Trainee | DFl
 
     state = load_file(str(out / "model.safetensors"))
     state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
-    if config.method == "eagle3":
-        draft_ids = state["d2t"] + torch.arange(state["d2t"].numel())
-        head = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
-        trainee = Eagle3Trainee(
-            target.config, len(config.aux_layers), draft_ids, target.embed_tokens.weight, head
-        ).to(target.embed_tokens.weight.device)
-    else:
-        trainee = build_trainee(config, target, [])
+    draft_ids = state["d2t"] + torch.arange(state["d2t"].numel()) if "d2t" in state else None
+    trainee = build_trainee(config, target, [], draft_ids=draft_ids)
     trainee.load_state_dict(state)
     return trainee

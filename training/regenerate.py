@@ -213,8 +213,10 @@ def _keep_or_rebuild(
     """The samples written so far; those whose shard is gone (token ids carried from another
     machine without their rows, or shards deleted to save space) get their rows again from one
     prefill each, into new shards, which costs far less than answering them again."""
-    kept = [s for s in samples if (work_dir / "shards" / s.shard).is_file()]
-    lost = [s for s in samples if not (work_dir / "shards" / s.shard).is_file()]
+    kept: list[Sample] = []
+    lost: list[Sample] = []
+    for sample in samples:
+        (kept if (work_dir / "shards" / sample.shard).is_file() else lost).append(sample)
     if not lost:
         return kept
     progress = Progress("rebuilding rows", total=len(lost), unit="samples")
@@ -268,10 +270,7 @@ def _answer_wave(
             messages = _next_prompt(histories[chat.id], pending[chat.id])
             if messages is None:
                 continue
-            ids = tokenizer.encode(
-                tokenizer.apply_chat_template(messages, add_generation_prompt=True),
-                add_special_tokens=False,
-            )
+            ids = _chat_prompt(tokenizer, messages)
             if len(ids) + MIN_RESPONSE_TOKENS > options.max_len:
                 pending[chat.id] = []  # the history outgrew max_len: the chat ends here
                 continue
@@ -318,10 +317,7 @@ def _prefill_wave(
         for turn, (messages, answer) in enumerate(_answered_turns(chat)):
             if turn >= options.max_turns:
                 break
-            prompt = tokenizer.encode(
-                tokenizer.apply_chat_template(messages, add_generation_prompt=True),
-                add_special_tokens=False,
-            )
+            prompt = _chat_prompt(tokenizer, messages)
             room = min(options.max_new_tokens, options.max_len - len(prompt))
             if room < MIN_RESPONSE_TOKENS:
                 break  # the history outgrew max_len: the chat ends here
@@ -334,6 +330,14 @@ def _prefill_wave(
         for (chat_id, turn, prompt, response, finish), got in zip(turns, rows, strict=True)
         if got is not None
     ]
+
+
+def _chat_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """The token ids of `messages` through the chat template, ready for the assistant's turn."""
+    return tokenizer.encode(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True),
+        add_special_tokens=False,
+    )
 
 
 def _answered_turns(chat: Chat) -> Iterable[tuple[list[dict[str, str]], str]]:

@@ -98,15 +98,21 @@ def test_regeneration_is_the_targets_greedy_output_and_hidden_states(
     params = specserve.SamplingParams(max_tokens=40, temperature=0.0)
     outputs = llm.generate([s.prompt for s in samples], params)
     assert [s.response for s in samples] == [list(o.token_ids) for o in outputs]
-    model = load_model(chat_target)
-    reader = ShardReader(regenerated / "shards")
-    for sample in samples[:3]:
+    _assert_rows_are_the_targets(
+        load_model(chat_target), ShardReader(regenerated / "shards"), samples[:3]
+    )
+
+
+def _assert_rows_are_the_targets(model, reader: ShardReader, samples) -> None:
+    """Each sample's stored rows are the target's hidden states over its tokens (within the
+    shard's float16 rounding), and the last token, never run, has none."""
+    for sample in samples:
         tokens, aux, final = reader.rows(sample.rows, sample.num_tokens)
         assert tokens.tolist() == sample.token_ids
         want_final, want_aux = _forward(model, tokens[:-1], LAYERS)
-        torch.testing.assert_close(aux[:-1], want_aux, atol=2e-3, rtol=1e-3)  # float16 rows
+        torch.testing.assert_close(aux[:-1], want_aux, atol=2e-3, rtol=1e-3)
         torch.testing.assert_close(final[:-1], want_final, atol=2e-3, rtol=1e-3)
-        assert not aux[-1].any() and not final[-1].any()  # the last token is never run
+        assert not aux[-1].any() and not final[-1].any()
 
 
 def _forward(model, tokens: torch.Tensor, layers) -> tuple[torch.Tensor, torch.Tensor]:
@@ -544,12 +550,7 @@ def test_dataset_answers_are_trained_on_with_the_targets_rows_and_held_out_chats
     assert any(s.finish == "length" for s in train) and any(s.finish == "stop" for s in train)
     model = load_model(chat_target)
     reader = ShardReader(work / "shards")
-    for sample in train[:3]:
-        tokens, aux, final = reader.rows(sample.rows, sample.num_tokens)
-        assert tokens.tolist() == sample.token_ids
-        want_final, want_aux = _forward(model, tokens[:-1], LAYERS)
-        torch.testing.assert_close(aux[:-1], want_aux, atol=2e-3, rtol=1e-3)  # float16 rows
-        torch.testing.assert_close(final[:-1], want_final, atol=2e-3, rtol=1e-3)
+    _assert_rows_are_the_targets(model, reader, train[:3])
     held = [s for s in samples if s.held_out]
     assert sorted(s.chat for s in held if s.turn == 0) == ["c0", "c1"]
     llm = specserve.LLM(str(chat_target))
@@ -619,12 +620,7 @@ def test_samples_whose_shard_is_gone_get_their_rows_again_by_a_prefill(
             assert (now.shard, now.row) == (sample.shard, sample.row)  # kept as it was
         else:
             assert now.shard == "wave-00002.safetensors"
-    model = load_model(chat_target)
-    reader = ShardReader(work / "shards")
-    for sample in [by_chat[s.chat] for s in carried]:
-        tokens, aux, final = reader.rows(sample.rows, sample.num_tokens)
-        assert tokens.tolist() == sample.token_ids
-        want_final, want_aux = _forward(model, tokens[:-1], LAYERS)
-        torch.testing.assert_close(aux[:-1], want_aux, atol=2e-3, rtol=1e-3)
-        torch.testing.assert_close(final[:-1], want_final, atol=2e-3, rtol=1e-3)
+    _assert_rows_are_the_targets(
+        load_model(chat_target), ShardReader(work / "shards"), [by_chat[s.chat] for s in carried]
+    )
     assert read_samples(work / "samples.jsonl") == again
