@@ -437,20 +437,40 @@ def test_rows_put_aside_give_the_drafter_the_same_context(
         llm = LLM(str(qwen3_ckpt.path), spec_method=method, drafter=drafter, num_spec_tokens=K,
                   block_size=4, num_blocks=256, dtype="float64")  # fmt: skip
         speculator = llm.engine.runner.speculator
-        deferred_seen = []
+        deferred_seen, taken_seen, costed = [], [], []
         recorded = _scripted_drafts(llm, lambda handle, step: K if step % 5 == 4 else 0)
         propose = speculator.propose
 
-        def watching(inputs, aux, propose=propose, seen=deferred_seen, spec=speculator):
+        def watching(
+            inputs, aux, propose=propose, seen=deferred_seen, spec=speculator, took=taken_seen
+        ):
+            held = {h: d.num_rows for h, d in spec.deferred.items()}
             drafts = propose(inputs, aux)
             seen.append(sum(d.num_rows for d in spec.deferred.values()))
+            # the backlog it reports taking: the rows held before by requests no longer holding
+            taken = sum(n for h, n in held.items() if h not in spec.deferred)
+            assert spec.backlog_rows_taken == taken
+            took.append(taken)
             return drafts
 
         speculator.propose = watching
+        policy = llm.engine.runner.spec_policy
+        observe = policy.observe_drafting
+
+        def costing(num_tokens, seconds, observe=observe, spec=speculator, seen=costed):
+            seen.append((num_tokens, spec.backlog_rows_taken))
+            observe(num_tokens, seconds)
+
+        policy.observe_drafting = costing
         outs = llm.generate(batch, params)
-        runs.append((recorded, [o.token_ids for o in outs], max(deferred_seen)))
-    (aside, aside_out, most_aside), (every, every_out, none_aside) = runs
+        runs.append((recorded, [o.token_ids for o in outs], max(deferred_seen), taken_seen))
+        # a draft's cost is timed only on calls that drafted and caught up nothing (here, every
+        # drafting call catches up while rows are put aside)
+        assert all(n > 0 and not taken for n, taken in costed)
+        assert bool(costed) == (max_deferred == 0)
+    (aside, aside_out, most_aside, aside_taken), (every, every_out, none_aside, none_taken) = runs
     assert most_aside >= 3 * 4 and none_aside == 0  # 3 requests x 4 steps put aside
+    assert sum(aside_taken) >= 3 * 4 and not any(none_taken)
     assert aside_out == every_out
     assert aside.keys() == every.keys() and len(aside) >= 6
     assert aside == every

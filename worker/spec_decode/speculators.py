@@ -124,6 +124,9 @@ class Speculator(ABC):
     aux_layer_ids: tuple[int, ...] = ()  # target layers whose outputs the drafter reads
     max_model_len: int | None = None  # the drafter's own position limit, if any
     drafts_are_free: bool = False  # proposing costs next to nothing (shadow drafts every step)
+    # Rows put aside at earlier steps that the last `propose` caught up: their cost is no
+    # draft's (the drafter writes them whether or not drafts are verified).
+    backlog_rows_taken: int = 0
 
     @functools.cached_property
     def window_extra(self) -> int:
@@ -245,6 +248,7 @@ class _DrafterSpeculator(Speculator, Generic[_D]):
         reuses the blocks drafts worse from them, never wrongly (verification is lossless).
         """
         contexts = []
+        self.backlog_rows_taken = 0
         for inp in inputs:
             rows = aux_hidden[inp.row_start : inp.row_start + inp.num_valid]
             backlog = self.deferred.get(inp.handle)
@@ -257,6 +261,7 @@ class _DrafterSpeculator(Speculator, Generic[_D]):
             start = inp.start
             if backlog is not None:
                 del self.deferred[inp.handle]
+                self.backlog_rows_taken += backlog.num_rows
                 start = backlog.start
                 rows = torch.cat([*backlog.rows, rows])
             if rows.shape[0]:
