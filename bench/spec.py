@@ -211,6 +211,11 @@ def main() -> None:
         default="fixed,adaptive",
         help="speculation policies in the speed table (fixed: always K; adaptive: the default)",
     )
+    parser.add_argument(
+        "--drafter-dtypes",
+        default="auto",
+        help="drafter dtypes in the speed table, comma-separated (auto: the engine's default)",
+    )
     args = parser.parse_args()
     configure_logging("warning")
     if args.quick:
@@ -237,14 +242,18 @@ def main() -> None:
         },
     }
     cache = {"enable_prefix_caching": args.prefix_caching}
+    dtypes = args.drafter_dtypes.split(",")
     engines = [Engine("none", cache)] + [
         Engine(
-            f"{method} K={kwargs['num_spec_tokens']} {policy}",
-            {**kwargs, **cache, "spec_policy": policy},
+            f"{method} K={kwargs['num_spec_tokens']} {policy}"
+            + (f" {dtype}" if len(dtypes) > 1 and method != "ngram" else ""),
+            {**kwargs, **cache, "spec_policy": policy}
+            | ({"drafter_dtype": dtype} if method != "ngram" else {}),
         )
         for method, kwargs in methods.items()
         if method in args.methods.split(",")
         for policy in args.policies.split(",")
+        for dtype in (dtypes if method != "ngram" else dtypes[:1])
     ]
     batches = [int(b) for b in args.batches.split(",")]
     speed_table(prompts, args.max_tokens, engines, batches, args.repeats)

@@ -171,6 +171,14 @@ def _add_engine_args(p: ArgTarget) -> None:
     )
     p.add_argument("--drafter", default=None, help="drafter checkpoint dir (eagle3, dflash)")
     p.add_argument(
+        "--drafter-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="the drafter's weights and activations; auto: the target's, except bfloat16 for a "
+        "16-bit drafter beside a float32 target on a CPU with bfloat16 kernels (half the bytes "
+        "a draft streams; drafts are verified either way)",
+    )
+    p.add_argument(
         "--num-spec-tokens",
         type=int,
         default=0,
@@ -206,6 +214,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=not args.no_prefix_caching,
         spec_method=args.spec_method,
         drafter=args.drafter,
+        drafter_dtype=args.drafter_dtype,
         num_spec_tokens=args.num_spec_tokens,
         drafter_max_model_len=args.drafter_max_model_len,
         sample_drafts=args.sample_drafts,

@@ -51,6 +51,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     spec_method: str = "none"  # none | ngram | eagle3 | dflash
     drafter: str | None = None  # drafter checkpoint dir (eagle3, dflash)
+    drafter_dtype: str = "auto"  # `speculators.drafter_dtype`, or a dtype name
     num_spec_tokens: int = 0
     drafter_max_model_len: int | None = None  # None: the drafter checkpoint's limit
     # auto: FlashInfer where it can run, else torch; or torch, flashinfer
@@ -85,8 +86,13 @@ class WorkerEngine:
                 f"{config.max_position_embeddings}"
             )
         self.max_model_len = max_model_len
-        drafter = load_drafter(method, args.drafter, model)
+        drafter = load_drafter(method, args.drafter, model, args.drafter_dtype)
         if isinstance(model.backend, FlashInferBackend):
+            if drafter is not None and drafter.dtype != model.dtype:
+                raise ValueError(
+                    f"--drafter-dtype {args.drafter_dtype} gives a {drafter.dtype} drafter beside "
+                    f"a {model.dtype} target; with FlashInfer attention both run in one dtype"
+                )
             head_dims = {config.head_dim} | ({drafter.config.layer.head_dim} if drafter else set())
             reason = missing_flashinfer_kernels(head_dims, model.dtype, args.device)
             if reason is not None:  # a setting the user can fix: a clear error, no traceback

@@ -8,6 +8,7 @@ import itertools
 import json
 
 import pytest
+import torch
 
 from specserve.llm import LLM
 from specserve.shared.config import SpecMethod
@@ -41,8 +42,13 @@ def plain(prompts) -> list[list[int]]:
     return [list(o.token_ids) for o in outs]
 
 
+@pytest.mark.parametrize("drafter_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("method", ["eagle3", "dflash"])
-def test_the_bundled_drafter_is_the_default_and_lossless(method, prompts, plain) -> None:
+def test_the_bundled_drafter_is_the_default_and_lossless(
+    method, drafter_dtype, prompts, plain
+) -> None:
+    """Also with the drafter in bfloat16 beside the float32 target (what `--drafter-dtype auto`
+    picks on a CPU with bfloat16 kernels): drafts are verified by the target either way."""
     shipped = BUNDLED_DRAFTERS / f"{MODEL}-{method}"
     assert (shipped / "config.json").is_file() and (shipped / "model.safetensors").is_file()
     assert resolve_drafter(SpecMethod(method), MODEL, None) == str(shipped)
@@ -50,7 +56,8 @@ def test_the_bundled_drafter_is_the_default_and_lossless(method, prompts, plain)
     assert training["method"] == method
 
     # no --drafter: the shipped one; every round verifies all K (the drafter's acceptance)
-    llm = LLM(MODEL, spec_method=method, spec_policy="fixed", **ENGINE)
+    llm = LLM(MODEL, spec_method=method, spec_policy="fixed", drafter_dtype=drafter_dtype, **ENGINE)
+    assert llm.engine.runner.speculator.drafter.dtype == getattr(torch, drafter_dtype)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     for prompt, want in zip(prompts[:3], plain[:3], strict=True):  # batch 1
         (out,) = llm.generate([prompt], params)

@@ -27,6 +27,7 @@ from drafter_reference import Dims, Weights, dflash_dense, eagle3_dense
 from safetensors.torch import load_file, save_file
 
 from specserve.worker.attention.base import SequenceStep
+from specserve.worker.cpu import kernels
 from specserve.worker.kv_cache import PagedKVCache
 from specserve.worker.loader import load_model
 from specserve.worker.models import DecoderModel
@@ -39,6 +40,7 @@ from specserve.worker.spec_decode.dflash import (
 )
 from specserve.worker.spec_decode.drafter import LayerAttention
 from specserve.worker.spec_decode.eagle3 import Eagle3Config, Eagle3Drafter, load_eagle3
+from specserve.worker.spec_decode.speculators import drafter_dtype
 
 transformers = pytest.importorskip("transformers")
 torch.set_num_threads(1)
@@ -362,6 +364,31 @@ def test_eagle3_shares_a_saved_copy_of_target_embeddings(
     drafter = load_eagle3(path, llama_target.model)
     assert drafter.embed_tokens is None
     assert "embed_tokens.weight" not in drafter.state_dict()
+
+
+def test_drafter_dtype_auto_takes_bfloat16_where_it_pays(
+    llama_target: Target, tmp_path: Path
+) -> None:
+    """`--drafter-dtype auto`: the target's dtype, except bfloat16 for a 16-bit checkpoint beside
+    a float32 target on a CPU with bfloat16 kernels; a named dtype as given. A bfloat16 drafter
+    that borrows the float32 target's LM head hands it float32 hidden states."""
+    target = llama_target.model
+    assert target.dtype == torch.float32
+    path = write_random_eagle3(tmp_path, llama_target.config, "speculators", with_lm_head=False)
+    fast_bf16 = torch.bfloat16 in kernels.linear_dtypes()
+    for saved, auto in (
+        ("bfloat16", torch.bfloat16 if fast_bf16 else torch.float32),
+        ("float16", torch.bfloat16 if fast_bf16 else torch.float32),
+        ("float32", torch.float32),
+    ):
+        _edit_config(path, torch_dtype=saved)
+        assert drafter_dtype("auto", str(path), target) == auto, saved
+        assert drafter_dtype("float32", str(path), target) == torch.float32
+        assert drafter_dtype("bfloat16", str(path), target) == torch.bfloat16
+    drafter = load_eagle3(path, target, torch.bfloat16)
+    assert drafter.dtype == torch.bfloat16 and drafter.lm_head is None
+    hidden = torch.randn(3, target.config.hidden_size).to(torch.bfloat16)
+    assert torch.equal(drafter.compute_logits(hidden), target.compute_logits(hidden.float()))
 
 
 def _edit(path: Path, drop: Sequence[str] = (), add: Mapping[str, torch.Tensor] = {}) -> None:

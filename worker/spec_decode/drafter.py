@@ -136,10 +136,16 @@ class TargetParts:
 
     @classmethod
     def of(cls, target: DecoderModel) -> TargetParts:
+        """The target's parts; its LM head takes a drafter's hidden states in the target's
+        dtype (a drafter may run in another)."""
         cfg = target.config
+
+        def compute_logits(hidden: torch.Tensor) -> torch.Tensor:
+            return target.compute_logits(hidden.to(target.dtype))
+
         return cls(
             target.embed_tokens,
-            target.compute_logits,
+            compute_logits,
             cfg.num_layers,
             cfg.hidden_size,
             cfg.vocab_size,
