@@ -18,6 +18,7 @@ plane gets its workers back.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import platform
@@ -636,5 +637,9 @@ def _load_engine(engine_args: EngineArgs, worker_id: str) -> WorkerEngine:
     )
     start = time.monotonic()
     engine = WorkerEngine(engine_args)
+    # What loading left alive (modules, tensors, the tokenizer: ~350,000 objects for the bundled
+    # model) lives as long as the worker: out of the cyclic collector's full passes, the first of
+    # which would otherwise stall an early step for ~150 ms.
+    gc.freeze()
     log.info("worker.loaded", worker_id=worker_id, load_s=round(time.monotonic() - start, 2))
     return engine
