@@ -246,14 +246,14 @@ def main() -> None:
     engines = [Engine("none", cache)] + [
         Engine(
             f"{method} K={kwargs['num_spec_tokens']} {policy}"
-            + (f" {dtype}" if len(dtypes) > 1 and method != "ngram" else ""),
+            + (f" {dtype}" if dtype and len(dtypes) > 1 else ""),
             {**kwargs, **cache, "spec_policy": policy}
-            | ({"drafter_dtype": dtype} if method != "ngram" else {}),
+            | ({"drafter_dtype": dtype} if dtype else {}),
         )
         for method, kwargs in methods.items()
         if method in args.methods.split(",")
         for policy in args.policies.split(",")
-        for dtype in (dtypes if method != "ngram" else dtypes[:1])
+        for dtype in (dtypes if method != "ngram" else [None])  # n-gram has no drafter
     ]
     batches = [int(b) for b in args.batches.split(",")]
     speed_table(prompts, args.max_tokens, engines, batches, args.repeats)

@@ -26,6 +26,7 @@ from specserve.worker.attention.base import SequenceStep
 from specserve.worker.cpu import kernels
 from specserve.worker.kv_cache import PagedKVCache
 from specserve.worker.loader import resolve_dtype
+from specserve.worker.model_registry import model_dtype
 from specserve.worker.models import DecoderModel
 from specserve.worker.sampler import argmax_rows, tempered
 from specserve.worker.spec_decode.dflash import DFlashDrafter, load_dflash
@@ -505,12 +506,9 @@ def drafter_dtype(choice: str, path: str, target: DecoderModel) -> torch.dtype:
         return target.dtype
     if torch.bfloat16 not in kernels.linear_dtypes():
         return target.dtype
-    try:
-        config = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return target.dtype  # the loader reports an unreadable checkpoint
-    saved = str(config.get("torch_dtype") or config.get("dtype") or "float32")
-    return torch.bfloat16 if saved in ("bfloat16", "float16") else target.dtype
+    # the checkpoint's own dtype as `--dtype auto` reads it (float16 is bfloat16 on CPU)
+    saved = model_dtype(path, "auto", device)
+    return torch.bfloat16 if saved == torch.bfloat16 else target.dtype
 
 
 def load_drafter(
