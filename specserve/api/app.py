@@ -165,6 +165,11 @@ class ApiKeyAuth:
         return sum(secrets.compare_digest(given.strip(), key) for key in self.keys) > 0
 
 
+# Where `RequestCounter` (the outermost middleware) leaves the server's own `send` for an event
+# stream's chunks (see `_ClosingStream.stream_response`).
+SERVER_SEND = "specserve.server_send"
+
+
 class RequestCounter:
     """ASGI middleware: counts each response by path and status
     (`specserve_api_requests_total`). Starlette's `@app.middleware("http")` would pass every
@@ -187,6 +192,7 @@ class RequestCounter:
                 status = message["status"]
             await send(message)
 
+        scope[SERVER_SEND] = send
         try:
             await self.app(scope, receive, noting_status)
         finally:
@@ -595,11 +601,24 @@ class _ClosingStream(StreamingResponse):
         self._on_close = on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self._server_send = scope.get(SERVER_SEND, send)
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
             await self._on_close()
+
+    async def stream_response(self, send: Any) -> None:
+        """Starlette's, except that the chunks go to the server's `send` itself. The ASGI
+        layers in between (the error and exception middlewares' and the request counter's) act
+        on the response's start only, which they see; each would add a coroutine call to
+        every streamed token."""
+        start = {"type": "http.response.start", "status": self.status_code}
+        await send({**start, "headers": self.raw_headers})
+        body = self._server_send
+        async for chunk in self.body_iterator:
+            await body({"type": "http.response.body", "body": chunk, "more_body": True})
+        await body({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 _json = msgspec.json.Encoder().encode  # several times json's speed; UTF-8 as is

@@ -442,6 +442,28 @@ def test_async_stream_failures_timeout_and_early_close(serve) -> None:
     ]
 
 
+def test_an_async_stream_whose_outputs_stop_times_out_at_its_deadline_and_is_aborted(
+    serve,
+) -> None:
+    """A stream's waits between outputs share one wake-up at the request's deadline."""
+    server = serve(
+        lambda msg: three_outputs(msg.request_id)[:1] if isinstance(msg, GenerateRequest) else []
+    )
+
+    async def main() -> float:
+        async with AsyncClient(server.url, timeout=WAIT) as client:
+            got = []
+            started = time.monotonic()
+            with pytest.raises(RequestTimeout, match="slow"):
+                async for out in client.stream([1], request_id="slow", timeout=0.5):
+                    got.append(out)
+            assert got == three_outputs("slow")[:1]
+            return time.monotonic() - started
+
+    assert 0.5 <= asyncio.run(asyncio.wait_for(main(), 2 * WAIT)) < WAIT
+    assert [server.next_message() for _ in range(2)] == [server_view("slow", [1]), abort("slow")]
+
+
 def server_view(request_id: str, prompt: list[int], stream: bool = True) -> GenerateRequest:
     """The GenerateRequest the server receives for a request with default sampling."""
     return GenerateRequest(

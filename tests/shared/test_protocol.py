@@ -208,3 +208,43 @@ def test_a_map_key_that_is_not_utf8_is_a_protocol_error():
     )
     with pytest.raises(p.ProtocolError, match=r"^malformed frame \(22 bytes\): not a specserve"):
         p.decode(bad_type)
+
+
+def _schema_depth(info: msgspec.inspect.Type) -> int:
+    """How many containers the deepest value of a type nests (a struct or a list is one)."""
+    mi = msgspec.inspect
+    if isinstance(info, mi.UnionType):
+        return max(_schema_depth(t) for t in info.types)
+    if isinstance(info, mi.StructType):
+        return 1 + max([_schema_depth(f.type) for f in info.fields], default=0)
+    if isinstance(info, mi.ListType | mi.VarTupleType | mi.SetType | mi.FrozenSetType):
+        return 1 + _schema_depth(info.item_type)
+    if isinstance(info, mi.TupleType):
+        return 1 + max([_schema_depth(t) for t in info.item_types], default=0)
+    assert not isinstance(info, mi.DictType | mi.AnyType), "unbounded nesting in a message"
+    return 0
+
+
+def test_no_message_nests_deeper_than_the_decoders_fast_path_assumes():
+    """`decode` trusts msgspec with a frame at once where the caller's depth limit is at least
+    DEEPEST_MESSAGE: that holds only while no message type can nest deeper."""
+    assert _schema_depth(msgspec.inspect.type_info(p.Message)) == p.DEEPEST_MESSAGE
+    lp = p.TokenLogprobs([0.5], [[1, 2]], [[-0.1, -0.2]])
+    deepest = p.OutputBatch(1, [p.RequestOutput(1, "r", [1], logprobs=[lp])])
+    frame = p.encode(deepest)
+    assert p.decode(frame) == deepest
+    refused = rf"^frame refused \({len(frame)} bytes\): nested deeper than 6 levels$"
+    with pytest.raises(p.ProtocolError, match=refused):
+        p.decode(frame, max_depth=p.DEEPEST_MESSAGE - 1)
+
+
+def test_a_frame_that_fails_the_fast_decode_is_explained_as_before():
+    """Without an object budget msgspec goes first; a frame it refuses is still walked and
+    diagnosed, with the same words as where the walk goes first."""
+    good = p.encode(p.RequestOutput(1, "r", [1, 2]))
+    for frame in (good[:-1], good + b"\xc0", b"\xc1"):
+        with pytest.raises(p.ProtocolError) as fast:
+            p.decode(frame)
+        with pytest.raises(p.ProtocolError) as walked:
+            p.decode(frame, max_items=1 << 20)
+        assert str(fast.value) == str(walked.value)
