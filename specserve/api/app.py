@@ -613,8 +613,9 @@ class _ClosingStream(StreamingResponse):
         layers in between (the error and exception middlewares' and the request counter's) act
         on the response's start only, which they see; each would add a coroutine call to
         every streamed token."""
-        start = {"type": "http.response.start", "status": self.status_code}
-        await send({**start, "headers": self.raw_headers})
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
         body = self._server_send
         async for chunk in self.body_iterator:
             await body({"type": "http.response.body", "body": chunk, "more_body": True})

@@ -146,8 +146,7 @@ class AsyncClient(
         state = self._requests.get(request_id)
         if state is not None and not self._closed:
             if not state.inbox:
-                self._ensure_receiver()
-                await self._wait(Wait(request_id, None))
+                await self._perform(Wait(request_id, None))
             if state.inbox and not self._closed and self._requests.get(request_id) is state:
                 return self._take(state)
         return await self._run(self._next(request_id))
