@@ -52,6 +52,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=None, help="stop after this many steps")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     p.add_argument("--batch-tokens", type=int, default=8192, help="tokens per optimizer step")
+    p.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=None,
+        help="padded tokens per forward pass, a step accumulating its micro-batches (default: "
+        "one sample at a time on a CPU, 32768 on a GPU; lower it if a step runs out of memory)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=25, help="steps between checkpoints")
     p.add_argument(

@@ -19,6 +19,7 @@ with q/k norms, `fc`, `hidden_norm`, `norm`), the format vLLM, SGLang and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,39 +92,75 @@ class DFlashTrainee(nn.Module):
         max_anchors: int,
         generator: torch.Generator,
     ) -> tuple[torch.Tensor, BlockStats] | None:
-        """Weighted cross entropy (summed; divide by `stats.weight` summed over a batch) of
-        up to `max_anchors` random blocks of one sequence; None when it has no response."""
-        n = tokens.shape[0]
-        anchors = _sample_anchors(prompt_len, n, max_anchors, generator)
-        if anchors is None:
+        """`batch_loss` of one sequence (`tokens [n]`, `aux [n, A]`)."""
+        result = self.batch_loss(
+            tokens[None], aux[None], [prompt_len], [tokens.shape[0]], max_anchors, generator
+        )
+        if result is None:
+            return None
+        loss, stats, weight = result
+        rows, correct = stats.tolist()
+        return loss, BlockStats([int(r) for r in rows], [int(c) for c in correct], float(weight))
+
+    def batch_loss(
+        self,
+        tokens: torch.Tensor,
+        aux: torch.Tensor,
+        prompt_lens: Sequence[int],
+        lengths: Sequence[int],
+        max_anchors: int,
+        generator: torch.Generator,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Weighted cross entropy (summed; divide by the weight summed over a batch) of up to
+        `max_anchors` random blocks of each sequence of a padded batch (`tokens [B, L]`,
+        `aux [B, L, A]`, sequence b holding `lengths[b]` tokens), the per-row stats as a
+        `[2, K]` tensor (loss rows, hits) and the weight; None when no sequence has a
+        response. Anchors are drawn on the host, sequence after sequence, so a batch draws
+        what its sequences would one by one."""
+        picked = [
+            _sample_anchors(p, n, max_anchors, generator)
+            for p, n in zip(prompt_lens, lengths, strict=True)
+        ]
+        kept = [i for i, a in enumerate(picked) if a is not None]
+        if not kept:
             return None
         device = tokens.device
+        batch, most = len(kept), max(picked[i].numel() for i in kept)  # type: ignore[union-attr]
+        anchors = torch.zeros(batch, most, dtype=torch.int64)
+        real = torch.zeros(batch, most, dtype=torch.bool)
+        for row, i in enumerate(kept):
+            chosen = picked[i]
+            assert chosen is not None
+            anchors[row, : chosen.numel()], real[row, : chosen.numel()] = chosen, True
         context_len = int(anchors.max())  # read on the host, before the anchors move
-        anchors = anchors.to(device)
+        tokens, aux = tokens[kept], aux[kept, :context_len]
+        anchors, real = anchors.to(device), real.to(device)
+        n = torch.tensor([lengths[i] for i in kept], device=device)
         b = self.block_size
         offsets = torch.arange(b, device=device)
-        positions = (anchors[:, None] + offsets).reshape(-1)  # [M * B]
-        block_ids = torch.full((anchors.numel(), b), self.mask_token_id, device=device)
-        block_ids[:, 0] = tokens[anchors]
+        positions = (anchors[:, :, None] + offsets).reshape(-1)  # [B * M * b]
+        block_ids = torch.full((batch, most, b), self.mask_token_id, device=device)
+        block_ids[:, :, 0] = tokens.gather(1, anchors)
         x = self.target_embed[block_ids.reshape(-1)]
-        context = self.hidden_norm(self.fc(aux[:context_len]))
-        context_pos = torch.arange(context.shape[0], device=device)
-        mask = _block_mask(anchors, context.shape[0], b)
+        context = self.hidden_norm(self.fc(aux.flatten(0, 1)))  # [B * C, H]
+        context_pos = torch.arange(context_len, device=device).repeat(batch)
+        mask = _block_mask(anchors, context_len, b)
         for layer in self.layers:
             x = x + self._attend(layer, x, positions, context, context_pos, mask)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        hidden = self.norm(x).view(anchors.numel(), b, -1)[:, 1:]  # mask rows
-        logits = F.linear(hidden.flatten(0, 1), self.target_head).float()
-        label_pos = anchors[:, None] + offsets[1:]
-        valid = label_pos < n
-        labels = tokens[label_pos.clamp(max=n - 1)]
-        weights = self.row_weights()[None, :] * valid
+        hidden = self.norm(x).view(batch, most, b, -1)[:, :, 1:]  # mask rows
+        logits = F.linear(hidden.flatten(0, 2), self.target_head).float()
+        label_pos = anchors[:, :, None] + offsets[1:]  # [B, M, b - 1]
+        valid = (label_pos < n[:, None, None]) & real[:, :, None]
+        width = tokens.shape[1]
+        labels = tokens.gather(1, label_pos.clamp(max=width - 1).flatten(1)).view_as(label_pos)
+        weights = self.row_weights() * valid
         row_loss = F.cross_entropy(logits, labels.flatten(), reduction="none")
         loss = (row_loss * weights.flatten()).sum()
         with torch.no_grad():
             hits = (logits.argmax(-1).view_as(labels) == labels) & valid
-        stats = BlockStats(valid.sum(0).tolist(), hits.sum(0).tolist(), float(weights.sum()))
-        return loss, stats
+            stats = torch.stack([valid.sum((0, 1)).float(), hits.sum((0, 1)).float()])
+        return loss, stats, weights.sum().detach()
 
     def _attend(
         self,
@@ -134,23 +171,34 @@ class DFlashTrainee(nn.Module):
         context_pos: torch.Tensor,
         mask: torch.Tensor,
     ) -> torch.Tensor:
+        """`x [B * Q, H]` (Q block rows per sequence), `context [B * C, H]`, `mask
+        [B, Q, C + Q]`."""
         attn = layer.self_attn
+        batch, queries, context_len = mask.shape[0], mask.shape[1], mask.shape[2] - mask.shape[1]
         h = layer.input_layernorm(x)
         cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
         ccos, csin = rope_cos_sin(self.inv_freq, context_pos, h.dtype)
         q = apply_rope(attn.queries(h), cos, sin)
         k_block, v_block = attn.keys_values(h)
         k_ctx, v_ctx = attn.keys_values(context)
-        k = torch.cat([apply_rope(k_ctx, ccos, csin), apply_rope(k_block, cos, sin)])
-        v = torch.cat([v_ctx, v_block])
+
+        def heads(t: torch.Tensor, length: int) -> torch.Tensor:  # [B * T, h, D] -> [B, h, T, D]
+            return t.view(batch, length, *t.shape[1:]).transpose(1, 2)
+
+        k = torch.cat(
+            [heads(apply_rope(k_ctx, ccos, csin), context_len),
+             heads(apply_rope(k_block, cos, sin), queries)], dim=2
+        )  # fmt: skip
+        v = torch.cat([heads(v_ctx, context_len), heads(v_block, queries)], dim=2)
+        group = attn.num_heads // attn.num_kv_heads
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            attn.expand_kv(k).transpose(0, 1),
-            attn.expand_kv(v).transpose(0, 1),
-            attn_mask=mask,
+            heads(q, queries),
+            k.repeat_interleave(group, dim=1),
+            v.repeat_interleave(group, dim=1),
+            attn_mask=mask[:, None],
             scale=attn.scale,
         )
-        return attn.o_proj(out.transpose(0, 1).reshape(x.shape[0], -1))
+        return attn.o_proj(out.transpose(1, 2).reshape(batch * queries, -1))
 
 
 def _sample_anchors(
@@ -166,14 +214,14 @@ def _sample_anchors(
 
 
 def _block_mask(anchors: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
-    """`[M*B, context + M*B]` booleans: a block's rows see context `< anchor` and their block."""
-    m = anchors.numel()
-    rows = torch.arange(m, device=anchors.device).repeat_interleave(block_size)
-    sees_context = (
-        torch.arange(context_len, device=anchors.device)[None, :] < anchors[rows][:, None]
-    )
-    sees_block = rows[:, None] == rows[None, :]
-    return torch.cat([sees_context, sees_block], dim=1)
+    """`[B, M*b, context + M*b]` booleans: a block's rows see context `< anchor` and their
+    block (a padding anchor, 0, sees its block alone)."""
+    device = anchors.device
+    m = anchors.shape[1]
+    rows = torch.arange(m, device=device).repeat_interleave(block_size)
+    sees_context = torch.arange(context_len, device=device) < anchors[:, rows, None]
+    sees_block = (rows[:, None] == rows[None, :]).expand(anchors.shape[0], -1, -1)
+    return torch.cat([sees_context, sees_block], dim=2)
 
 
 def default_decay_gamma(block_size: int) -> float:

@@ -102,50 +102,73 @@ class Eagle3Trainee(nn.Module):
         prompt_len: int,
         num_steps: int,
     ) -> tuple[torch.Tensor, StepStats]:
-        """Weighted TTT loss of one sequence (summed over its loss rows) and per-step stats.
+        """`batch_loss` of one sequence: `tokens [n]`, `aux [n, A]`, `final [n, H]`."""
+        n = torch.tensor([tokens.shape[0]], device=tokens.device)
+        loss, stats = self.batch_loss(
+            tokens[None], aux[None], final[None], n.new_tensor([prompt_len]), n, num_steps,
+            first_prompt_len=prompt_len,
+        )  # fmt: skip
+        rows, losses, correct, loss_rows = stats.tolist()
+        as_ints = [int(r) for r in rows], [int(c) for c in correct], [int(r) for r in loss_rows]
+        return loss, StepStats(as_ints[0], losses, as_ints[1], as_ints[2])
 
-        `tokens [n]`; `aux [n, A]` and `final [n, H]` hold the target's rows (the last one is
-        never used: no token follows it). Step 0 runs every row (their K/V are the context
-        of all later rows); the later steps and every LM head run only from the first row
-        whose chain can still reach a response token.
+    def batch_loss(
+        self,
+        tokens: torch.Tensor,
+        aux: torch.Tensor,
+        final: torch.Tensor,
+        prompt_lens: torch.Tensor,
+        lengths: torch.Tensor,
+        num_steps: int,
+        first_prompt_len: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weighted TTT loss of a padded batch (summed over its loss rows) and per-step stats
+        as a `[4, num_steps]` tensor (rows, summed loss, correct, loss rows; see `StepStats`),
+        so that a batch costs one host synchronisation, not one per sequence and step.
+
+        `tokens [B, L]`, `aux [B, L, A]` and `final [B, L, H]` hold the target's rows of each
+        sequence up to its `lengths[b]` (the last row is never used: no token follows it), the
+        rest padding; `first_prompt_len` is the shortest prompt (or less: 0 runs every row
+        at every step). Step 0 runs every row (their keys are the context of all later rows);
+        the later steps run the rows from the first whose chain can reach a response token of
+        the shortest prompt. A row that cannot reach a response, or that reads past its
+        sequence, only leaves its loss out: a row's query sees step-0 keys at or before it and
+        its own later keys, never another row's.
         """
-        n = tokens.shape[0]
-        m = n - 1  # rows with a next token
-        first = max(0, prompt_len - 1 - num_steps)  # row p's last step labels token p+num_steps+1
-        # The target's log-probabilities over the draft vocab at positions `first + 1 ..`.
-        target_logp = F.log_softmax(final[first + 1 : n] @ self.target_head_draft.T, dim=-1)
+        batch, width = tokens.shape
+        m = width - 1  # rows with a next token
+        # Row p's last step labels token p + num_steps + 1: rows before `first` never reach a
+        # response, so steps after the first run from there (their step-0 keys stay).
+        first = max(0, first_prompt_len - 1 - num_steps)
+        rows = torch.arange(m, device=tokens.device)
+        last = (lengths - 1)[:, None]
+        # The target's log-probabilities over the draft vocab at positions first+1..m.
+        target_logp = F.log_softmax(final[:, first + 1 :] @ self.target_head_draft.T, dim=-1)
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         total = aux.new_zeros(())
-        stats = StepStats([], [], [], [])
-        hidden = self.fc(aux[:m])
+        stats = []
+        hidden = self.fc(aux[:, :m])
         for step in range(num_steps):
-            start = 0 if step == 0 else first
-            rows = m - step - start  # rows p >= start whose input token p+1+step exists
-            if rows <= 0:
-                break
-            p = torch.arange(start, start + rows, device=tokens.device)
-            ids = tokens[p + 1 + step]
-            hidden = self._step(ids, hidden[:rows], p + step, start, keys, values)
-            if step == 0:  # later steps start at `first`: keep those rows only
-                hidden = hidden[first:]
-            own = p[-hidden.shape[0] :] if step == 0 else p
-            label_pos = own + 2 + step  # the token the step predicts
-            in_response = (label_pos >= prompt_len) & (label_pos < n)
-            labels = tokens[label_pos.clamp(max=n - 1)]
+            ids = tokens.gather(1, (rows + 1 + step).clamp(max=width - 1).expand(batch, -1))
+            hidden = self._step(ids, hidden, rows + step, first if step else 0, keys, values)
+            if step == 0:  # later steps run rows `first ..` only
+                hidden, rows = hidden[:, first:], rows[first:]
+            label_pos = rows + 2 + step  # the token the step predicts
+            in_response = (label_pos >= prompt_lens[:, None]) & (label_pos <= last)
+            labels = tokens.gather(1, label_pos.clamp(max=width - 1).expand(batch, -1))
             mask = in_response & self.t2d[labels]
             logits = self.lm_head(self.norm(hidden)).float()
-            targets = target_logp[(label_pos - 2 - first).clamp(max=target_logp.shape[0] - 1)]
+            at = (rows + step - first).clamp(max=m - 1 - first)  # position p + 1 + step
+            targets = target_logp[:, at]
             row_loss = -(targets.exp() * F.log_softmax(logits, dim=-1)).sum(-1)
             step_loss = (row_loss * mask).sum()
             total = total + STEP_WEIGHT**step * step_loss
             with torch.no_grad():
                 hits = (logits.argmax(-1) == targets.argmax(-1)) & mask
-            stats.rows.append(int(in_response.sum()))
-            stats.loss.append(float(step_loss.detach()))
-            stats.correct.append(int(hits.sum()))
-            stats.loss_rows.append(int(mask.sum()))
-        return total, stats
+                counts = (in_response.sum(), step_loss.detach(), hits.sum(), mask.sum())
+                stats.append(torch.stack([c.float() for c in counts]))
+        return total, torch.stack(stats, dim=1)
 
     def _step(
         self,
@@ -156,21 +179,24 @@ class Eagle3Trainee(nn.Module):
         keys: list[torch.Tensor],
         values: list[torch.Tensor],
     ) -> torch.Tensor:
-        """One TTT step over rows `first_row ..` (step 0: all rows from 0); appends its
-        keys/values; returns the pre-norm output."""
+        """One TTT step over rows `first_row ..` of each sequence (`ids [B, rows]`); appends
+        its keys/values; returns the pre-norm output."""
         layer = self.midlayer
         attn = layer.self_attn
-        rows = ids.shape[0]
+        batch, rows = ids.shape
         embeds = self.target_embed[ids]
         x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        x = x.flatten(0, 1)
+        cos, sin = rope_cos_sin(self.inv_freq, positions.repeat(batch), x.dtype)
         q = apply_rope(attn.queries(x), cos, sin)
         k, v = attn.keys_values(x)
         k = apply_rope(k, cos, sin)
-        keys.append(attn.expand_kv(k))
-        values.append(attn.expand_kv(v))
-        out = _chain_attention(q, keys, values, first_row, attn.scale)
-        h = hidden + attn.o_proj(out.reshape(rows, -1))
+        unflat = (batch, rows, attn.num_heads, attn.head_dim)
+        keys.append(attn.expand_kv(k).view(unflat).transpose(1, 2))
+        values.append(attn.expand_kv(v).view(unflat).transpose(1, 2))
+        queries = q.view(unflat).transpose(1, 2)
+        out = _chain_attention(queries, keys, values, first_row, attn.scale)
+        h = hidden + attn.o_proj(out.transpose(1, 2).reshape(batch, rows, -1))
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
@@ -181,20 +207,18 @@ def _chain_attention(
     first_row: int,
     scale: float,
 ) -> torch.Tensor:
-    """Attention of step j's queries `[rows, H, D]` (rows `first_row ..`; step 0 starts at
-    row 0): causal over step 0's keys, plus each row's own keys of steps 1..j (the draft
+    """Attention of step j's queries `[B, H, rows, D]` (rows `first_row ..`; step 0 starts
+    at row 0): causal over step 0's keys, plus each row's own keys of steps 1..j (the draft
     chain that row has built), which are stored for rows `first_row ..` as well."""
-    rows = q.shape[0]
-    q = q.transpose(0, 1)  # [H, rows, D]
-    k0, v0 = keys[0].transpose(0, 1), values[0].transpose(0, 1)  # [H, m, D]
-    context = (q @ k0.transpose(1, 2)) * scale  # [H, rows, m]
-    row_ids = torch.arange(first_row, first_row + rows, device=q.device)
-    future = torch.arange(k0.shape[1], device=q.device)[None, :] > row_ids[:, None]
+    k0, v0 = keys[0], values[0]
+    context = (q @ k0.transpose(-1, -2)) * scale  # [B, H, rows, m]
+    rows = torch.arange(first_row, first_row + q.shape[2], device=q.device)
+    future = torch.arange(k0.shape[2], device=q.device)[None, :] > rows[:, None]
     context = context.masked_fill(future, float("-inf"))
-    own = [(q * k[:rows].transpose(0, 1)).sum(-1, keepdim=True) * scale for k in keys[1:]]
+    own = [(q * k).sum(-1, keepdim=True) * scale for k in keys[1:]]
     weights = torch.softmax(torch.cat([context, *own], dim=-1).float(), dim=-1).to(q.dtype)
-    width = k0.shape[1]
+    width = k0.shape[2]
     out = weights[..., :width] @ v0
     for i, v in enumerate(values[1:]):
-        out = out + weights[..., width + i : width + i + 1] * v[:rows].transpose(0, 1)
-    return out.transpose(0, 1)  # [rows, H, D]
+        out = out + weights[..., width + i : width + i + 1] * v
+    return out  # [B, H, m, D]

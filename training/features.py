@@ -37,8 +37,9 @@ class FeatureRecorder:
         self._rows.setdefault(request_id, []).append((start, aux, final))
 
     def take(self, request_id: str, num_rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Rows 0..num_rows-1 of a request (later writes of a position win, e.g. after a
-        preemption); None when any is missing."""
+        """Rows 0..num_rows-1 of a request on the host (later writes of a position win, e.g.
+        after a preemption); None when any is missing. Rows from a GPU come in the 16-bit
+        type the shard will store them in."""
         chunks = self._rows.pop(request_id, [])
         if not chunks:
             return None
@@ -46,7 +47,7 @@ class FeatureRecorder:
             # the usual case, one chunk per step in order: one copy off the device
             aux = torch.cat([a for _, a, _ in chunks])[:num_rows]
             final = torch.cat([f for _, _, f in chunks])[:num_rows]
-            return aux.cpu(), final.cpu()
+            return _to_host(aux), _to_host(final)
         chunks = [(start, a.cpu(), f.cpu()) for start, a, f in chunks]
         aux = torch.zeros(num_rows, chunks[0][1].shape[1])
         final = torch.zeros(num_rows, chunks[0][2].shape[1])
@@ -61,6 +62,18 @@ class FeatureRecorder:
 
     def clear(self) -> None:
         self._rows.clear()
+
+
+def _to_host(rows: torch.Tensor) -> torch.Tensor:
+    """Rows off a GPU in the 16-bit type their shard will store (half the copy, and none of
+    the host's conversion work); a CPU's rows as they are."""
+    if rows.device.type == "cpu":
+        return rows
+    return rows.to(_storage_dtype(float(rows.abs().max()))).cpu()
+
+
+def _storage_dtype(peak: float) -> torch.dtype:
+    return torch.float16 if peak < _FLOAT16_MAX else torch.bfloat16
 
 
 def _tiles(chunks: Sequence[tuple[int, torch.Tensor, torch.Tensor]]) -> bool:
@@ -97,8 +110,10 @@ def write_shard(
         aux.append(torch.cat([a, a.new_zeros(1, a.shape[1])]))
         final.append(torch.cat([f, f.new_zeros(1, f.shape[1])]))
     aux_all, final_all = torch.cat(aux), torch.cat(final)
-    peak = max(float(aux_all.abs().max()), float(final_all.abs().max()))
-    dtype = torch.float16 if peak < _FLOAT16_MAX else torch.bfloat16
+    if aux_all.dtype == final_all.dtype == torch.float16:  # rows a GPU already checked
+        dtype = torch.float16
+    else:
+        dtype = _storage_dtype(max(float(aux_all.abs().max()), float(final_all.abs().max())))
     tensors = {
         "tokens": torch.cat(tokens),
         "aux": aux_all.to(dtype),
@@ -119,15 +134,18 @@ class ShardReader:
         self._open: dict[str, object] = {}
 
     def rows(
-        self, where: SampleRows, num_rows: int
+        self, where: SampleRows, num_rows: int, dtype: torch.dtype | None = torch.float32
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`(tokens int64 [n], aux float32 [n, A], final float32 [n, H])` of one sample."""
+        """`(tokens int64 [n], aux [n, A], final [n, H])` of one sample, the features in
+        `dtype` (None: as stored, for a caller that converts them on its device)."""
         handle = self._open.get(where.shard)
         if handle is None:
             handle = safe_open(str(self.root / where.shard), framework="pt")
             self._open[where.shard] = handle
         span = slice(where.row, where.row + num_rows)
         tokens = handle.get_slice("tokens")[span].to(torch.int64)  # type: ignore[attr-defined]
-        aux = handle.get_slice("aux")[span].float()  # type: ignore[attr-defined]
-        final = handle.get_slice("final")[span].float()  # type: ignore[attr-defined]
+        aux = handle.get_slice("aux")[span]  # type: ignore[attr-defined]
+        final = handle.get_slice("final")[span]  # type: ignore[attr-defined]
+        if dtype is not None:
+            aux, final = aux.to(dtype), final.to(dtype)
         return tokens, aux, final

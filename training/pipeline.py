@@ -49,6 +49,8 @@ log = structlog.get_logger(__name__)
 
 METHODS = ("eagle3", "dflash")
 ANSWERS = ("target", "dataset")  # who wrote the training answers: regenerated, or the data's
+GPU_MICRO_BATCH_TOKENS = 32768
+GPU_BATCHED_TOKENS = 16384
 BLOCK_SIZE = 16  # regeneration's KV cache holds `concurrency` sequences of `max_len` tokens
 # A token the chat never produces, whose (frozen) embedding marks DFlash's masked rows.
 MASK_TOKEN_CANDIDATES = ("<|mask|>", "<mask>", "<|MASK|>", "<empty_output>", "<unk>")
@@ -74,6 +76,7 @@ class TrainDrafterArgs:
     lr: float = 1e-3
     warmup_steps: int = 20
     batch_tokens: int = 16384
+    micro_batch_tokens: int | None = None  # padded tokens per forward pass (default by device)
     seed: int = 0
     checkpoint_every: int = 25
     num_spec_tokens: int | None = None  # default: 5 (EAGLE-3 TTT steps), 15 (DFlash)
@@ -134,6 +137,7 @@ def train_drafter(args: TrainDrafterArgs) -> dict[str, Any]:
         num_blocks=args.concurrency * -(-args.max_len // BLOCK_SIZE) + 1,
         block_size=BLOCK_SIZE,
         enable_prefix_caching=False,
+        max_num_batched_tokens=batched_tokens_default(device),
     )
     _check_max_len(args, llm.engine.max_model_len)
     target = llm.engine.loaded.model
@@ -167,7 +171,7 @@ def train_drafter(args: TrainDrafterArgs) -> dict[str, Any]:
     del llm  # frees the KV cache; the target stays for the loss
     train = [s for s in samples if not s.held_out]
     evaluation = [s for s in samples if s.held_out]
-    config = _train_config(args, target, layers, mask_token or 0)
+    config = _train_config(args, target, layers, mask_token or 0, device)
     reader = ShardReader(work_dir / "shards")
     trainee = build_trainee(config, target, train, reader)
     trainer = Trainer(config, trainee, target.config, train, reader, args.out)
@@ -202,8 +206,21 @@ def train_drafter(args: TrainDrafterArgs) -> dict[str, Any]:
     return report
 
 
+def batched_tokens_default(device: str) -> int:
+    """Tokens per engine step while recording: a GPU prefills the data's answers in far
+    larger steps than serving's default before its step time grows."""
+    return GPU_BATCHED_TOKENS if torch.device(device).type == "cuda" else 2048
+
+
+def micro_batch_default(device: str) -> int:
+    """Padded tokens per forward pass: one sample at a time on a CPU (padding and the long
+    attention rows of a padded batch cost it more than the per-sample overhead saves), tens of
+    thousands on a GPU, whose steps are otherwise bound by launching small kernels."""
+    return GPU_MICRO_BATCH_TOKENS if torch.device(device).type == "cuda" else 1
+
+
 def _train_config(
-    args: TrainDrafterArgs, target, layers: tuple[int, ...], mask: int
+    args: TrainDrafterArgs, target, layers: tuple[int, ...], mask: int, device: str = "cpu"
 ) -> TrainConfig:
     k = args.num_spec_tokens or (5 if args.method == "eagle3" else 15)
     return TrainConfig(
@@ -214,6 +231,7 @@ def _train_config(
         lr=args.lr,
         warmup_steps=args.warmup_steps,
         batch_tokens=args.batch_tokens,
+        micro_batch_tokens=args.micro_batch_tokens or micro_batch_default(device),
         seed=args.seed,
         checkpoint_every=args.checkpoint_every,
         num_spec_tokens=k,
@@ -386,7 +404,7 @@ def teacher_forced(
             draft_vocab_size=config.get("draft_vocab_size", 0),
             num_layers=config["num_hidden_layers"],
         )
-        train_config = _train_config(saved, target, layers, mask)
+        train_config = _train_config(saved, target, layers, mask, device)
         trainee = _load_trainee(args.out, train_config, target)
         trainer = Trainer(train_config, trainee, target.config, [], ShardReader(work), work)
         return trainer.evaluate(samples)

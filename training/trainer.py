@@ -13,7 +13,8 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,9 @@ class TrainConfig:
     decay_gamma: float  # DFlash
     mask_token_id: int  # DFlash
     bf16: bool  # autocast matmuls to bfloat16 (weights and optimizer stay float32)
+    # Padded tokens per forward pass (gradients accumulate); 1: each sample alone, which a
+    # CPU runs fastest, where a GPU wants tens of thousands.
+    micro_batch_tokens: int = 1
     provenance: dict[str, Any] = field(default_factory=dict)
     time_limit: float | None = None  # seconds of training: the step count is fitted as it runs
 
@@ -118,9 +122,9 @@ def target_predictions(
 
     @torch.no_grad()
     def predicted(sample: Sample) -> torch.Tensor:
-        _, _, final = reader.rows(sample.rows, sample.num_tokens)
+        _, _, final = reader.rows(sample.rows, sample.num_tokens, dtype=None)
         rows = final[len(sample.prompt) - 1 : sample.num_tokens - 1]
-        rows = rows.to(target.embed_tokens.weight.device, target.dtype)
+        rows = rows.to(target.embed_tokens.weight.device).to(target.dtype)
         return torch.cat([target.compute_logits(rows[i : i + rows_at_once]).argmax(-1)
                           for i in range(0, rows.shape[0], rows_at_once)])  # fmt: skip
 
@@ -178,6 +182,52 @@ def plan_batches(
         batches[-1].append(i)
         tokens += samples[i].num_tokens
     return [b for b in batches if b]
+
+
+@dataclass(frozen=True)
+class PaddedBatch:
+    """Samples of similar length padded to the longest: `tokens [B, L]`, `aux [B, L, A]`,
+    `final [B, L, H]` (features as stored; converted on the training device)."""
+
+    samples: list[Sample]
+    tokens: torch.Tensor
+    aux: torch.Tensor
+    final: torch.Tensor
+
+    @property
+    def prompt_lens(self) -> list[int]:
+        return [len(s.prompt) for s in self.samples]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [s.num_tokens for s in self.samples]
+
+
+def micro_batches(samples: Sequence[Sample], padded_tokens: int) -> list[list[Sample]]:
+    """A step's samples, longest first, cut where one more would pad the batch past
+    `padded_tokens` (one sample at least), so that each forward pass pads little."""
+    ordered = sorted(samples, key=lambda s: -s.num_tokens)
+    groups: list[list[Sample]] = []
+    for sample in ordered:
+        if groups and (len(groups[-1]) + 1) * groups[-1][0].num_tokens <= padded_tokens:
+            groups[-1].append(sample)
+        else:
+            groups.append([sample])
+    return groups
+
+
+def collate(reader: ShardReader, samples: Sequence[Sample]) -> PaddedBatch:
+    """Read and pad one micro-batch on the host."""
+    rows = [reader.rows(s.rows, s.num_tokens, dtype=None) for s in samples]
+    width = max(s.num_tokens for s in samples)
+    dtypes = {r[1].dtype for r in rows}
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    tokens = torch.zeros(len(rows), width, dtype=torch.int64)
+    aux = torch.zeros(len(rows), width, rows[0][1].shape[1], dtype=dtype)
+    final = torch.zeros(len(rows), width, rows[0][2].shape[1], dtype=dtype)
+    for i, (t, a, f) in enumerate(rows):
+        tokens[i, : t.shape[0]], aux[i, : a.shape[0]], final[i, : f.shape[0]] = t, a, f
+    return PaddedBatch(list(samples), tokens, aux, final)
 
 
 class Trainer:
@@ -297,19 +347,20 @@ class Trainer:
             f"training {self.config.method}", self.total_steps, "steps", initial=self.step
         )
         metrics = Metrics()
-        epoch, offset = divmod(self.step, self.steps_per_epoch)
-        plan = plan_batches(self.train, self.config.batch_tokens, self.config.seed, epoch)
         self.trainee.train()
         run_started = time.perf_counter()
         measured_from = None  # (time, step) after this run's first step
+        batches = self._step_batches()
+        # On a GPU the host reads and pads the next step's batch while this one computes.
+        ahead = ThreadPoolExecutor(1) if self.device.type == "cuda" else None
+        upcoming = _prepare(ahead, self.host_batches, next(batches))
         while self.step < self.total_steps:
-            if offset >= len(plan):
-                epoch, offset = epoch + 1, 0
-                plan = plan_batches(self.train, self.config.batch_tokens, self.config.seed, epoch)
             started = time.perf_counter()
-            step_metrics = self.optimizer_step([self.train[i] for i in plan[offset]])
+            batch, prepared = upcoming
+            if self.step + 1 < self.total_steps:
+                upcoming = _prepare(ahead, self.host_batches, next(batches))
+            step_metrics = self.optimizer_step(batch, prepared.result())
             self.seconds += time.perf_counter() - started
-            offset += 1
             self.step += 1
             self.tokens_seen += step_metrics.tokens
             metrics = step_metrics
@@ -330,7 +381,18 @@ class Trainer:
             if self.step % self.config.checkpoint_every == 0 or self.step == self.total_steps:
                 self.save()
         progress.close()
+        if ahead is not None:
+            ahead.shutdown(cancel_futures=True)
         return metrics
+
+    def _step_batches(self) -> Iterator[list[Sample]]:
+        """The samples of each step from the current one on, epoch after epoch."""
+        epoch, offset = divmod(self.step, self.steps_per_epoch)
+        while True:
+            plan = plan_batches(self.train, self.config.batch_tokens, self.config.seed, epoch)
+            for indices in plan[offset:]:
+                yield [self.train[i] for i in indices]
+            epoch, offset = epoch + 1, 0
 
     def _fit_time_limit(self, run_started: float, measured_from: tuple[float, int]) -> None:
         """Set `total_steps` to what ends this run within `time_limit` at the pace of its steps
@@ -345,68 +407,124 @@ class Trainer:
             log.debug("train.time_limit", steps=fitting, of=self.planned_steps, step_s=per_step)
             self.total_steps = max(self.step, fitting)
 
-    def optimizer_step(self, batch: Sequence[Sample]) -> Metrics:
+    def host_batches(self, batch: Sequence[Sample]) -> list[PaddedBatch]:
+        """One step's micro-batches, read and padded on the host (a GPU run prepares the next
+        step's in a thread while this one computes)."""
+        groups = micro_batches(batch, self.config.micro_batch_tokens)
+        return [collate(self.reader, group) for group in groups]
+
+    def optimizer_step(
+        self, batch: Sequence[Sample], prepared: list[PaddedBatch] | None = None
+    ) -> Metrics:
+        """One optimizer step over `batch`: the summed losses of its micro-batches, their
+        gradients accumulated, then divided by the step's loss weight (a mean over loss rows,
+        whatever the micro-batches)."""
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(self.step)
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = Metrics()
-        losses = []
-        for sample in batch:
-            result = self.sample_loss(sample, metrics)
-            if result is not None:
-                losses.append(result)
+        sums = StepSums()
+        for padded in prepared if prepared is not None else self.host_batches(batch):
+            loss = self.batch_loss(padded, sums)
+            if loss is not None:
+                loss.backward()
+        metrics = sums.metrics(self.config.method)
         if metrics.weight <= 0:
             return metrics
-        loss = torch.stack(losses).sum() / metrics.weight
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.trainee.parameters(), 1.0)
+        params = [p for p in self.trainee.parameters() if p.grad is not None]
+        for param in params:
+            param.grad.div_(metrics.weight)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         self.optimizer.step()
         return metrics
 
     def sample_loss(self, sample: Sample, metrics: Metrics) -> torch.Tensor | None:
         """One sample's summed loss; adds its rows, hits, weight and tokens to `metrics`."""
-        rows = self.reader.rows(sample.rows, sample.num_tokens)
-        tokens, aux, final = (t.to(self.device, non_blocking=True) for t in rows)
-        metrics.tokens += sample.num_tokens
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.bf16):
-            return self._sample_loss(sample, tokens, aux, final, metrics)
-
-    def _sample_loss(
-        self,
-        sample: Sample,
-        tokens: torch.Tensor,
-        aux: torch.Tensor,
-        final: torch.Tensor,
-        metrics: Metrics,
-    ) -> torch.Tensor | None:
-        prompt_len = len(sample.prompt)
-        if isinstance(self.trainee, Eagle3Trainee):
-            loss, stats = self.trainee.sequence_loss(
-                tokens, aux, final, prompt_len, self.config.num_spec_tokens
-            )
-            metrics.add(stats.rows, stats.correct)
-            metrics.weight += stats.loss_rows[0] if stats.loss_rows else 0
-            metrics.loss += sum(stats.loss[:1])
-            return loss
-        result = self.trainee.sequence_loss(
-            tokens, aux, prompt_len, self.config.max_anchors, self.generator
-        )
-        if result is None:
-            return None
-        loss, block = result
-        metrics.add(block.rows, block.correct)
-        metrics.weight += block.weight
-        metrics.loss += float(loss.detach())
+        sums = StepSums()
+        loss = self.batch_loss(collate(self.reader, [sample]), sums)
+        found = sums.metrics(self.config.method)
+        metrics.add(found.rows, found.correct)
+        metrics.loss += found.loss
+        metrics.weight += found.weight
+        metrics.tokens += found.tokens
         return loss
+
+    def batch_loss(self, padded: PaddedBatch, sums: StepSums) -> torch.Tensor | None:
+        """A micro-batch's summed loss; its stats are added to `sums` on the device."""
+        device = self.device
+        tokens = padded.tokens.to(device, non_blocking=True)
+        aux = padded.aux.to(device, non_blocking=True).float()
+        sums.tokens += sum(padded.lengths)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.config.bf16):
+            if isinstance(self.trainee, Eagle3Trainee):
+                final = padded.final.to(device, non_blocking=True).float()
+                lens = torch.tensor([padded.prompt_lens, padded.lengths], device=device)
+                loss, stats = self.trainee.batch_loss(
+                    tokens, aux, final, lens[0], lens[1], self.config.num_spec_tokens,
+                    first_prompt_len=min(padded.prompt_lens),
+                )  # fmt: skip
+                sums.add(stats, stats[3, 0], stats[1, 0])  # step 0's loss rows and loss
+                return loss
+            result = self.trainee.batch_loss(
+                tokens,
+                aux,
+                padded.prompt_lens,
+                padded.lengths,
+                self.config.max_anchors,
+                self.generator,
+            )
+            if result is None:
+                return None
+            loss, stats, weight = result
+            sums.add(stats, weight, loss.detach())
+            return loss
 
     @torch.no_grad()
     def evaluate(self, samples: Sequence[Sample]) -> Metrics:
         """Teacher-forced per-position accuracy on `samples` (e.g. the held-out ones)."""
         self.trainee.eval()
-        metrics = Metrics()
-        for sample in samples:
-            self.sample_loss(sample, metrics)
+        sums = StepSums()
+        for padded in self.host_batches(samples):
+            self.batch_loss(padded, sums)
         self.trainee.train()
+        return sums.metrics(self.config.method)
+
+
+def _prepare(
+    pool: ThreadPoolExecutor | None,
+    prepare: Callable[[list[Sample]], list[PaddedBatch]],
+    batch: list[Sample],
+) -> tuple[list[Sample], Future[list[PaddedBatch]]]:
+    """`batch` and its host batches, prepared in `pool` (or here and now without one)."""
+    if pool is not None:
+        return batch, pool.submit(prepare, batch)
+    done: Future[list[PaddedBatch]] = Future()
+    done.set_result(prepare(batch))
+    return batch, done
+
+
+class StepSums:
+    """Stats of a step's micro-batches, summed on the device and read once."""
+
+    def __init__(self) -> None:
+        self.stats: torch.Tensor | None = None  # [rows, (loss,) correct, ...] per position
+        self.weight: torch.Tensor | float = 0.0
+        self.loss: torch.Tensor | float = 0.0
+        self.tokens = 0
+
+    def add(self, stats: torch.Tensor, weight: torch.Tensor, loss: torch.Tensor) -> None:
+        self.stats = stats if self.stats is None else self.stats + stats
+        self.weight = self.weight + weight
+        self.loss = self.loss + loss
+
+    def metrics(self, method: str) -> Metrics:
+        metrics = Metrics(tokens=self.tokens)
+        if self.stats is None:
+            return metrics
+        stats = self.stats.tolist()  # the step's one host synchronisation
+        rows, correct = (stats[0], stats[2]) if method == "eagle3" else (stats[0], stats[1])
+        metrics.add([int(r) for r in rows], [int(c) for c in correct])
+        metrics.weight = float(self.weight)
+        metrics.loss = float(self.loss)
         return metrics
 
 
