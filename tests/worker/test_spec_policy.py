@@ -244,6 +244,20 @@ def test_cheap_rows_verify_everything_and_costly_rows_nothing():
     assert plan.num_to_propose(3, K) == K
 
 
+def test_a_drafting_pass_costs_its_fixed_part_however_few_its_drafts():
+    """A DFlash pass drafts its whole block at once: the drafting line is flat, and a draft that
+    would pay if drafting were priced by its slope alone (nothing) does not pay its pass."""
+    policy = SpecPolicy(K, free_drafts=False, verifies_as_decode_rows=True)
+    for rows in (1, 2, 4):  # a 20 ms step, 1 ms a row; a drafting pass 4 ms at any size
+        policy.observe_step(rows, rows - 1, False, 0.019 + 0.001 * rows)
+    for drafts in (1, 2, 3):
+        policy.observe_drafting(drafts, 0.004)
+    _set_rates(policy, 1, [0.25, 0.1, 0.1])  # one draft: 1.25 tokens in 25 ms, as plain's 1 in 20
+    assert policy.plan([Candidate(1, [])]).verify == {}
+    _set_rates(policy, 1, [0.5, 0.1, 0.1])  # 1.5 tokens in 25 ms: pays
+    assert policy.plan([Candidate(1, [])]).verify == {1: 1}
+
+
 def test_a_seeded_sampled_request_always_verifies_k_and_others_adapt_around_it():
     policy = SpecPolicy(K, free_drafts=False)
     _costs(policy, plain=(0.0066, 0.00076), mixed=(0.011, 0.00083))

@@ -19,7 +19,8 @@ second (down to none), from:
   and while backing off it probes one draft deep;
 - the measured cost of steps: seconds against rows, one line each for plain decode steps (every
   request one row), verification steps (decode rows and drafts) and steps with prompt chunks,
-  and one for drafting, seconds against draft tokens, all fitted online with forgetting so they
+  and one for drafting, seconds against draft tokens (its intercept paid by any step that drafts:
+  a DFlash pass drafts its whole block at once), all fitted online with forgetting so they
   follow the machine's load. Each line is fitted only on its own kind of step: a prompt chunk's
   rows cost differently from a verification's, and a line through both mispredicts either.
   Where verification runs as decode rows (CPU), plain and verification steps are one kind and
@@ -315,7 +316,10 @@ class SpecPolicy:
         # never cheap: a plain step borrows the per-row slope the plain and verification
         # lines show together (none: flat), a verification step or drafting scales in
         # proportion.
-        per_draft = self.drafting.per_unit()
+        # Drafting costs a pass however few its drafts (a DFlash pass drafts its whole block;
+        # an EAGLE-3 pass has its metadata and catch-up): the line's own intercept, paid only
+        # where something is drafted.
+        drafting = self.drafting.fitted(self.drafting.per_unit())
         drafted_line = self.prefill_step if prefill_rows else self.verify_step
         if drafted_line is self.plain_step:
             # Verification runs as decode rows: one line, and while it has seen one size only
@@ -340,7 +344,7 @@ class SpecPolicy:
                 # verification line fitted mostly on small batches can pass below the plain
                 # line measured at this batch size.
                 step = max(step, plain + per_row * num_drafts)
-            return step + per_draft * num_drafts
+            return step + (drafting(num_drafts) if num_drafts else 0.0)
 
         plain_rate = tokens / seconds(forced_drafts)
         best_rate, best_n = plain_rate, 0
