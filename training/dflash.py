@@ -122,16 +122,15 @@ class DFlashTrainee(nn.Module):
             for p, n in zip(prompt_lens, lengths, strict=True)
         ]
         kept = [i for i, a in enumerate(picked) if a is not None]
-        if not kept:
+        chosen = [a for a in picked if a is not None]
+        if not chosen:
             return None
         device = tokens.device
-        batch, most = len(kept), max(picked[i].numel() for i in kept)  # type: ignore[union-attr]
+        batch, most = len(chosen), max(a.numel() for a in chosen)
         anchors = torch.zeros(batch, most, dtype=torch.int64)
         real = torch.zeros(batch, most, dtype=torch.bool)
-        for row, i in enumerate(kept):
-            chosen = picked[i]
-            assert chosen is not None
-            anchors[row, : chosen.numel()], real[row, : chosen.numel()] = chosen, True
+        for row, a in enumerate(chosen):
+            anchors[row, : a.numel()], real[row, : a.numel()] = a, True
         context_len = int(anchors.max())  # read on the host, before the anchors move
         tokens, aux = tokens[kept], aux[kept, :context_len]
         anchors, real = anchors.to(device), real.to(device)

@@ -427,7 +427,7 @@ class Trainer:
             loss = self.batch_loss(padded, sums)
             if loss is not None:
                 loss.backward()
-        metrics = sums.metrics(self.config.method)
+        metrics = sums.metrics()
         if metrics.weight <= 0:
             return metrics
         params = [p for p in self.trainee.parameters() if p.grad is not None]
@@ -441,7 +441,7 @@ class Trainer:
         """One sample's summed loss; adds its rows, hits, weight and tokens to `metrics`."""
         sums = StepSums()
         loss = self.batch_loss(collate(self.reader, [sample]), sums)
-        found = sums.metrics(self.config.method)
+        found = sums.metrics()
         metrics.add(found.rows, found.correct)
         metrics.loss += found.loss
         metrics.weight += found.weight
@@ -462,7 +462,8 @@ class Trainer:
                     tokens, aux, final, lens[0], lens[1], self.config.num_spec_tokens,
                     first_prompt_len=min(padded.prompt_lens),
                 )  # fmt: skip
-                sums.add(stats, stats[3, 0], stats[1, 0])  # step 0's loss rows and loss
+                # rows and hits per step; step 0's loss rows and loss weigh the step
+                sums.add(stats[[0, 2]], stats[3, 0], stats[1, 0])
                 return loss
             result = self.trainee.batch_loss(
                 tokens,
@@ -486,7 +487,7 @@ class Trainer:
         for padded in self.host_batches(samples):
             self.batch_loss(padded, sums)
         self.trainee.train()
-        return sums.metrics(self.config.method)
+        return sums.metrics()
 
 
 def _prepare(
@@ -506,7 +507,7 @@ class StepSums:
     """Stats of a step's micro-batches, summed on the device and read once."""
 
     def __init__(self) -> None:
-        self.stats: torch.Tensor | None = None  # [rows, (loss,) correct, ...] per position
+        self.stats: torch.Tensor | None = None  # [rows, hits] per draft position
         self.weight: torch.Tensor | float = 0.0
         self.loss: torch.Tensor | float = 0.0
         self.tokens = 0
@@ -516,12 +517,11 @@ class StepSums:
         self.weight = self.weight + weight
         self.loss = self.loss + loss
 
-    def metrics(self, method: str) -> Metrics:
+    def metrics(self) -> Metrics:
         metrics = Metrics(tokens=self.tokens)
         if self.stats is None:
             return metrics
-        stats = self.stats.tolist()  # the step's one host synchronisation
-        rows, correct = (stats[0], stats[2]) if method == "eagle3" else (stats[0], stats[1])
+        rows, correct = self.stats.tolist()  # the step's one host synchronisation
         metrics.add([int(r) for r in rows], [int(c) for c in correct])
         metrics.weight = float(self.weight)
         metrics.loss = float(self.loss)
