@@ -41,7 +41,7 @@ from specserve.worker.sampler import (
     token_logprobs,
 )
 from specserve.worker.spec_decode.policy import Candidate, DraftPlan, SpecPolicy
-from specserve.worker.spec_decode.rejection_sampler import rejection_sample
+from specserve.worker.spec_decode.rejection_sampler import greedy_verify, rejection_sample
 from specserve.worker.spec_decode.speculators import DraftInput, Speculator
 
 
@@ -132,6 +132,7 @@ class ModelRunner:
             and (groups[0].attention != AttentionType.FULL)
         ):
             raise ValueError("a hidden-state drafter needs a target with full-attention layers")
+        model.greedy_screen()  # made at load (~0.1 s for SmolLM2), not in the first step
 
     def execute(self, batch: StepBatch) -> StepResult:
         """Run one step. A request with bad input fails alone; the rest of the batch runs."""
@@ -432,7 +433,13 @@ class ModelRunner:
             drafts.append(state.draft_token_ids[:k])
         if not rows:
             return {}, {}
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        selected = hidden[torch.tensor(rows, device=self.device)]
+        if all(_argmax_only(s.sampling) for s in sampling):
+            argmax = self.model.greedy_tokens(selected)
+            if argmax is not None:
+                verified = greedy_verify(argmax.tolist(), drafts)
+                return {s.handle: t for s, t in zip(sampling, verified, strict=True)}, {}
+        logits = self.model.compute_logits(selected)
         params = [s.sampling for s in sampling]
         generators = [s.generator for s in sampling]
         for state in sampling:
@@ -492,6 +499,12 @@ class ModelRunner:
                 ids = torch.tensor(scheduled, device=logits.device)
                 rows.append(torch.nn.functional.one_hot(ids, logits.shape[-1]).float())
         return torch.cat(rows)
+
+
+def _argmax_only(sampling: SamplingParams) -> bool:
+    """Whether a request's token is the argmax of the model's own logits and nothing else is
+    read from them (greedy, no logprobs, no penalties)."""
+    return sampling.greedy and sampling.logprobs is None and not sampling.has_penalties
 
 
 def _penalized(

@@ -22,6 +22,7 @@ from torch import nn
 
 from specserve.worker.attention.base import AttentionBackend, AttentionMetadata
 from specserve.worker.cpu import ops as cpu_ops
+from specserve.worker.cpu.greedy_screen import GreedyScreen
 from specserve.worker.cpu.linear import Linear, PackedWeight, linear, pack_again, pack_weight
 from specserve.worker.kv_cache import PagedKVCache
 from specserve.worker.model_config import ModelConfig, RopeScaling
@@ -294,6 +295,7 @@ class DecoderModel(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, device, dtype)
         self.tied_head_packed: PackedWeight | None = None  # the embedding, packed as LM head
+        self._screen: tuple[PackedWeight | None, GreedyScreen | None] = (None, None)
         # Not a buffer: the model may be built on the meta device and loaded with `assign=True`.
         self.inv_freq = rope_inv_freq(config)
 
@@ -359,6 +361,21 @@ class DecoderModel(nn.Module):
         if self.lm_head is not None:
             return self.lm_head(hidden)
         return linear(hidden, self.embed_tokens.weight, None, self.tied_head_packed)
+
+    def greedy_screen(self) -> GreedyScreen | None:
+        """The LM head's bfloat16 screen (`cpu.greedy_screen`), made for the head's current
+        packing; None where the head is not a float32 one packed as panels."""
+        head = self.lm_head.packed if self.lm_head is not None else self.tied_head_packed
+        if self._screen[0] is not head:
+            self._screen = (head, GreedyScreen.of(head))
+        return self._screen[1]
+
+    @torch.no_grad()
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """`compute_logits(hidden).argmax(-1)` (first index on ties) without every logit in
+        float32, where the head's screen can promise it; None elsewhere."""
+        screen = self.greedy_screen()
+        return None if screen is None else screen.argmax(hidden)
 
     def pack_weights(self) -> list[PackedWeight]:
         """Pack a tied LM head (`worker.linear.pack_weights` packs the `Linear`s themselves)."""

@@ -19,7 +19,9 @@
   decoder layer's element-wise glue, which PyTorch runs as 3-9 small ops each (a dispatch and
   a pass over memory apiece), in one call.
 - `decode_layers`: a whole decode step, every layer, in one call (`worker.fused_decode`).
-- `argmax_rows`: greedy picks over vocabulary-wide rows, ~10x PyTorch's `max` on CPU.
+- `argmax_rows`: greedy picks over vocabulary-wide rows, ~10x PyTorch's `max` on CPU, and
+  `screen_columns`: the columns of each row that may hold its argmax
+  (`worker.cpu.greedy_screen`).
 
 Each kernel's body is a "team" function (`csrc/team.h`) that the threads of one OpenMP team
 share, so the standalone calls above and the fused decode step run the same code.
@@ -321,6 +323,7 @@ def open_library(path: Path) -> ctypes.CDLL:
         "decode_layers": (ctypes.c_int, [_PTR, i64, *[_PTR] * 9, f32, f32, _PTR]),
         "decode_table_fields": (ctypes.c_char_p, [ctypes.c_int]),
         "argmax_rows": (None, [_PTR, i64, i64, i64, _PTR, flag]),
+        "screen_columns": (i64, [_PTR, i64, i64, i64, *[_PTR] * 3, f32, _PTR, i64, flag]),
         "paged_prefill_supported": (ctypes.c_int, []),
         "paged_prefill_attention": (
             ctypes.c_int,
@@ -513,6 +516,40 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if unsettled.any():
         out[unsettled] = x[unsettled].argmax(dim=-1)
     return out
+
+
+def screen_columns(
+    x: torch.Tensor,
+    floors: torch.Tensor,
+    scales: torch.Tensor,
+    norms: torch.Tensor,
+    max_norm: float,
+    capacity: int,
+) -> torch.Tensor | None:
+    """`torch.nonzero(x + scales[:, None] * norms >= floors[:, None])` of `[N, V]` rows
+    (row-major order, NaN never kept; float32 arithmetic), or None when there are more than
+    `capacity` pairs. `max_norm` must bound `norms`. Call `rows_supported` first."""
+    lib = load()
+    assert lib is not None, "screen_columns called where rows_supported() is False"
+    rows, cols = x.shape
+    floors, scales = (t.to(torch.float32).contiguous() for t in (floors, scales))
+    assert floors.shape == scales.shape == (rows,) and norms.shape == (cols,)
+    assert norms.dtype == torch.float32 and norms.is_contiguous()
+    pairs = torch.empty((capacity, 2), dtype=torch.int64)
+    found = lib.screen_columns(
+        x.data_ptr(),
+        x.stride(0),
+        rows,
+        cols,
+        floors.data_ptr(),
+        scales.data_ptr(),
+        norms.data_ptr(),
+        max_norm,
+        pairs.data_ptr(),
+        capacity,
+        int(x.dtype == torch.bfloat16),
+    )
+    return pairs[:found] if found <= capacity else None
 
 
 def attention_supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:

@@ -137,10 +137,15 @@ class TargetParts:
     @classmethod
     def of(cls, target: DecoderModel) -> TargetParts:
         """The target's parts; its LM head takes a drafter's hidden states in the target's
-        dtype (a drafter may run in another)."""
+        dtype (a drafter may run in another). A bfloat16 drafter beside a float32 head with a
+        bfloat16 screen reads the screen instead: half the bytes, at the drafter's own
+        precision (a draft needs no exact logits: the target verifies it)."""
         cfg = target.config
 
         def compute_logits(hidden: torch.Tensor) -> torch.Tensor:
+            screen = target.greedy_screen() if hidden.dtype == torch.bfloat16 else None
+            if screen is not None:
+                return screen.logits(hidden)
             return target.compute_logits(hidden.to(target.dtype))
 
         return cls(

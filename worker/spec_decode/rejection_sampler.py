@@ -79,24 +79,49 @@ def rejection_sample(
     layout = _build_layout(draft_token_ids, vocab, device)
     _check_inputs(target_logits, layout, params, generators, draft_probs)
     logits = target_logits.float()
-    accepted = torch.zeros(layout.draft_ids.shape[0], dtype=torch.bool, device=device)
-    final = torch.zeros(layout.num_requests, dtype=torch.long, device=device)
+    emitted: list[list[int]] = [[] for _ in params]
 
     greedy = [r for r, p in enumerate(params) if is_greedy(p.temperature)]
     randoms = [r for r, p in enumerate(params) if not is_greedy(p.temperature)]
-    greedy_drafts = _drafts_of(layout, greedy)
-    accepted[greedy_drafts] = _greedy_accept(logits, layout, greedy_drafts)
+    if greedy:
+        first_rows = layout.first_row.tolist()
+        rows = [
+            row
+            for r in greedy
+            for row in range(first_rows[r], first_rows[r] + len(draft_token_ids[r]) + 1)
+        ]
+        argmax = argmax_rows(logits[torch.tensor(rows, device=device)]).tolist()
+        verified = greedy_verify(argmax, [draft_token_ids[r] for r in greedy])
+        for r, tokens in zip(greedy, verified, strict=True):
+            emitted[r] = tokens
     if randoms:
         state = _RandomState.build(logits, layout, params, generators, randoms, draft_probs)
+        accepted = torch.zeros(layout.draft_ids.shape[0], dtype=torch.bool, device=device)
         accepted[state.drafts] = state.accept()
-    num_accepted = _num_accepted(layout, accepted)
-    final_row = layout.first_row + num_accepted
-    if greedy:
-        rows = torch.tensor(greedy, device=device)
-        final[rows] = argmax_rows(logits[final_row[rows]])
-    if randoms:
-        final[state.requests] = state.final_tokens(num_accepted)
-    return _assemble(layout, num_accepted.tolist(), final.tolist())
+        num_accepted = _num_accepted(layout, accepted)
+        finals = state.final_tokens(num_accepted).tolist()
+        counts = num_accepted.tolist()
+        for r, final in zip(randoms, finals, strict=True):
+            emitted[r] = [*draft_token_ids[r][: counts[r]], final]
+    return emitted
+
+
+def greedy_verify(
+    argmax: Sequence[int], draft_token_ids: Sequence[Sequence[int]]
+) -> list[list[int]]:
+    """Greedy verification from the target's argmax of each row, laid out as
+    `rejection_sample`'s logits (`k_r` draft rows then the bonus row, request after request):
+    a request keeps its drafts while they equal the argmax and then emits the argmax of the
+    row where they stop (a placeholder never equals one)."""
+    emitted = []
+    row = 0
+    for drafts in draft_token_ids:
+        n = 0
+        while n < len(drafts) and drafts[n] == argmax[row + n]:
+            n += 1
+        emitted.append([*drafts[:n], argmax[row + n]])
+        row += len(drafts) + 1
+    return emitted
 
 
 def _build_layout(
@@ -157,12 +182,6 @@ def _drafts_of(layout: _Layout, requests: list[int]) -> torch.Tensor:
     starts = torch.repeat_interleave(layout.first_draft[reqs], counts)
     run_starts = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
     return starts + torch.arange(int(counts.sum()), device=device) - run_starts
-
-
-def _greedy_accept(logits: torch.Tensor, layout: _Layout, drafts: torch.Tensor) -> torch.Tensor:
-    """A greedy draft survives when it is the target's argmax (placeholders never are)."""
-    argmax = argmax_rows(logits[layout.draft_row[drafts]])
-    return layout.valid[drafts] & (layout.draft_ids[drafts] == argmax)
 
 
 def _num_accepted(layout: _Layout, accepted: torch.Tensor) -> torch.Tensor:
@@ -282,13 +301,3 @@ def _draw(
             noise[i].exponential_(generator=generator)
         start += count
     return uniforms, noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-
-
-def _assemble(layout: _Layout, num_accepted: list[int], final: list[int]) -> list[list[int]]:
-    """Slice each request's accepted drafts out of the flat ids (Python ints) and append."""
-    flat = layout.draft_ids.tolist()
-    starts = layout.first_draft.tolist()
-    return [
-        [*flat[start : start + n], tok]
-        for start, n, tok in zip(starts, num_accepted, final, strict=True)
-    ]

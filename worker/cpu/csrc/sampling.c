@@ -58,3 +58,35 @@ void argmax_rows(const void *x, int64_t stride, int64_t rows, int64_t cols, int6
         }
     }
 }
+
+/* The (row, column) pairs, row by row and column by column, with x[r][i] + scales[r] *
+ * norms[i] >= floors[r] (NaN never), written to `pairs` as [row, column] while they fit
+ * `capacity` pairs; returns how many there are. `max_norm` bounds `norms`: a chunk of 256
+ * columns whose maximum cannot pass is skipped whole. This is the greedy screen's test
+ * (worker/cpu/greedy_screen.py) of which columns may hold a row's argmax: one pass, where
+ * PyTorch's compare and nonzero took ~0.7 ms for 16 rows of 49152 bfloat16 logits. */
+int64_t screen_columns(const void *x, int64_t stride, int64_t rows, int64_t cols,
+                       const float *floors, const float *scales, const float *norms,
+                       float max_norm, int64_t *pairs, int64_t capacity, int is_bf16) {
+    int64_t found = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const char *row = (const char *)x + r * stride * (is_bf16 ? 2 : 4);
+        const float floor = floors[r], scale = scales[r];
+        for (int64_t c = 0; c < cols; c += CHUNK) {
+            const int64_t end = c + CHUNK < cols ? c + CHUNK : cols;
+            float m = value(row, c, is_bf16);
+            for (int64_t i = c; i < end; i++) {
+                const float v = value(row, i, is_bf16);
+                m = v > m ? v : m;
+            }
+            if (!(m + scale * max_norm >= floor)) continue;
+            for (int64_t i = c; i < end; i++) {
+                if (!(value(row, i, is_bf16) + scale * norms[i] >= floor)) continue;
+                if (is_nan(row, i, is_bf16)) continue;
+                if (found < capacity) pairs[2 * found] = r, pairs[2 * found + 1] = i;
+                found++;
+            }
+        }
+    }
+    return found;
+}

@@ -1,0 +1,172 @@
+"""The greedy screen (`worker/cpu/greedy_screen.py`): a float32 head's argmax from a bfloat16
+read of it, which must be the float32 head's own argmax (first index on ties) on every row it
+answers, however close the logits, and must decline (None) rows it cannot promise.
+
+The screen's column test (`kernels.screen_columns`) is checked against the same float32
+arithmetic in PyTorch; the engine's greedy output with the screen against the output without
+it, with and without speculation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.llm import LLM
+from specserve.shared.protocol import SamplingParams
+from specserve.worker.cpu import kernels
+from specserve.worker.cpu.greedy_screen import MAX_CANDIDATES, GreedyScreen
+from specserve.worker.cpu.linear import linear, pack_weight
+from specserve.worker.sampler import argmax_rows
+
+pytestmark = pytest.mark.skipif(
+    torch.bfloat16 not in kernels.linear_dtypes(),
+    reason="the greedy screen needs the bfloat16 panel kernel (AVX512_BF16)",
+)
+
+VOCAB, DEPTH = 4099, 576  # a partial last panel
+
+
+def _head(weight: torch.Tensor):
+    packed = pack_weight(weight)
+    assert packed is not None and packed.panels
+    screen = GreedyScreen.of(packed)
+    assert screen is not None
+    return packed, screen
+
+
+def _full_argmax(hidden: torch.Tensor, weight: torch.Tensor, packed) -> torch.Tensor:
+    return argmax_rows(linear(hidden, weight, None, packed))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
+def test_the_screen_gives_the_float32_heads_argmax(rows: int) -> None:
+    torch.manual_seed(rows)
+    weight = torch.randn(VOCAB, DEPTH) * 0.05
+    packed, screen = _head(weight)
+    answered = 0
+    for scale in (0.1, 1.0, 10.0, 1000.0):
+        hidden = torch.randn(rows, DEPTH) * scale
+        got = screen.argmax(hidden)
+        if got is not None:
+            answered += 1
+            assert torch.equal(got, _full_argmax(hidden, weight, packed))
+    assert answered >= 3
+
+
+def test_near_ties_and_exact_ties_go_to_the_float32_heads_first_index() -> None:
+    """Columns whose logits differ by a float32 ulp or less, far below bfloat16's resolution:
+    only the float32 recomputation can tell them apart, and equal ones go to the lowest id."""
+    torch.manual_seed(0)
+    base = torch.randn(DEPTH) * 0.05
+    weight = torch.randn(VOCAB, DEPTH) * 0.01
+    near = [7, 8, 100, 2049, 4098]
+    for i, column in enumerate(near):  # the same row, nudged by a few float32 ulps
+        weight[column] = base + torch.randn(DEPTH) * 1e-7 * i
+    weight[3000] = weight[100]  # an exact tie with a later index
+    packed, screen = _head(weight)
+    checked = 0
+    for seed in range(40):
+        torch.manual_seed(seed)
+        hidden = base[None] * 40 + torch.randn(4, DEPTH) * 0.01
+        got = screen.argmax(hidden)
+        assert got is not None
+        full = linear(hidden, weight, None, packed)
+        assert torch.equal(got, argmax_rows(full))
+        checked += int((full[:, near].max(dim=1).values == full.max(dim=1).values).sum())
+    assert checked > 100  # the argmax was among the near-tied columns nearly every time
+    hidden = base[None] * 40
+    full = linear(hidden, weight, None, packed)
+    if full[0, 100] == full.max():  # the exact tie holds the maximum: the lower id wins
+        assert screen.argmax(hidden).tolist() == [100]
+
+
+def test_columns_apart_by_less_than_bfloat16_can_see_are_told_apart() -> None:
+    """A ladder of columns around one direction, apart by 1e-6 to 1e-2 of it: the screen's own
+    order of them is often wrong (bfloat16 rounding), so only the bound keeps the float32
+    argmax among the columns recomputed."""
+    torch.manual_seed(3)
+    base = torch.randn(DEPTH) * 0.05
+    weight = torch.randn(VOCAB, DEPTH) * 0.01
+    ladder = torch.arange(0, VOCAB, 7)
+    steps = torch.logspace(-6, -2, ladder.numel())
+    weight[ladder] = base + steps[:, None] * torch.randn(ladder.numel(), DEPTH) * 0.05
+    packed, screen = _head(weight)
+    hidden = base[None] * 40 + torch.randn(64, DEPTH) * 0.05
+    full = linear(hidden, weight, None, packed)
+    screened_order_wrong = int((argmax_rows(screen.logits(hidden)) != argmax_rows(full)).sum())
+    assert screened_order_wrong > 8  # the case is hard for a screen that ignores its error
+    for rows in (hidden[:1], hidden[1:17], hidden):
+        got = screen.argmax(rows)
+        assert got is not None
+        assert torch.equal(got, argmax_rows(linear(rows, weight, None, packed)))
+
+
+def test_rows_it_cannot_promise_are_declined() -> None:
+    torch.manual_seed(1)
+    weight = torch.randn(VOCAB, DEPTH) * 0.05
+    packed, screen = _head(weight)
+    hidden = torch.randn(3, DEPTH)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        poisoned = hidden.clone()
+        poisoned[1, 5] = bad
+        assert screen.argmax(poisoned) is None
+    assert screen.argmax(hidden.to(torch.bfloat16)) is None  # not the float32 head's input
+    assert screen.argmax(hidden[:0]) is None
+    packed.min_rows = 4  # the head's own call would take F.linear below 4 rows
+    assert screen.argmax(hidden) is None
+    assert screen.argmax(torch.randn(4, DEPTH)) is not None
+    # All columns alike: every one passes the test, more than the screen recomputes.
+    same = pack_weight(torch.ones(MAX_CANDIDATES + 16, 64))
+    assert GreedyScreen.of(same).argmax(torch.randn(1, 64)) is None
+
+
+def test_only_a_float32_head_packed_as_panels_gets_a_screen() -> None:
+    assert GreedyScreen.of(None) is None
+    assert GreedyScreen.of(pack_weight(torch.randn(64, 32).to(torch.bfloat16))) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_screen_columns_is_the_float32_test(dtype: torch.dtype) -> None:
+    torch.manual_seed(2)
+    rows, cols = 5, 1000
+    x = torch.randn(rows, cols).to(dtype)
+    x[2, 17] = float("nan")
+    norms = torch.rand(cols)
+    scales = torch.rand(rows) * 0.5
+    floors = x.float().nan_to_num(-9.0).max(dim=1).values - torch.rand(rows) * 2
+    expect = torch.nonzero((x.float() + scales[:, None] * norms[None]) >= floors[:, None])
+    got = kernels.screen_columns(x, floors, scales, norms, float(norms.max()), 10_000)
+    assert got is not None and torch.equal(got, expect)
+    assert kernels.screen_columns(x, floors, scales, norms, float(norms.max()), 3) is None
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [{}, {"spec_method": "ngram", "num_spec_tokens": 3, "spec_policy": "fixed"}],
+    ids=["plain", "ngram"],
+)
+def test_the_engines_greedy_output_is_the_same_with_and_without_it(
+    engine_args: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bundled model; a batch of greedy requests (the screen answers) and one with a
+    sampled request beside them (the full logits)."""
+    llm = LLM("smollm2-135m", enable_prefix_caching=False, **engine_args)
+    model = llm.engine.runner.model
+    prompts = [
+        "List the planets of the solar system, one per line.",
+        "Write a haiku about the sea.",
+        "1, 2, 3, 4, 5, 6,",
+    ]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True)
+    answered = []
+    real = model.greedy_tokens
+    monkeypatch.setattr(model, "greedy_tokens", lambda h: answered.append(real(h)) or answered[-1])
+    with_screen = [o.token_ids for o in llm.generate(prompts, greedy, chat=True)]
+    mixed = [o.token_ids for o in llm.generate(prompts, [greedy, sampled, greedy], chat=True)]
+    assert answered and all(a is not None for a in answered)
+    monkeypatch.setattr(model, "greedy_tokens", lambda h: None)
+    assert [o.token_ids for o in llm.generate(prompts, greedy, chat=True)] == with_screen
+    again = [o.token_ids for o in llm.generate(prompts, [greedy, sampled, greedy], chat=True)]
+    assert again == mixed
