@@ -75,15 +75,18 @@ class AsyncClient(
         await self._send(abort_frame(request_id))
 
     async def close(self) -> None:
-        """Abort the requests still in flight, fail their waiters and release the socket."""
+        """Fail the waiters of the requests still in flight, abort those requests and release
+        the socket. The waiters fail first: the reply to one abort (its last output) may arrive
+        while the next is sent, and must not end that request as if it had finished."""
         if self._closed:
             return
-        for frame in self._aborts_on_close():
+        aborts = self._aborts_on_close()
+        self._mark_closed()
+        for frame in aborts:
             try:
-                await self._send(frame)
+                await self._put(frame)
             except ServiceUnreachable:  # a control plane it cannot reach holds nothing to abort
                 break
-        self._mark_closed()
         if self._receiver is not None:
             self._receiver.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -230,6 +233,9 @@ class AsyncClient(
 
     async def _send(self, frame: bytes) -> None:
         self._check_open()
+        await self._put(frame)
+
+    async def _put(self, frame: bytes) -> None:
         # A DEALER blocks on send while it has no connection: wait only as long as the client's
         # timeout, and once that failed, not again until a send gets through.
         wait = 0.0 if self._unreachable else self.timeout

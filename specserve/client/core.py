@@ -407,7 +407,7 @@ class ClientCore(ABC, Generic[CompletionT, IdT, OutputsT]):
     # -- open and closed --
 
     def _aborts_on_close(self) -> list[bytes]:
-        """The aborts that free the requests still in flight, to send before `_mark_closed`."""
+        """The aborts that free the requests still in flight, taken before `_mark_closed`."""
         return [abort_frame(request_id) for request_id in self._requests]
 
     def _mark_closed(self) -> None:

@@ -25,6 +25,7 @@ from specserve.client import (
     Completion,
     RequestFailed,
     RequestTimeout,
+    ServiceError,
 )
 from specserve.client import tombstones as client_tombstones
 from specserve.client import wire as client_wire
@@ -440,6 +441,47 @@ def test_async_stream_failures_timeout_and_early_close(serve) -> None:
         server_view("c", [1, 2, 3]),
         abort("c"),
     ]
+
+
+def test_closing_an_async_client_fails_every_stream_in_flight_even_as_aborts_are_answered(
+    serve,
+) -> None:
+    """Each abort the closing client sends is answered at once with its request's last output
+    (finish_reason "abort"); none of them may end a stream as if it had finished."""
+
+    def script(msg: Message) -> Sequence[Message | bytes]:
+        if isinstance(msg, AbortRequest):
+            return [output(msg.request_id, [], finished=True, finish_reason="abort")]
+        return three_outputs(msg.request_id)[:1]
+
+    server = serve(script)
+    streams = 64
+
+    async def first_then_rest(client: AsyncClient, request_id: str) -> BaseException:
+        outputs = client.stream([1, 2, 3], request_id=request_id)
+        assert await anext(outputs) == three_outputs(request_id)[0]
+        waiting.append(request_id)
+        try:
+            async for out in outputs:
+                return AssertionError(f"{request_id} went on after the close: {out}")
+        except ServiceError as exc:
+            return exc
+        return AssertionError(f"{request_id} ended as if it had finished")
+
+    async def main() -> list[BaseException]:
+        client = AsyncClient(server.url, timeout=WAIT)
+        tasks = [asyncio.ensure_future(first_then_rest(client, f"r{i}")) for i in range(streams)]
+        while len(waiting) < streams:  # every stream holds its first output and waits for more
+            await asyncio.sleep(0.01)
+        await client.close()
+        return await asyncio.gather(*tasks)
+
+    waiting: list[str] = []
+    ended = asyncio.run(main())
+    assert [str(e) for e in ended] == ["the client is closed"] * streams
+    received = [server.next_message() for _ in range(2 * streams)]
+    aborted = [m.request_id for m in received if isinstance(m, AbortRequest)]
+    assert sorted(aborted) == sorted(f"r{i}" for i in range(streams))
 
 
 def test_an_async_stream_whose_outputs_stop_times_out_at_its_deadline_and_is_aborted(
