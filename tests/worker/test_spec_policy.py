@@ -7,11 +7,13 @@ import itertools
 
 import pytest
 
+from specserve.worker.spec_decode import policy as policy_module
 from specserve.worker.spec_decode.policy import (
     INITIAL_RATE,
     MIN_SPEEDUP,
     PRIOR_RATE_WEIGHT,
-    REQUEST_RATE_WEIGHT,
+    PRIOR_STRENGTH,
+    REQUEST_DECAY,
     Candidate,
     CostLine,
     SpecPolicy,
@@ -137,19 +139,46 @@ def test_one_line_seen_at_one_size_prices_draft_rows_at_nothing_until_measured()
     assert not any(policy.plan([Candidate(0, [1, 2, 3])]).verify.values())
 
 
+def _estimate(accepted: float, tried: float, prior: float) -> float:
+    return (accepted + PRIOR_STRENGTH * prior) / (tried + PRIOR_STRENGTH)
+
+
 def test_verified_outcomes_move_request_rates_and_the_prior():
     policy = SpecPolicy(K, free_drafts=True)
     policy.observe_verified(7, num_drafts=3, num_accepted=1)  # draft 1 accepted, 2 rejected
-    up = INITIAL_RATE + REQUEST_RATE_WEIGHT * (1 - INITIAL_RATE)
-    down = INITIAL_RATE - REQUEST_RATE_WEIGHT * INITIAL_RATE
-    assert policy.requests[7].rates == pytest.approx([up, down, INITIAL_RATE])  # 3 not seen
     assert policy.prior == pytest.approx(
         [INITIAL_RATE + PRIOR_RATE_WEIGHT * 0.5, INITIAL_RATE - PRIOR_RATE_WEIGHT * 0.5, 0.5]
+    )
+    prior = policy.prior
+    assert policy.requests[7].rates == pytest.approx(  # the 3rd draft not seen: the prior
+        [_estimate(1, 1, prior[0]), _estimate(0, 1, prior[1]), INITIAL_RATE]
     )
     policy.observe_verified(8, num_drafts=2, num_accepted=2)  # all accepted: nothing rejected
     assert policy.requests[8].rates[2] == policy.prior[2] == INITIAL_RATE
     policy.forget(7)
     assert 7 not in policy.requests
+
+
+def test_a_request_rate_holds_through_a_few_rejections_and_follows_a_run_of_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request's rate counts the worker-wide rate in: two rejections of drafts the worker
+    sees accepted 55% of the time leave it near 0.37 (an average moving 0.3 a step fell to
+    0.27), ten in a row take it to 0.21, ten acceptances to 0.83."""
+    monkeypatch.setattr(policy_module, "PRIOR_RATE_WEIGHT", 0.0)  # held by many other requests
+    policy = SpecPolicy(1, free_drafts=True)
+    policy.prior = [0.55]
+    tried = 0.0
+    for n in range(1, 11):
+        policy.observe_verified(1, num_drafts=1, num_accepted=0)
+        policy.observe_verified(2, num_drafts=1, num_accepted=1)
+        tried = REQUEST_DECAY * tried + 1.0
+        if n == 2:
+            assert policy.requests[1].rates[0] == pytest.approx(_estimate(0, tried, 0.55))
+            assert 0.36 < policy.requests[1].rates[0] < 0.38
+    assert 0.20 < policy.requests[1].rates[0] < 0.22
+    assert policy.requests[2].rates[0] == pytest.approx(_estimate(tried, tried, 0.55))
+    assert 0.82 < policy.requests[2].rates[0] < 0.84
 
 
 def test_shadow_drafts_are_scored_against_the_tokens_the_target_produced():
@@ -161,13 +190,13 @@ def test_shadow_drafts_are_scored_against_the_tokens_the_target_produced():
     assert policy.requests[1].rates == [INITIAL_RATE] * K
     policy.plan([Candidate(1, [*tokens, 9])])  # position 12 is 9: 2 accepted, the 3rd rejected
     assert policy.requests[1].shadows == []
-    up = INITIAL_RATE + REQUEST_RATE_WEIGHT * (1 - INITIAL_RATE)
-    down = INITIAL_RATE - REQUEST_RATE_WEIGHT * INITIAL_RATE
-    assert policy.requests[1].rates == pytest.approx([up, up, down])
     prior = list(policy.prior)  # where a new request starts (moved by request 1's outcome)
+    assert policy.requests[1].rates == pytest.approx(
+        [_estimate(1, 1, prior[0]), _estimate(1, 1, prior[1]), _estimate(0, 1, prior[2])]
+    )
     policy.add_shadow(2, position=3, drafts=[1, 2])
     policy.plan([Candidate(2, [0, 0, 0, 4])])  # the first draft already missed: scored at once
-    first = prior[0] - REQUEST_RATE_WEIGHT * prior[0]
+    first = _estimate(0, 1, policy.prior[0])
     assert policy.requests[2].rates == pytest.approx([first, prior[1], prior[2]])
 
 
