@@ -27,7 +27,7 @@ from drafter_reference import Dims, Weights, dflash_dense, eagle3_dense
 from safetensors.torch import load_file, save_file
 
 from specserve.worker.attention.base import SequenceStep
-from specserve.worker.cpu import kernels
+from specserve.worker.cpu import fused_decode, kernels
 from specserve.worker.kv_cache import PagedKVCache
 from specserve.worker.loader import load_model
 from specserve.worker.models import DecoderModel
@@ -224,6 +224,74 @@ def test_eagle3_context_kv_alone_then_one_query_per_request(
     normed_last, prenorm_last = drafter(ids[last], hidden[last], positions[last], one_each, alone)
     torch.testing.assert_close(normed_last, normed[last], atol=ATOL, rtol=0)
     torch.testing.assert_close(prenorm_last, prenorm[last], atol=ATOL, rtol=0)
+
+
+@pytest.mark.skipif(
+    torch.float32 not in kernels.linear_dtypes(), reason="no float32 panel kernel on this CPU"
+)
+@pytest.mark.parametrize("case", list(EAGLE_CASES))
+def test_eagle3_one_token_steps_run_in_one_kernel_call_bit_for_bit(
+    case: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A draft step of one token a request runs the drafter's layers in one call to the
+    kernels (`fused_decode.run_layers`, the first layer reading `[norm(embeddings),
+    norm(hidden)]`), and gives the layer-by-layer path's outputs and K/V bit for bit."""
+    style, target_name, draft_vocab, nbr, layers, lm_head, own_embed = EAGLE_CASES[case]
+    target: Target = request.getfixturevalue(f"{target_name}_target")
+    path = write_random_eagle3(
+        tmp_path, target.config, style, draft_vocab, seed=5, num_layers=layers,
+        aux_layer_ids=[1, 2, 4], norm_before_residual=nbr, with_lm_head=lm_head,
+        with_embed_tokens=own_embed,
+    )  # fmt: skip
+    drafter = load_eagle3(path, target.model)
+    fused_calls: list[bool] = []
+    run_layers = fused_decode.run_layers
+
+    def spy(*args, **kwargs):
+        out = run_layers(*args, **kwargs)
+        fused_calls.append(out is not None)
+        return out
+
+    def three_steps() -> tuple[list[torch.Tensor], PagedKVCache]:
+        gen = torch.Generator().manual_seed(6)
+        lens = [7, 5]
+        cache = drafter.make_kv_cache(NUM_BLOCKS, BLOCK)
+        meta = drafter.build_attn_metadata(
+            [_step(n, n, r) for r, n in enumerate(lens)], BLOCK, "cpu"
+        )
+        hidden = drafter.combine_hidden_states(torch.randn(sum(lens), 3 * 64, generator=gen))
+        ids = torch.randint(0, 256, (sum(lens),), generator=gen)
+        positions = torch.cat([torch.arange(n) for n in lens])
+        _, prenorm = drafter(ids, hidden, positions, meta, cache)
+        feed, outputs = prenorm[torch.tensor([lens[0] - 1, sum(lens) - 1])], []
+        for depth in range(3):
+            pos = torch.tensor([n + depth for n in lens])
+            meta = drafter.build_attn_metadata(
+                [_step(1, int(p) + 1, r) for r, p in enumerate(pos)], BLOCK, "cpu"
+            )
+            normed, feed = drafter(
+                torch.randint(0, 256, (2,), generator=gen), feed, pos, meta, cache
+            )
+            outputs += [normed, feed]
+        return outputs, cache
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)  # the kernel's team, split unevenly
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(fused_decode, "run_layers", spy)
+            fused, fused_cache = three_steps()
+        # the prompts too: short causal blocks run as one decode row a token
+        assert fused_calls == [True] * 4
+        with monkeypatch.context() as patch:
+            patch.setattr(fused_decode, "run_layers", lambda *args, **kwargs: None)
+            layered, layered_cache = three_steps()
+    finally:
+        torch.set_num_threads(threads)
+    for got, want in zip(fused, layered, strict=True):
+        assert torch.equal(got, want)
+    for got, want in zip(fused_cache.layers.values(), layered_cache.layers.values(), strict=True):
+        assert torch.equal(got, want)
 
 
 def borrowed_head_logits(target: DecoderModel, hidden: torch.Tensor) -> torch.Tensor:

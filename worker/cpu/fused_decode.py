@@ -7,6 +7,10 @@ glue was about a third of a SmolLM2 step on a 2-core CPU. `decode_layers` runs e
 one OpenMP parallel region with the same kernels the layer-by-layer path calls, so the results
 are bit for bit the same (tests/worker/test_fused_decode.py) and only the glue goes.
 
+`run_layers` is the call itself, for any stack of `DecoderLayer`s: the target's (`decode_step`)
+and an EAGLE-3 drafter's, whose first layer reads a given attention input (`[norm(embeddings),
+norm(hidden)]`, twice the residual's width) instead of its input norm of the residual stream.
+
 It runs where the layer-by-layer path would use the C kernels throughout: a CPU model whose
 linear layers are packed as panels (`worker.linear`), one query token per row, and the PyTorch
 attention backend's metadata. Verification blocks and short prompt chunks come as one decode row
@@ -46,22 +50,50 @@ def decode_step(
 ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
     """`model.forward_with_aux`'s result for a decode step; None when the step or model does
     not fit the kernel, and the caller runs the layers one by one."""
-    batches = _decode_batches(metadata)
-    if batches is None:
+    if _decode_batches(metadata) is None:
         return None
     x, cos, sin = model.embed_step(input_ids, positions, metadata, aux_layers)
-    if not _inputs_fit(model, x, cos, sin, kv_cache, len(batches)):
+    return run_layers(
+        model.layers, model.norm, model.config, x, cos, sin, metadata, kv_cache, aux_layers
+    )
+
+
+def run_layers(
+    layers: Sequence[DecoderLayer],
+    norm: RMSNorm,
+    config: ModelConfig,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    metadata: AttentionMetadata,
+    kv_cache: PagedKVCache,
+    aux_layers: Sequence[int] = (),
+    attn_input: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+    """`layers` over the residual stream `x` (left holding it after the last layer), then
+    `norm`: the normed output and the captures of `aux_layers`; None where the step or a
+    layer does not fit the kernel. `attn_input`: what the first layer's q/k/v read instead of
+    its input norm of `x` (an EAGLE-3 drafter's `[norm(embeddings), norm(hidden)]`)."""
+    batches = _decode_batches(metadata)
+    if batches is None or not _inputs_fit(layers, norm, config, x, cos, sin, kv_cache, batches):
         return None
     rows = x.shape[0]
-    table = [_layer_row(layer, model.config, x.dtype, rows) for layer in model.layers]
+    qkv_in = config.hidden_size
+    if attn_input is not None:
+        if not _given_input_fits(attn_input, x):
+            return None
+        qkv_in = attn_input.shape[1]
+    table = [
+        _layer_row(layer, config, x.dtype, rows, qkv_in if i == 0 else config.hidden_size)
+        for i, layer in enumerate(layers)
+    ]
     if any(row is None for row in table):
         return None
-    layer_ids = [layer.attn.layer_id for layer in model.layers]
+    layer_ids = [layer.attn.layer_id for layer in layers]
     captures = {i: torch.empty_like(x) for i in aux_layers}
     capture_table = torch.zeros(len(layer_ids), dtype=torch.int64)
     for i, capture in captures.items():
         capture_table[i] = capture.data_ptr()
-    config = model.config
     groups = torch.tensor(
         [
             _group_row(group, batch, kv_cache, rows)
@@ -80,17 +112,19 @@ def decode_step(
             block_size=kv_cache.block_size,
             num_blocks=kv_cache.num_blocks,
             is_bf16=int(x.dtype == torch.bfloat16),
+            attn_input=0 if attn_input is None else attn_input.data_ptr(),
+            attn_in=qkv_in,
         ),
         dtype=torch.int64,
     )
-    layers = torch.tensor(table, dtype=torch.int64)
+    table_t = torch.tensor(table, dtype=torch.int64)
     caches = torch.tensor([kv_cache.layers[i].data_ptr() for i in layer_ids], dtype=torch.int64)
     out = torch.empty_like(x)
     errors = torch.zeros(2, dtype=torch.int64)
     lib = kernels.load()
     assert lib is not None  # _inputs_fit checked
     status = lib.decode_layers(
-        layers.data_ptr(),
+        table_t.data_ptr(),
         len(layer_ids),
         caches.data_ptr(),
         capture_table.data_ptr(),
@@ -98,7 +132,7 @@ def decode_step(
         dims.data_ptr(),
         x.data_ptr(),
         out.data_ptr(),
-        model.norm.weight.data_ptr(),
+        norm.weight.data_ptr(),
         cos.data_ptr(),
         sin.data_ptr(),
         config.rms_norm_eps,
@@ -149,14 +183,15 @@ def _group_row(
 
 
 def _inputs_fit(
-    model: DecoderModel,
+    layers: Sequence[DecoderLayer],
+    norm: RMSNorm,
+    config: ModelConfig,
     x: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     kv_cache: PagedKVCache,
-    num_groups: int,
+    batches: Sequence[PaddedBatch],
 ) -> bool:
-    config = model.config
     dim = config.head_dim
     cache_shape = (kv_cache.num_blocks, 2, kv_cache.block_size, config.num_kv_heads, dim)
     return (
@@ -165,25 +200,35 @@ def _inputs_fit(
         and x.shape[1] == config.hidden_size
         and x.is_contiguous()
         and x.dtype in kernels.linear_dtypes()
-        and len(model.layers) > 0
+        and len(layers) > 0
         and dim % 2 == 0
         and config.num_heads % config.num_kv_heads == 0
-        and num_groups == len(config.kv_groups)
+        and len(batches) == len(config.kv_groups)
         and all(
             t.dtype == x.dtype and t.is_contiguous() and t.shape == (x.shape[0], 1, dim)
             for t in (cos, sin)
         )
-        and _fits(model.norm.weight, x.dtype, config.hidden_size)
+        and _fits(norm.weight, x.dtype, config.hidden_size)
         and all(
             t.dtype == x.dtype and t.is_contiguous() and t.shape == cache_shape
             for t in kv_cache.layers.values()
         )
-        and all(layer.attn.layer_id in kv_cache.layers for layer in model.layers)
+        and all(layer.attn.layer_id in kv_cache.layers for layer in layers)
+    )
+
+
+def _given_input_fits(attn_input: torch.Tensor, x: torch.Tensor) -> bool:
+    return (
+        attn_input.dtype == x.dtype
+        and attn_input.device.type == "cpu"
+        and attn_input.dim() == 2
+        and attn_input.shape[0] == x.shape[0]
+        and attn_input.is_contiguous()
     )
 
 
 def _layer_row(
-    layer: DecoderLayer, config: ModelConfig, dtype: torch.dtype, rows: int
+    layer: DecoderLayer, config: ModelConfig, dtype: torch.dtype, rows: int, qkv_in: int
 ) -> DecodeLayer | None:
     """The layer's addresses, or None when a weight is not in the kernel's layout, dtype or
     size (e.g. a linear without panels, or one that uses `F.linear` or oneDNN for `rows`
@@ -196,7 +241,7 @@ def _layer_row(
     hidden, head_dim, inter = config.hidden_size, config.head_dim, config.intermediate_size
     q_width = config.num_heads * head_dim
     qkv_width = q_width + 2 * config.num_kv_heads * head_dim
-    qkv, qkv_bias = _linear_addresses(attn["qkv_proj"], dtype, rows, hidden, qkv_width)
+    qkv, qkv_bias = _linear_addresses(attn["qkv_proj"], dtype, rows, qkv_in, qkv_width)
     o, o_bias = _linear_addresses(attn["o_proj"], dtype, rows, q_width, hidden)
     gate_up, gate_up_bias = _linear_addresses(mlp["gate_up_proj"], dtype, rows, hidden, 2 * inter)
     down, down_bias = _linear_addresses(mlp["down_proj"], dtype, rows, inter, hidden)

@@ -112,7 +112,7 @@ class DecodeGroup(NamedTuple):
 
 
 class DecodeDims(NamedTuple):
-    """`decode_layers`' sizes of the step and the model."""
+    """`decode_layers`' sizes of the step and the model, and the first layer's input if given."""
 
     rows: int
     hidden: int
@@ -123,6 +123,8 @@ class DecodeDims(NamedTuple):
     block_size: int
     num_blocks: int
     is_bf16: int
+    attn_input: int  # the first layer's attention input (0: rms_norm of the residual stream)
+    attn_in: int  # ... its values a row
 
 
 # The column order of each table `decode_layers` reads, by the number `decode_table_fields`

@@ -15,6 +15,10 @@
  *   x = x + (silu(h Wg^T) * h Wu^T) Wd^T + b
  * and after the last layer `out = rms_norm(x)` with the final norm's weight.
  *
+ * The first layer may instead read a given attention input (`attn_input` in `dims`, `attn_in`
+ * values a row): an EAGLE-3 drafter's layer reads `[norm(embeddings), norm(hidden)]`, twice
+ * the residual's width, made before the call; its residual stream starts in `x` as usual.
+ *
  * `layers` is `num_layers` rows of LAYER_FIELDS int64 values (the weights, built once per
  * model) and `groups` one row of GROUP_FIELDS per KV group (the step's metadata);
  * worker/cpu/fused_decode.py builds both, and the column lists below name their columns.
@@ -41,7 +45,8 @@
 #define DIMS_COLUMNS(X)                                                                       \
     X(D_ROWS, rows) X(D_HIDDEN, hidden) X(D_HEADS, heads) X(D_KV_HEADS, kv_heads)             \
     X(D_HEAD_DIM, head_dim) X(D_INTER, inter) X(D_BLOCK_SIZE, block_size)                     \
-    X(D_NUM_BLOCKS, num_blocks) X(D_IS_BF16, is_bf16)
+    X(D_NUM_BLOCKS, num_blocks) X(D_IS_BF16, is_bf16) X(D_ATTN_INPUT, attn_input)              \
+    X(D_ATTN_IN, attn_in)
 #define COLUMN_INDEX(id, name) id,
 #define COLUMN_NAME(id, name) #name ","
 
@@ -81,8 +86,10 @@ int decode_layers(const int64_t *layers, int64_t num_layers, const int64_t *cach
     const int64_t inter = dims[D_INTER], block_size = dims[D_BLOCK_SIZE];
     const int64_t num_blocks = dims[D_NUM_BLOCKS];
     const int is_bf16 = (int)dims[D_IS_BF16];
+    const void *attn_input = PTR(dims[D_ATTN_INPUT]); /* NULL: rms_norm(x), as every layer */
+    const int64_t attn_in = attn_input ? dims[D_ATTN_IN] : hidden;
     if (!(linear_kernel_dtypes() & (is_bf16 ? 2 : 1))) return 2;
-    if (num_layers < 1 || rows < 1) return 4;
+    if (num_layers < 1 || rows < 1 || attn_in < 1) return 4;
     const size_t esize = is_bf16 ? 2 : 4;
     const int64_t q_width = heads * head_dim, qkv_width = q_width + 2 * kv_heads * head_dim;
     /* One allocation for every intermediate of a layer. */
@@ -91,7 +98,8 @@ int decode_layers(const int64_t *layers, int64_t num_layers, const int64_t *cach
     for (int i = 0; i < 6; i++) /* each buffer on its own cache lines */
         offsets[i + 1] = offsets[i] + ((size_t)(rows * widths[i]) * esize + 63) / 64 * 64;
     const size_t packed_bytes =
-        (size_t)linear_packed_bytes(rows, max3(hidden, q_width, inter), is_bf16);
+        (size_t)linear_packed_bytes(rows, max3(attn_in > hidden ? attn_in : hidden, q_width, inter),
+                                    is_bf16);
     char *scratch = aligned_alloc(64, offsets[6] + (packed_bytes + 63) / 64 * 64);
     if (scratch == NULL) return 1;
     void *h = scratch + offsets[0], *qkv = scratch + offsets[1], *attn = scratch + offsets[2];
@@ -101,13 +109,16 @@ int decode_layers(const int64_t *layers, int64_t num_layers, const int64_t *cach
 
 #pragma omp parallel
     {
-        add_rms_norm_team(x, hidden, NULL, 0, NULL, PTR(layers[L_INPUT_NORM]), h, rows, hidden,
-                          eps, is_bf16);
+        if (!attn_input)
+            add_rms_norm_team(x, hidden, NULL, 0, NULL, PTR(layers[L_INPUT_NORM]), h, rows,
+                              hidden, eps, is_bf16);
         for (int64_t l = 0; l < num_layers; l++) {
             const int64_t *layer = layers + l * LAYER_FIELDS;
             const int64_t *group = groups + layer[L_GROUP] * GROUP_FIELDS;
-            panel_linear_team(h, hidden, PTR(layer[L_QKV]), PTR(layer[L_QKV_BIAS]), qkv, rows,
-                              qkv_width, hidden, is_bf16, packed);
+            const int given = l == 0 && attn_input;
+            const int64_t in = given ? attn_in : hidden;
+            panel_linear_team(given ? attn_input : h, in, PTR(layer[L_QKV]),
+                              PTR(layer[L_QKV_BIAS]), qkv, rows, qkv_width, in, is_bf16, packed);
             rope_write_kv_team(qkv, qkv_width, rows, heads, kv_heads, head_dim, cos, sin,
                                PTR(layer[L_Q_NORM]), PTR(layer[L_K_NORM]), eps,
                                PTR(caches[l]), num_blocks, PTR(group[G_K_ROWS]), block_size,
