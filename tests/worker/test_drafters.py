@@ -328,6 +328,34 @@ def _check_eagle3_logits(
     others[mapped] = False
     assert bool(torch.isneginf(logits[:, others]).all())
     assert torch.equal(logits.argmax(-1), mapped[draft_logits.argmax(-1)])
+    assert torch.equal(drafter.greedy_drafts(normed), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("rising", [True, False])
+def test_eagle3_greedy_drafts_are_the_full_rows_argmax_first_index_on_ties(
+    rising: bool, llama_target: Target, tmp_path: Path
+) -> None:
+    """Greedy drafts come from the draft vocabulary's logits alone where its target ids rise
+    with the draft ids, else from the full rows; the token is the full row's argmax either
+    way, ties (a zero hidden state ties every logit) going to the first target id."""
+    path = write_random_eagle3(
+        tmp_path, llama_target.config, "eagle3", 100, seed=7, aux_layer_ids=[1, 2, 4]
+    )
+    if not rising:  # two draft ids swap their target ids
+        tensors = load_file(path / "model.safetensors")
+        ids = torch.arange(100) + tensors["d2t"]
+        ids[[0, 1]] = ids[[1, 0]]
+        tensors["d2t"] = ids - torch.arange(100)
+        save_file(tensors, path / "model.safetensors")
+    drafter = load_eagle3(path, llama_target.model)
+    assert drafter._draft_ids_rise == rising
+    normed = torch.cat(
+        [torch.zeros(1, 64), torch.randn(6, 64, generator=torch.Generator().manual_seed(8))]
+    )
+    full = drafter.compute_logits(normed)
+    drafts = drafter.greedy_drafts(normed)
+    assert torch.equal(drafts, full.argmax(-1))
+    assert int(drafts[0]) == int(drafter.draft_to_target.min())  # all tied: the first target id
 
 
 def test_eagle3_config_formats(llama_target: Target, tmp_path: Path) -> None:

@@ -94,7 +94,7 @@ def choose_drafts(
     for exact verification; greedy requests keep argmax (their verification ignores q).
     """
     tokens = argmax_rows(logits)
-    if not sample or all(is_greedy(inp.temperature) for inp in inputs):
+    if not samples_drafts(inputs, sample):
         return tokens, None
     probs = torch.nn.functional.one_hot(tokens, logits.shape[-1]).float()
     for i, inp in enumerate(inputs):
@@ -103,6 +103,11 @@ def choose_drafts(
             probs[i] = torch.softmax(tempered(logits[i : i + 1].float(), temperature)[0], dim=-1)
             tokens[i] = torch.multinomial(probs[i], 1, generator=inp.generator)[0]
     return tokens, probs
+
+
+def samples_drafts(inputs: Sequence[DraftInput], sample: bool) -> bool:
+    """Whether `choose_drafts` draws any row (else every draft is its row's argmax)."""
+    return sample and not all(is_greedy(inp.temperature) for inp in inputs)
 
 
 def draft_slots(
@@ -347,7 +352,7 @@ class Eagle3Speculator(_DrafterSpeculator[Eagle3Drafter]):
                 return {}
             last = self._tensor(last_rows)
             normed, hidden = normed[last], prenorm[last]
-        tokens, probs = choose_drafts(drafter.compute_logits(normed), proposing, self.sample_drafts)
+        tokens, probs = self._drafts(normed, proposing)
         drafts = {inp.handle: _DraftRows([], []) for inp in proposing}
         active = proposing  # requests still drafting; each stops at its own num_drafts
         pos = [inp.start + inp.num_valid - 1 for inp in proposing]
@@ -377,10 +382,16 @@ class Eagle3Speculator(_DrafterSpeculator[Eagle3Drafter]):
                 drafter.build_attn_metadata(steps, bs, self.device),
                 self.kv_cache,
             )
-            tokens, probs = choose_drafts(
-                drafter.compute_logits(normed), active, self.sample_drafts
-            )
+            tokens, probs = self._drafts(normed, active)
         return {handle: rows.draft() for handle, rows in drafts.items()}
+
+    def _drafts(
+        self, normed: torch.Tensor, inputs: Sequence[DraftInput]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`choose_drafts` on the drafter's logits; greedy rows from its draft vocabulary."""
+        if samples_drafts(inputs, self.sample_drafts):
+            return choose_drafts(self.drafter.compute_logits(normed), inputs, True)
+        return self.drafter.greedy_drafts(normed), None
 
 
 class DFlashSpeculator(_DrafterSpeculator[DFlashDrafter]):
