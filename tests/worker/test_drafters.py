@@ -131,18 +131,26 @@ EAGLE_CASES = {
 }
 
 
+def _eagle3_case(
+    case: str, request: pytest.FixtureRequest, path: Path, seed: int
+) -> tuple[Eagle3Drafter, Target, Path]:
+    """A random drafter of `EAGLE_CASES[case]` written to `path`, loaded beside its target."""
+    style, target_name, draft_vocab, nbr, layers, lm_head, own_embed = EAGLE_CASES[case]
+    target: Target = request.getfixturevalue(f"{target_name}_target")
+    path = write_random_eagle3(
+        path, target.config, style, draft_vocab, seed=seed, num_layers=layers,
+        aux_layer_ids=[1, 2, 4], norm_before_residual=nbr, with_lm_head=lm_head,
+        with_embed_tokens=own_embed,
+    )  # fmt: skip
+    return load_eagle3(path, target.model), target, path
+
+
 @pytest.mark.parametrize("case", list(EAGLE_CASES))
 def test_eagle3_matches_dense_reference(
     case: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
-    style, target_name, draft_vocab, nbr, layers, lm_head, own_embed = EAGLE_CASES[case]
-    target: Target = request.getfixturevalue(f"{target_name}_target")
-    path = write_random_eagle3(
-        tmp_path, target.config, style, draft_vocab, seed=1, num_layers=layers,
-        aux_layer_ids=[1, 2, 4], norm_before_residual=nbr, with_lm_head=lm_head,
-        with_embed_tokens=own_embed,
-    )  # fmt: skip
-    drafter = load_eagle3(path, target.model)
+    _, _, _, nbr, layers, _, own_embed = EAGLE_CASES[case]
+    drafter, target, path = _eagle3_case(case, request, tmp_path, seed=1)
     w, d, _ = _dims(path)
     embed = w["embed_tokens.weight"] if own_embed else target.model.embed_tokens.weight
     assert (drafter.embed_tokens is not None) == own_embed
@@ -191,13 +199,7 @@ def test_eagle3_context_kv_alone_then_one_query_per_request(
 ) -> None:
     """A catch-up over rows whose outputs nobody reads writes the K/V a full pass writes; the
     last rows then run alone against it and give the full pass's outputs."""
-    style, target_name, draft_vocab, nbr, layers, lm_head, _ = EAGLE_CASES[case]
-    target: Target = request.getfixturevalue(f"{target_name}_target")
-    path = write_random_eagle3(
-        tmp_path, target.config, style, draft_vocab, seed=3, num_layers=layers,
-        aux_layer_ids=[1, 2, 4], norm_before_residual=nbr, with_lm_head=lm_head,
-    )  # fmt: skip
-    drafter = load_eagle3(path, target.model)
+    drafter, _, _ = _eagle3_case(case, request, tmp_path, seed=3)
     assert drafter.context_rows_are_kv
     gen = torch.Generator().manual_seed(4)
     lens = [9, 6]
@@ -236,14 +238,7 @@ def test_eagle3_one_token_steps_run_in_one_kernel_call_bit_for_bit(
     """A draft step of one token a request runs the drafter's layers in one call to the
     kernels (`fused_decode.run_layers`, the first layer reading `[norm(embeddings),
     norm(hidden)]`), and gives the layer-by-layer path's outputs and K/V bit for bit."""
-    style, target_name, draft_vocab, nbr, layers, lm_head, own_embed = EAGLE_CASES[case]
-    target: Target = request.getfixturevalue(f"{target_name}_target")
-    path = write_random_eagle3(
-        tmp_path, target.config, style, draft_vocab, seed=5, num_layers=layers,
-        aux_layer_ids=[1, 2, 4], norm_before_residual=nbr, with_lm_head=lm_head,
-        with_embed_tokens=own_embed,
-    )  # fmt: skip
-    drafter = load_eagle3(path, target.model)
+    drafter, _, _ = _eagle3_case(case, request, tmp_path, seed=5)
     fused_calls: list[bool] = []
     run_layers = fused_decode.run_layers
 
