@@ -50,12 +50,18 @@ def decode_step(
 ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
     """`model.forward_with_aux`'s result for a decode step; None when the step or model does
     not fit the kernel, and the caller runs the layers one by one."""
-    if _decode_batches(metadata) is None:
+    if not takes_step(metadata):
         return None
     x, cos, sin = model.embed_step(input_ids, positions, metadata, aux_layers)
     return run_layers(
         model.layers, model.norm, model.config, x, cos, sin, metadata, kv_cache, aux_layers
     )
+
+
+def takes_step(metadata: AttentionMetadata) -> bool:
+    """Whether `run_layers` can take a step of this metadata (decodes only, one query a row):
+    what a caller asks before it builds the layers' inputs."""
+    return _decode_batches(metadata) is not None
 
 
 def run_layers(

@@ -325,7 +325,11 @@ class Eagle3Drafter(HiddenStateDrafter[Eagle3Config]):
         query a row, as a one-token draft step; panel weights): the same results bit for bit,
         without a dispatch, an allocation and a thread wake-up for each of a layer's ~12 small
         ops (about half of an EAGLE-3 draft step's time at batch 1 went to them)."""
-        if hidden.device.type != "cpu" or any(meta is not metas[0] for meta in metas):
+        if (
+            hidden.device.type != "cpu"
+            or any(meta is not metas[0] for meta in metas)
+            or not fused_decode.takes_step(metas[0])  # e.g. a prompt chunk: the layer path
+        ):
             return None
         first = self.layers[0]
         attn_input, normed_hidden = first.attention_input(embeds, hidden)
