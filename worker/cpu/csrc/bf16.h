@@ -28,4 +28,47 @@ static inline float bf16_rounded(float f) {
     return r;
 }
 
+/* The same three on 16 lanes, where the CPU has AVX-512 (F and BW): gcc vectorizes the scalar
+ * forms above only at 256 bits and around library calls, which left the bfloat16 element-wise
+ * kernels slower than their float32 forms (SwiGLU over 2,048 x 1,536 values: 2.16 ms against
+ * 0.88 ms on 16 lanes, Sapphire Rapids). With AVX512_BF16 the rounding is the CPU's own
+ * (VCVTNEPS2BF16: nearest even, as bf16_round, but float32 subnormals become zeros); without
+ * it each lane gives exactly bf16_round's result. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define SPECSERVE_BF16X16 1
+
+static inline __m512 bf16x16_load(const uint16_t *p) {
+    const __m256i half = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+/* bf16_round's result in the top half of each lane, zeros below. */
+static inline __m512i bf16x16_round_bits(__m512 f) {
+    const __m512i bits = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    const __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_or_epi32(r, nan, bits, _mm512_set1_epi32(0x400000));
+    return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+}
+
+#ifdef __AVX512BF16__
+static inline __m256i bf16x16_round16(__m512 f) { return (__m256i)_mm512_cvtneps_pbh(f); }
+#else
+static inline __m256i bf16x16_round16(__m512 f) {
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16x16_round_bits(f), 16));
+}
+#endif
+
+static inline __m512 bf16x16_rounded(__m512 f) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16_round16(f)), 16));
+}
+
+static inline void bf16x16_store(uint16_t *p, __m512 f) {
+    _mm256_storeu_si256((__m256i *)p, bf16x16_round16(f));
+}
+#endif
+
 #endif
