@@ -114,6 +114,17 @@ def test_multi_row_queries_match_dense_reference(
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=0)
 
 
+def test_bfloat16_multi_row_queries_run_on_amx_tiles_where_the_cpu_has_them() -> None:
+    """On a CPU with AMX tiles the dense-reference cases above (head dims 64 and 128) check the
+    tiles' body; head dims 16 and 48 keep the vector body."""
+    if "amx_bf16" not in kernels._cpu_signature().split():
+        pytest.skip("no AMX tiles on this CPU")
+    assert kernels.prefill_on_tiles(64, torch.bfloat16)
+    assert kernels.prefill_on_tiles(128, torch.bfloat16)
+    assert not kernels.prefill_on_tiles(48, torch.bfloat16)
+    assert not kernels.prefill_on_tiles(64, torch.float32)
+
+
 @pytest.fixture(scope="module")
 def avx2_library(tmp_path_factory: pytest.TempPathFactory):
     """The library built without AVX-512 (`-mno-avx512f`), so that its AVX2 bodies run and

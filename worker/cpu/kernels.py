@@ -327,6 +327,7 @@ def open_library(path: Path) -> ctypes.CDLL:
         "argmax_rows": (None, [_PTR, i64, i64, i64, _PTR, flag]),
         "screen_columns": (i64, [_PTR, i64, i64, i64, *[_PTR] * 3, f32, _PTR, i64, flag]),
         "paged_prefill_supported": (ctypes.c_int, []),
+        "paged_prefill_on_tiles": (ctypes.c_int, [i64, flag]),
         "paged_prefill_attention": (
             ctypes.c_int,
             [_PTR, i64, _PTR, i64, _PTR, i64, _PTR, i64, _PTR, *[i64] * 5, f32, flag],
@@ -634,6 +635,14 @@ def prefill_available() -> bool:
     with FMA)."""
     lib = load()
     return lib is not None and bool(lib.paged_prefill_supported())
+
+
+def prefill_on_tiles(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether `paged_prefill_attention` runs heads of `head_dim` in `dtype` on AMX tiles
+    (bfloat16, whole 32-value slices, a CPU and build with tiles, the tile state granted)."""
+    lib = load()
+    is_bf16 = dtype == torch.bfloat16
+    return lib is not None and bool(lib.paged_prefill_on_tiles(head_dim, is_bf16))
 
 
 def prefill_supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:

@@ -28,6 +28,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "amx.h"
+#include "bf16.h"
 #include "team.h"
 
 #define PANEL 16     /* output columns per panel: one 512-bit register of float32 */
@@ -62,17 +64,7 @@
 #define STORE_F32(i) _mm512_mask_storeu_ps(y + i * y_stride, mask, _mm512_add_ps(acc##i, b));
 #define STORE_BF16(i)                                                                        \
     _mm256_mask_storeu_epi16(y + i * y_stride, mask,                                         \
-                             round_bf16x16(_mm512_add_ps(acc##i, b)));
-
-/* 16 float32 -> bfloat16, round to nearest even, NaN kept quiet (as bf16_round). */
-static inline __m256i round_bf16x16(__m512 v) {
-    __m512i bits = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    rounded = _mm512_mask_or_epi32(rounded, nan, bits, _mm512_set1_epi32(0x400000));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
+                             bf16x16_round16(_mm512_add_ps(acc##i, b)));
 
 /* One tile: ROWS rows of packed inputs (`depth` steps of ROWS 4-byte values, a float32 or a
  * pair of bfloat16) times one panel (W_STEP weight elements a step), plus bias `b`, into ROWS
@@ -158,7 +150,7 @@ static void panel_rows(const void *packed, const void *panels, const void *bias,
     }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(SPECSERVE_AMX)
 #define LINEAR_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -168,23 +160,14 @@ static void panel_rows(const void *packed, const void *panels, const void *bias,
 #define AMX_MIN_ROWS 4
 #define AMX_DEPTH 16 /* bfloat16 pairs per tile row: a 32-deep slice of K */
 
-/* Tiles: 0 the inputs of 16 rows, 1 those of a last, shorter row tile, 2-3 two panels' slices,
- * 4-5 the two panels' sums for 16 rows, 6-7 those for the shorter tile. */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) amx_config;
-
 static int amx_granted = 0;
 
+/* Tiles: 0 the inputs of 16 rows, 1 those of a last, shorter row tile, 2-3 two panels' slices,
+ * 4-5 the two panels' sums for 16 rows, 6-7 those for the shorter tile. */
 static void amx_configure(int64_t tail_rows) {
-    amx_config cfg = {0};
-    cfg.palette = 1;
     const uint8_t tail = (uint8_t)(tail_rows ? tail_rows : 16);
     const uint8_t rows[8] = {16, tail, AMX_DEPTH, AMX_DEPTH, 16, 16, tail, tail};
-    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = rows[t];
-    _tile_loadconfig(&cfg);
+    amx_configure_rows(rows);
 }
 
 /* Sums (float32, `sums` rows 16 floats apart) + bias, rounded, into `m` rows of y. */
@@ -192,7 +175,7 @@ static inline void amx_store(const float *sums, __m512 b, uint16_t *y, int64_t y
                              int64_t m, __mmask16 mask) {
     for (int64_t i = 0; i < m; i++)
         _mm256_mask_storeu_epi16(y + i * y_stride, mask,
-                                 round_bf16x16(_mm512_add_ps(_mm512_loadu_ps(sums + i * 16), b)));
+                                 bf16x16_round16(_mm512_add_ps(_mm512_loadu_ps(sums + i * 16), b)));
 }
 
 /* One row tile (A: inputs tile, C0/C1: sums tiles) times panels w0 (and w1 when `two`). */

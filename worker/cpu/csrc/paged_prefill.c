@@ -25,7 +25,9 @@
  * k < seq_len, k <= p (causal), k > p - window (window > 0), and k >= first_key.
  *
  * Scores, softmax and accumulation are in float32 whatever the storage dtype (float32 or
- * bfloat16), as SDPA's CPU kernel does.
+ * bfloat16), as SDPA's CPU kernel does. Where the CPU has AMX tiles, bfloat16 heads of whole
+ * 32-value slices multiply on them instead (attend_tile_amx): the products of bfloat16 pairs
+ * accumulate in float32 as before, and the softmax weights are rounded to bfloat16 for P x V.
  */
 #include <math.h>
 #include <stdint.h>
@@ -34,6 +36,7 @@
 
 #include <omp.h>
 
+#include "amx.h"
 #include "bf16.h"
 #include "team.h"
 
@@ -285,6 +288,64 @@ static inline int64_t item_floats(int64_t group, int64_t dim) {
     return 2 * rows * dim + 2 * KB * dim + MR * KB + 2 * rows;
 }
 
+/* An item's outputs, `of` / `total` for rows [0, rows) of each of its `group` heads, into `out`
+ * from row `first_row` on. Returns 1 when a row saw no key (its total is 0). */
+static int write_outputs(const float *of, const float *total, void *out, int64_t first_row,
+                         int64_t rows, int64_t h, int64_t group, int64_t heads, int64_t dim,
+                         int is_bf16) {
+    const int64_t esize = is_bf16 ? 2 : 4;
+    int bad = 0;
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t i = g * TILE_ROWS + r;
+            if (!(total[i] > 0.0f)) {
+                bad = 1;
+                continue;
+            }
+            const float inv = 1.0f / total[i];
+            char *dst = (char *)out + ((first_row + r) * heads + h * group + g) * dim * esize;
+            for (int64_t d = 0; d < dim; d++) {
+                const float v = of[i * dim + d] * inv;
+                if (is_bf16)
+                    ((uint16_t *)dst)[d] = bf16_round(v);
+                else
+                    ((float *)dst)[d] = v;
+            }
+        }
+    return bad;
+}
+
+/* Each row's visible keys among block keys [k0, k0 + nk), as lanes [a, b), for query rows
+ * m0 .. m0 + count of a tile starting at row r0 (rows past the tile's `rows` repeat its last).
+ * Returns whether any real row sees a key. */
+static inline int visible_lanes(int64_t *a, int64_t *b, int64_t count, int64_t m0, int64_t rows,
+                                int64_t first_row_pos, int64_t k0, int64_t nk, int causal,
+                                int64_t window) {
+    int any = 0;
+    for (int64_t m = 0; m < count; m++) {
+        const int64_t r = m0 + m < rows ? m0 + m : rows - 1;
+        const int64_t p = first_row_pos + r;
+        int64_t first = k0, last = k0 + nk; /* [first, last) */
+        if (window > 0 && p - window + 1 > first) first = p - window + 1;
+        if (causal && p + 1 < last) last = p + 1;
+        a[m] = first - k0, b[m] = last - k0;
+        any |= (m0 + m < rows) && a[m] < b[m];
+    }
+    return any;
+}
+
+/* Keys [*lo, *hi) that any of query rows [r0, r1) of request `qd` sees; 0 when its pages do not
+ * cover them. */
+static inline int tile_keys(const int64_t *qd, int64_t r0, int64_t r1, int64_t window,
+                            int64_t block_size, int64_t *lo, int64_t *hi) {
+    const int64_t first_pos = qd[2], first_key = qd[3], seq_len = qd[4];
+    const int64_t p_first = first_pos + r0, p_last = first_pos + r1 - 1;
+    *lo = first_key > 0 ? first_key : 0;
+    if (window > 0 && p_first - window + 1 > *lo) *lo = p_first - window + 1;
+    *hi = qd[5] != 0 && p_last + 1 < seq_len ? p_last + 1 : seq_len;
+    return *hi - first_key <= qd[7] * block_size;
+}
+
 /* One item: query rows [r0, r1) of request `qd`, query heads [h * group, (h + 1) * group).
  * Returns 1 when a row sees no key. */
 static int attend_tile(const int64_t *qd, const int64_t *pages, int64_t r0, int64_t r1,
@@ -318,12 +379,8 @@ static int attend_tile(const int64_t *qd, const int64_t *pages, int64_t r0, int6
     memset(of, 0, (size_t)(group * TILE_ROWS * dim) * sizeof(float));
     for (int64_t i = 0; i < group * TILE_ROWS; i++) run_max[i] = MASKED, total[i] = 0.0f;
 
-    /* Keys any row of the tile sees. */
-    const int64_t p_first = first_pos + r0, p_last = first_pos + r1 - 1;
-    int64_t lo = first_key > 0 ? first_key : 0;
-    if (window > 0 && p_first - window + 1 > lo) lo = p_first - window + 1;
-    int64_t hi = causal && p_last + 1 < seq_len ? p_last + 1 : seq_len;
-    if (hi - first_key > qd[7] * block_size) return 1; /* the pages do not cover the keys */
+    int64_t lo, hi;
+    if (!tile_keys(qd, r0, r1, window, block_size, &lo, &hi)) return 1;
 
     for (int64_t k0 = lo; k0 < hi; k0 += KB) {
         const int64_t nk = hi - k0 < KB ? hi - k0 : KB;
@@ -344,17 +401,8 @@ static int attend_tile(const int64_t *qd, const int64_t *pages, int64_t r0, int6
         for (int64_t m0 = 0; m0 < padded; m0 += MR) {
             /* Each row's visible keys in this block are one interval [a, b) of its lanes. */
             int64_t a[MR], b[MR];
-            int any = 0;
-            for (int64_t m = 0; m < MR; m++) {
-                const int64_t r = m0 + m < rows ? m0 + m : rows - 1;
-                const int64_t p = first_pos + r0 + r;
-                int64_t first = k0, last = k0 + nk; /* [first, last) */
-                if (window > 0 && p - window + 1 > first) first = p - window + 1;
-                if (causal && p + 1 < last) last = p + 1;
-                a[m] = first - k0, b[m] = last - k0;
-                any |= (m0 + m < rows) && a[m] < b[m];
-            }
-            if (!any) continue; /* above the diagonal, or behind the window, for every row */
+            if (!visible_lanes(a, b, MR, m0, rows, first_pos + r0, k0, nk, causal, window))
+                continue; /* above the diagonal, or behind the window, for every row */
             for (int64_t g = 0; g < group; g++) {
                 const int64_t base = g * TILE_ROWS + m0;
                 score_tile(s, qf + base * dim, kt, dim);
@@ -377,26 +425,141 @@ static int attend_tile(const int64_t *qd, const int64_t *pages, int64_t r0, int6
             }
         }
     }
-    int bad = 0;
+    return write_outputs(of, total, out, row0 + r0, rows, h, group, heads, dim, is_bf16);
+}
+
+#if PREFILL_SIMD == 512 && defined(SPECSERVE_AMX)
+#define PREFILL_AMX 1
+
+/* The same item in bfloat16 on AMX tiles, for heads of whole 32-value slices: the scores of 16
+ * rows x KB keys and each 16 x 16 piece of P x V are tile dot products of bfloat16 pairs,
+ * accumulated in float32; the online softmax is attend_tile's (float32, on scores scaled after
+ * the product), and the weights are rounded to bfloat16 for P x V, as a bfloat16 flash kernel
+ * does. Blocks are packed for the tiles' B operand: K as [dim / 2][KB] pairs of the head
+ * dimension, V as [KB / 2][dim] pairs of keys.
+ * Tiles (16 rows x 64 bytes each): 0 queries' slice, 1-2 two key halves' slices, 3 weights,
+ * 4-5 scores, 6 a value slice, 7 outputs. */
+static int attend_tile_amx(const int64_t *qd, const int64_t *pages, int64_t r0, int64_t r1,
+                           int64_t h, const void *query, int64_t q_row_stride,
+                           const void *cache, void *out, int64_t heads, int64_t kv_heads,
+                           int64_t dim, int64_t block_size, int64_t window, float scale,
+                           float *scratch) {
+    const int64_t group = heads / kv_heads, row0 = qd[0], first_pos = qd[2];
+    const int64_t first_key = qd[3];
+    const int causal = qd[5] != 0;
+    const int64_t rows = r1 - r0, padded = (rows + 15) / 16 * 16, pairs = dim / 2;
+    const int64_t token_stride = kv_heads * dim, page_elems = block_size * token_stride;
+    float *restrict of = scratch;                                  /* [group][TILE_ROWS][dim] */
+    uint16_t *restrict qb = (uint16_t *)(of + group * TILE_ROWS * dim); /* the same, bf16 */
+    uint32_t *restrict kp = (uint32_t *)(qb + group * TILE_ROWS * dim); /* [dim / 2][KB] */
+    uint32_t *restrict vp = kp + pairs * KB;                       /* [KB / 2][dim] */
+    float *restrict s = (float *)(vp + KB / 2 * dim);              /* [16][KB] */
+    uint16_t *restrict pw = (uint16_t *)(s + 16 * KB);             /* [16][KB], bf16 */
+    float *restrict run_max = (float *)(pw + 16 * KB);
+    float *restrict total = run_max + group * TILE_ROWS;
+
     for (int64_t g = 0; g < group; g++)
-        for (int64_t r = 0; r < rows; r++) {
-            const int64_t i = g * TILE_ROWS + r;
-            if (!(total[i] > 0.0f)) {
-                bad = 1;
-                continue;
+        for (int64_t r = 0; r < padded; r++) {
+            uint16_t *dst = qb + (g * TILE_ROWS + r) * dim;
+            const int64_t at = (row0 + r0 + r) * q_row_stride + (h * group + g) * dim;
+            if (r < rows)
+                memcpy(dst, (const uint16_t *)query + at, (size_t)dim * 2);
+            else
+                memset(dst, 0, (size_t)dim * 2);
+        }
+    memset(of, 0, (size_t)(group * TILE_ROWS * dim) * sizeof(float));
+    for (int64_t i = 0; i < group * TILE_ROWS; i++) run_max[i] = MASKED, total[i] = 0.0f;
+
+    int64_t lo, hi;
+    if (!tile_keys(qd, r0, r1, window, block_size, &lo, &hi)) return 1;
+    const __m512i interleave_lo = _mm512_set_epi16(
+        47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i interleave_hi = _mm512_add_epi16(interleave_lo, _mm512_set1_epi16(16));
+    const __m512 by_scale = _mm512_set1_ps(scale);
+
+    for (int64_t k0 = lo; k0 < hi; k0 += KB) {
+        const int64_t nk = hi - k0 < KB ? hi - k0 : KB;
+        /* Pack the block for the tiles; keys past the end are zero. */
+        for (int64_t n = 0; n < KB; n += 2) {
+            const uint16_t *k_rows[2], *v_rows[2];
+            for (int64_t j = 0; j < 2; j++) {
+                k_rows[j] = v_rows[j] = NULL;
+                if (n + j >= nk) continue;
+                const int64_t at = k0 + n + j - first_key, page = pages[at / block_size];
+                k_rows[j] = (const uint16_t *)cache + page * page_elems +
+                            at % block_size * token_stride + h * dim;
+                v_rows[j] = k_rows[j] + page_elems;
             }
-            const float inv = 1.0f / total[i];
-            char *dst = (char *)out + ((row0 + r0 + r) * heads + h * group + g) * dim * esize;
-            for (int64_t d = 0; d < dim; d++) {
-                const float v = of[i * dim + d] * inv;
-                if (is_bf16)
-                    ((uint16_t *)dst)[d] = bf16_round(v);
-                else
-                    ((float *)dst)[d] = v;
+            for (int64_t j = 0; j < 2; j++)
+                for (int64_t d2 = 0; d2 < pairs; d2++)
+                    kp[d2 * KB + n + j] = k_rows[j] ? ((const uint32_t *)k_rows[j])[d2] : 0;
+            for (int64_t d = 0; d < dim; d += 32) {
+                const __m512i zero = _mm512_setzero_si512();
+                const __m512i v0 = v_rows[0] ? _mm512_loadu_si512(v_rows[0] + d) : zero;
+                const __m512i v1 = v_rows[1] ? _mm512_loadu_si512(v_rows[1] + d) : zero;
+                uint32_t *dst = vp + n / 2 * dim + d;
+                _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(v0, interleave_lo, v1));
+                _mm512_storeu_si512(dst + 16, _mm512_permutex2var_epi16(v0, interleave_hi, v1));
             }
         }
-    return bad;
+        for (int64_t m0 = 0; m0 < padded; m0 += 16) {
+            int64_t a[16], b[16];
+            if (!visible_lanes(a, b, 16, m0, rows, first_pos + r0, k0, nk, causal, window))
+                continue;
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t base = g * TILE_ROWS + m0;
+                _tile_zero(4);
+                _tile_zero(5);
+                for (int64_t d = 0; d < dim; d += 32) {
+                    _tile_loadd(0, qb + base * dim + d, dim * 2);
+                    _tile_loadd(1, kp + d / 2 * KB, KB * 4);
+                    _tile_loadd(2, kp + d / 2 * KB + 16, KB * 4);
+                    _tile_dpbf16ps(4, 0, 1);
+                    _tile_dpbf16ps(5, 0, 2);
+                }
+                _tile_stored(4, s, KB * 4);
+                _tile_stored(5, s + 16, KB * 4);
+                for (int64_t m = 0; m < 16; m++) {
+                    __m512i *weights = (__m512i *)(pw + m * KB);
+                    if (a[m] >= b[m]) {
+                        _mm512_store_si512(weights, _mm512_setzero_si512());
+                        continue;
+                    }
+                    float *row = s + m * KB, p_row[KB] __attribute__((aligned(64)));
+                    _mm512_store_ps(row, _mm512_mul_ps(_mm512_load_ps(row), by_scale));
+                    _mm512_store_ps(row + 16, _mm512_mul_ps(_mm512_load_ps(row + 16), by_scale));
+                    const int64_t i = base + m;
+                    const float old_max = run_max[i];
+                    softmax_block(p_row, row, a[m], b[m], &run_max[i]);
+                    const float rescale = old_max == MASKED ? 0.0f : expf(old_max - run_max[i]);
+                    /* The total of the weights as rounded: outputs stay weighted means. */
+                    const __m512 lo16 = bf16x16_rounded(_mm512_load_ps(p_row));
+                    const __m512 hi16 = bf16x16_rounded(_mm512_load_ps(p_row + 16));
+                    const float sum = _mm512_reduce_add_ps(_mm512_add_ps(lo16, hi16));
+                    total[i] = total[i] * rescale + sum;
+                    if (rescale != 1.0f) scale_row(of + i * dim, rescale, dim);
+                    _mm512_store_si512(weights, (__m512i)_mm512_cvtne2ps_pbh(hi16, lo16));
+                }
+                _tile_loadd(3, pw, KB * 2);
+                for (int64_t c = 0; c < dim; c += 16) {
+                    _tile_loadd(7, of + base * dim + c, dim * 4);
+                    _tile_loadd(6, vp + c, dim * 4);
+                    _tile_dpbf16ps(7, 3, 6);
+                    _tile_stored(7, of + base * dim + c, dim * 4);
+                }
+            }
+        }
+    }
+    return write_outputs(of, total, out, row0 + r0, rows, h, group, heads, dim, 1);
 }
+
+/* Whether items of this call run on the tiles: bfloat16 heads of whole 32-value slices, and
+ * the tile state granted. */
+static inline int amx_attention_runs(int64_t dim, int is_bf16) {
+    return is_bf16 && dim % 32 == 0 && linear_amx_min_rows() > 0;
+}
+#endif /* AMX */
 
 /* Work items of request `rows` rows: one per KV head per tile. */
 static inline int64_t request_items(int64_t rows, int64_t kv_heads) {
@@ -404,6 +567,16 @@ static inline int64_t request_items(int64_t rows, int64_t kv_heads) {
 }
 
 #endif /* PREFILL_SIMD */
+
+/* Whether items of `dim`-wide heads in this dtype run on AMX tiles (attend_tile_amx). */
+int paged_prefill_on_tiles(int64_t dim, int is_bf16) {
+#if defined(PREFILL_AMX)
+    return amx_attention_runs(dim, is_bf16);
+#else
+    (void)dim, (void)is_bf16;
+    return 0;
+#endif
+}
 
 int paged_prefill_supported(void) {
 #if defined(PREFILL_SIMD)
@@ -431,6 +604,13 @@ void paged_prefill_attention_team(const void *query, int64_t q_row_stride, const
      * multiple of 16). */
     float *scratch = aligned_alloc(64, (size_t)item_floats(group, dim) * sizeof(float));
     int my_failed = 0;
+#if defined(PREFILL_AMX)
+    const int on_tiles = amx_attention_runs(dim, is_bf16);
+    if (on_tiles) {
+        const uint8_t tile_rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+        amx_configure_rows(tile_rows);
+    }
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; item++) {
         int64_t i = 0, local = item;
@@ -445,12 +625,21 @@ void paged_prefill_attention_team(const void *query, int64_t q_row_stride, const
             const int64_t page = pages[qd[6] + j];
             bad = page < 0 || page % 2 || page >= 2 * num_blocks;
         }
+#if defined(PREFILL_AMX)
+        if (!bad && on_tiles)
+            bad = attend_tile_amx(qd, pages + qd[6], r0, r1, h, query, q_row_stride, cache, out,
+                                  heads, kv_heads, dim, block_size, window, scale, scratch);
+        else
+#endif
         if (!bad)
             bad = attend_tile(qd, pages + qd[6], r0, r1, h, query, q_row_stride, cache, out,
                               heads, kv_heads, dim, block_size, window, scale, is_bf16, scratch);
         my_failed += bad;
     }
     free(scratch);
+#if defined(PREFILL_AMX)
+    if (on_tiles) _tile_release();
+#endif
     if (my_failed) {
 #pragma omp atomic
         *failed += my_failed;
