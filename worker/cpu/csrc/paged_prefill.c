@@ -304,7 +304,14 @@ static int write_outputs(const float *of, const float *total, void *out, int64_t
             }
             const float inv = 1.0f / total[i];
             char *dst = (char *)out + ((first_row + r) * heads + h * group + g) * dim * esize;
-            for (int64_t d = 0; d < dim; d++) {
+            int64_t d = 0;
+#ifdef SPECSERVE_BF16X16
+            for (; is_bf16 && d + 16 <= dim; d += 16) {
+                const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(of + i * dim + d), _mm512_set1_ps(inv));
+                bf16x16_store((uint16_t *)dst + d, v);
+            }
+#endif
+            for (; d < dim; d++) {
                 const float v = of[i * dim + d] * inv;
                 if (is_bf16)
                     ((uint16_t *)dst)[d] = bf16_round(v);
@@ -431,13 +438,42 @@ static int attend_tile(const int64_t *qd, const int64_t *pages, int64_t r0, int6
 #if PREFILL_SIMD == 512 && defined(SPECSERVE_AMX)
 #define PREFILL_AMX 1
 
-/* The same item in bfloat16 on AMX tiles, for heads of whole 32-value slices: the scores of 16
- * rows x KB keys and each 16 x 16 piece of P x V are tile dot products of bfloat16 pairs,
- * accumulated in float32; the online softmax is attend_tile's (float32, on scores scaled after
- * the product), and the weights are rounded to bfloat16 for P x V, as a bfloat16 flash kernel
- * does. Blocks are packed for the tiles' B operand: K as [dim / 2][KB] pairs of the head
- * dimension, V as [KB / 2][dim] pairs of keys.
- * Tiles (16 rows x 64 bytes each): 0 queries' slice, 1-2 two key halves' slices, 3 weights,
+/* r[i] lane j <-> r[j] lane i, for 16 x 16 32-bit values. */
+static inline void transpose16_epi32(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    /* u[4b + c], 128-bit lane L: column 4L + c of rows 4b .. 4b + 3 */
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i ab_lo = _mm512_shuffle_i32x4(r[c], r[4 + c], _MM_SHUFFLE(1, 0, 1, 0));
+        const __m512i ab_hi = _mm512_shuffle_i32x4(r[c], r[4 + c], _MM_SHUFFLE(3, 2, 3, 2));
+        const __m512i cd_lo = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], _MM_SHUFFLE(1, 0, 1, 0));
+        const __m512i cd_hi = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], _MM_SHUFFLE(3, 2, 3, 2));
+        t[c] = _mm512_shuffle_i32x4(ab_lo, cd_lo, _MM_SHUFFLE(2, 0, 2, 0));
+        t[4 + c] = _mm512_shuffle_i32x4(ab_lo, cd_lo, _MM_SHUFFLE(3, 1, 3, 1));
+        t[8 + c] = _mm512_shuffle_i32x4(ab_hi, cd_hi, _MM_SHUFFLE(2, 0, 2, 0));
+        t[12 + c] = _mm512_shuffle_i32x4(ab_hi, cd_hi, _MM_SHUFFLE(3, 1, 3, 1));
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* The same item in bfloat16 on AMX tiles, for heads of whole 32-value slices. A block's scores
+ * come out of the tiles transposed (keys x 16 query rows: K times the queries' transpose), so
+ * the online softmax runs on vectors of 16 rows, one key at a time, with no reductions across
+ * lanes; the weights, rounded to bfloat16 (as a bfloat16 flash kernel does, their total taken
+ * as rounded), are transposed once into rows for P x V. Products of bfloat16 pairs accumulate
+ * in float32; scores are scaled after the product. Packing: the queries once per item as the
+ * tiles' B operand ([dim / 2][TILE_ROWS] pairs of the head dimension), each block's K as rows
+ * and its V as [KB / 2][dim] pairs of keys.
+ * Tiles (16 rows x 64 bytes each): 0-1 two key halves' slices, 2 the queries' slice, 3 weights,
  * 4-5 scores, 6 a value slice, 7 outputs. */
 static int attend_tile_amx(const int64_t *qd, const int64_t *pages, int64_t r0, int64_t r1,
                            int64_t h, const void *query, int64_t q_row_stride,
@@ -450,25 +486,33 @@ static int attend_tile_amx(const int64_t *qd, const int64_t *pages, int64_t r0, 
     const int64_t rows = r1 - r0, padded = (rows + 15) / 16 * 16, pairs = dim / 2;
     const int64_t token_stride = kv_heads * dim, page_elems = block_size * token_stride;
     float *restrict of = scratch;                                  /* [group][TILE_ROWS][dim] */
-    uint16_t *restrict qb = (uint16_t *)(of + group * TILE_ROWS * dim); /* the same, bf16 */
-    uint32_t *restrict kp = (uint32_t *)(qb + group * TILE_ROWS * dim); /* [dim / 2][KB] */
-    uint32_t *restrict vp = kp + pairs * KB;                       /* [KB / 2][dim] */
-    float *restrict s = (float *)(vp + KB / 2 * dim);              /* [16][KB] */
-    uint16_t *restrict pw = (uint16_t *)(s + 16 * KB);             /* [16][KB], bf16 */
+    /* [group][dim / 2][TILE_ROWS] */
+    uint32_t *restrict qv = (uint32_t *)(of + group * TILE_ROWS * dim);
+    uint16_t *restrict kb = (uint16_t *)(qv + group * pairs * TILE_ROWS); /* [KB][dim] */
+    uint32_t *restrict vp = (uint32_t *)(kb + KB * dim);           /* [KB / 2][dim] */
+    float *restrict st = (float *)(vp + KB / 2 * dim);             /* [KB][16] */
+    uint16_t *restrict pw = (uint16_t *)(st + KB * 16);            /* [16][KB], bf16 */
     float *restrict run_max = (float *)(pw + 16 * KB);
     float *restrict total = run_max + group * TILE_ROWS;
 
-    for (int64_t g = 0; g < group; g++)
-        for (int64_t r = 0; r < padded; r++) {
-            uint16_t *dst = qb + (g * TILE_ROWS + r) * dim;
-            const int64_t at = (row0 + r0 + r) * q_row_stride + (h * group + g) * dim;
-            if (r < rows)
-                memcpy(dst, (const uint16_t *)query + at, (size_t)dim * 2);
-            else
-                memset(dst, 0, (size_t)dim * 2);
-        }
-    memset(of, 0, (size_t)(group * TILE_ROWS * dim) * sizeof(float));
-    for (int64_t i = 0; i < group * TILE_ROWS; i++) run_max[i] = MASKED, total[i] = 0.0f;
+    for (int64_t g = 0; g < group; g++) {
+        /* 16 rows x 16 pairs at a time, transposed in registers */
+        for (int64_t m0 = 0; m0 < padded; m0 += 16)
+            for (int64_t d2 = 0; d2 < pairs; d2 += 16) {
+                __m512i x[16];
+                for (int64_t m = 0; m < 16; m++) {
+                    const int64_t at = (row0 + r0 + m0 + m) * q_row_stride + (h * group + g) * dim;
+                    x[m] = m0 + m < rows ? _mm512_loadu_si512((const uint16_t *)query + at + 2 * d2)
+                                         : _mm512_setzero_si512();
+                }
+                transpose16_epi32(x);
+                for (int64_t i = 0; i < 16; i++)
+                    _mm512_store_si512(qv + (g * pairs + d2 + i) * TILE_ROWS + m0, x[i]);
+            }
+        memset(of + g * TILE_ROWS * dim, 0, (size_t)(padded * dim) * sizeof(float));
+        for (int64_t i = g * TILE_ROWS; i < g * TILE_ROWS + padded; i++)
+            run_max[i] = MASKED, total[i] = 0.0f;
+    }
 
     int64_t lo, hi;
     if (!tile_keys(qd, r0, r1, window, block_size, &lo, &hi)) return 1;
@@ -476,24 +520,29 @@ static int attend_tile_amx(const int64_t *qd, const int64_t *pages, int64_t r0, 
         47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
     const __m512i interleave_hi = _mm512_add_epi16(interleave_lo, _mm512_set1_epi16(16));
-    const __m512 by_scale = _mm512_set1_ps(scale);
+    /* [x0 .. x15 | y0 .. y15] -> x0 y0 x1 y1 ... within one register */
+    const __m512i interleave_halves = _mm512_set_epi16(
+        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+        23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512 by_scale = _mm512_set1_ps(scale), masked = _mm512_set1_ps(MASKED);
 
     for (int64_t k0 = lo; k0 < hi; k0 += KB) {
         const int64_t nk = hi - k0 < KB ? hi - k0 : KB;
-        /* Pack the block for the tiles; keys past the end are zero. */
+        /* Pack the block; keys past the end are zero. */
         for (int64_t n = 0; n < KB; n += 2) {
-            const uint16_t *k_rows[2], *v_rows[2];
+            const uint16_t *v_rows[2];
             for (int64_t j = 0; j < 2; j++) {
-                k_rows[j] = v_rows[j] = NULL;
-                if (n + j >= nk) continue;
+                v_rows[j] = NULL;
+                if (n + j >= nk) {
+                    memset(kb + (n + j) * dim, 0, (size_t)dim * 2);
+                    continue;
+                }
                 const int64_t at = k0 + n + j - first_key, page = pages[at / block_size];
-                k_rows[j] = (const uint16_t *)cache + page * page_elems +
-                            at % block_size * token_stride + h * dim;
-                v_rows[j] = k_rows[j] + page_elems;
+                const uint16_t *k_row = (const uint16_t *)cache + page * page_elems +
+                                        at % block_size * token_stride + h * dim;
+                memcpy(kb + (n + j) * dim, k_row, (size_t)dim * 2);
+                v_rows[j] = k_row + page_elems;
             }
-            for (int64_t j = 0; j < 2; j++)
-                for (int64_t d2 = 0; d2 < pairs; d2++)
-                    kp[d2 * KB + n + j] = k_rows[j] ? ((const uint32_t *)k_rows[j])[d2] : 0;
             for (int64_t d = 0; d < dim; d += 32) {
                 const __m512i zero = _mm512_setzero_si512();
                 const __m512i v0 = v_rows[0] ? _mm512_loadu_si512(v_rows[0] + d) : zero;
@@ -507,39 +556,64 @@ static int attend_tile_amx(const int64_t *qd, const int64_t *pages, int64_t r0, 
             int64_t a[16], b[16];
             if (!visible_lanes(a, b, 16, m0, rows, first_pos + r0, k0, nk, causal, window))
                 continue;
+            /* Per key, the rows that see it. */
+            __mmask16 sees[KB];
+            int32_t a32[16], b32[16];
+            for (int m = 0; m < 16; m++) a32[m] = (int32_t)a[m], b32[m] = (int32_t)b[m];
+            const __m512i from = _mm512_loadu_si512(a32), below = _mm512_loadu_si512(b32);
+            for (int k = 0; k < KB; k++) {
+                const __m512i key = _mm512_set1_epi32(k);
+                sees[k] = _mm512_cmple_epi32_mask(from, key) & _mm512_cmpgt_epi32_mask(below, key);
+            }
             for (int64_t g = 0; g < group; g++) {
                 const int64_t base = g * TILE_ROWS + m0;
                 _tile_zero(4);
                 _tile_zero(5);
                 for (int64_t d = 0; d < dim; d += 32) {
-                    _tile_loadd(0, qb + base * dim + d, dim * 2);
-                    _tile_loadd(1, kp + d / 2 * KB, KB * 4);
-                    _tile_loadd(2, kp + d / 2 * KB + 16, KB * 4);
-                    _tile_dpbf16ps(4, 0, 1);
-                    _tile_dpbf16ps(5, 0, 2);
+                    _tile_loadd(0, kb + d, dim * 2);
+                    _tile_loadd(1, kb + 16 * dim + d, dim * 2);
+                    _tile_loadd(2, qv + (g * pairs + d / 2) * TILE_ROWS + m0, TILE_ROWS * 4);
+                    _tile_dpbf16ps(4, 0, 2);
+                    _tile_dpbf16ps(5, 1, 2);
                 }
-                _tile_stored(4, s, KB * 4);
-                _tile_stored(5, s + 16, KB * 4);
-                for (int64_t m = 0; m < 16; m++) {
-                    __m512i *weights = (__m512i *)(pw + m * KB);
-                    if (a[m] >= b[m]) {
-                        _mm512_store_si512(weights, _mm512_setzero_si512());
-                        continue;
-                    }
-                    float *row = s + m * KB, p_row[KB] __attribute__((aligned(64)));
-                    _mm512_store_ps(row, _mm512_mul_ps(_mm512_load_ps(row), by_scale));
-                    _mm512_store_ps(row + 16, _mm512_mul_ps(_mm512_load_ps(row + 16), by_scale));
-                    const int64_t i = base + m;
-                    const float old_max = run_max[i];
-                    softmax_block(p_row, row, a[m], b[m], &run_max[i]);
-                    const float rescale = old_max == MASKED ? 0.0f : expf(old_max - run_max[i]);
-                    /* The total of the weights as rounded: outputs stay weighted means. */
-                    const __m512 lo16 = bf16x16_rounded(_mm512_load_ps(p_row));
-                    const __m512 hi16 = bf16x16_rounded(_mm512_load_ps(p_row + 16));
-                    const float sum = _mm512_reduce_add_ps(_mm512_add_ps(lo16, hi16));
-                    total[i] = total[i] * rescale + sum;
-                    if (rescale != 1.0f) scale_row(of + i * dim, rescale, dim);
-                    _mm512_store_si512(weights, (__m512i)_mm512_cvtne2ps_pbh(hi16, lo16));
+                _tile_stored(4, st, 64);
+                _tile_stored(5, st + 16 * 16, 64);
+                /* The block's maximum per row, on scaled scores of the keys each row sees. */
+                const __m512 old_max = _mm512_load_ps(run_max + base);
+                __m512 top = old_max;
+                for (int k = 0; k < KB; k++) {
+                    const __m512 sk = _mm512_mask_blend_ps(
+                        sees[k], masked, _mm512_mul_ps(_mm512_load_ps(st + k * 16), by_scale));
+                    _mm512_store_ps(st + k * 16, sk);
+                    top = _mm512_max_ps(top, sk);
+                }
+                /* Weights, rounded; pairs of keys interleaved per row; their rounded total. */
+                __m512i w[16];
+                __m512 sum = _mm512_setzero_ps();
+                for (int j = 0; j < 16; j++) {
+                    const __m512 p0 = _mm512_maskz_mov_ps(
+                        sees[2 * j], exp_ps(_mm512_sub_ps(_mm512_load_ps(st + 2 * j * 16), top)));
+                    const __m512 p1 = _mm512_maskz_mov_ps(
+                        sees[2 * j + 1],
+                        exp_ps(_mm512_sub_ps(_mm512_load_ps(st + (2 * j + 1) * 16), top)));
+                    sum = _mm512_add_ps(sum, bf16x16_rounded(p0));
+                    sum = _mm512_add_ps(sum, bf16x16_rounded(p1));
+                    const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);
+                    w[j] = _mm512_permutexvar_epi16(interleave_halves, pair);
+                }
+                transpose16_epi32(w); /* w[m]: row m's 32 weights */
+                for (int m = 0; m < 16; m++) _mm512_store_si512(pw + m * KB, w[m]);
+                const __m512 rescale = exp_ps(_mm512_sub_ps(old_max, top));
+                _mm512_store_ps(run_max + base, top);
+                _mm512_store_ps(total + base,
+                                _mm512_fmadd_ps(_mm512_load_ps(total + base), rescale, sum));
+                float factor[16] __attribute__((aligned(64)));
+                _mm512_store_ps(factor, rescale);
+                for (__mmask16 rows_to_scale = _mm512_cmp_ps_mask(rescale, _mm512_set1_ps(1.0f),
+                                                                  _CMP_NEQ_OQ);
+                     rows_to_scale; rows_to_scale &= rows_to_scale - 1) {
+                    const int m = __builtin_ctz(rows_to_scale);
+                    scale_row(of + (base + m) * dim, factor[m], dim);
                 }
                 _tile_loadd(3, pw, KB * 2);
                 for (int64_t c = 0; c < dim; c += 16) {
