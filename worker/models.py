@@ -262,11 +262,29 @@ class DecoderLayer(nn.Module):
         metadata: AttentionMetadata,
         kv_cache: PagedKVCache,
     ) -> torch.Tensor:
-        h = self.input_layernorm(x)
+        x, mlp_out = self.residual_step(x, None, cos, sin, metadata, kv_cache)
+        return x + mlp_out
+
+    def residual_step(
+        self,
+        x: torch.Tensor,
+        pending: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_cache: PagedKVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on input `x + pending` (`x` when None), its output left as a pair
+        `(residual, mlp_out)` whose sum it is: the next layer's (or the final) norm adds them
+        in its own kernel call instead of a separate pass over the rows."""
+        if pending is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_and_norm(x, pending)
         x, h = self.post_attention_layernorm.add_and_norm(
             x, self.attn(h, cos, sin, self.group, metadata, kv_cache)
         )
-        return x + self.mlp(h)
+        return x, self.mlp(h)
 
 
 class DecoderModel(nn.Module):
@@ -330,11 +348,13 @@ class DecoderModel(nn.Module):
         (`worker.cpu.fused_decode`), with the same results."""
         x, cos, sin = self.embed_step(input_ids, positions, attn_metadata, aux_layers)
         captured: dict[int, torch.Tensor] = {}
+        pending: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attn_metadata, kv_cache)
+            x, pending = layer.residual_step(x, pending, cos, sin, attn_metadata, kv_cache)
             if i in aux_layers:
-                captured[i] = x
-        return self.norm(x), [captured[i] for i in aux_layers]
+                captured[i] = x + pending
+        hidden = self.norm(x) if pending is None else self.norm.add_and_norm(x, pending)[1]
+        return hidden, [captured[i] for i in aux_layers]
 
     @torch.no_grad()
     def embed_step(
