@@ -9,7 +9,8 @@ Two parts, each timing both paths in alternation:
   head dim 64), pages scattered in a cache of 16-token blocks. `paged` is
   `kernels.paged_prefill_attention`; `sdpa` is what the torch backend runs without it, the
   pages gathered (`index_select`) and then SDPA's causal flash kernel; `sdpa alone` times the
-  flash kernel on keys already gathered. GFLOP/s count the visible (causal) half.
+  flash kernel on keys already gathered. GFLOP/s count the visible (causal) half. Where the
+  kernel runs bfloat16 on AMX tiles, `no tiles` times it built without them (its vector body).
 - `prefill`: the bundled SmolLM2-135M-Instruct prefilling `--prompts` ShareGPT first turns
   (one output token, prefix caching off) in one `LLM`, with the kernel and with SDPA (the torch
   backend's `multi_row_kernel`), interleaved over `--rounds`: prompt tokens/s.
@@ -18,11 +19,14 @@ Two parts, each timing both paths in alternation:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import math
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +48,29 @@ def best_of(fn: Callable[[], object], seconds: float = 0.3) -> float:
     return best
 
 
-def time_length(dtype: torch.dtype, rows: int) -> dict[str, float]:
+def library_without_tiles(tmp: Path) -> ctypes.CDLL:
+    """The kernel library built without AMX (`-mno-amx-tile`): the multi-row kernel's vector
+    body on a CPU whose tiles the usual build uses."""
+    target = tmp / "specserve_kernels-no-tiles.so"
+    kernels._compile(kernels._compiler(), tmp, target, (*kernels.COMPILE_FLAGS, "-mno-amx-tile"))
+    return kernels.open_library(target)
+
+
+def with_library(lib: ctypes.CDLL, fn: Callable[[], object]) -> Callable[[], None]:
+    """`fn` run with `lib` as the kernels' library."""
+
+    def run() -> None:
+        usual = kernels.load
+        kernels.load = lambda: lib
+        try:
+            fn()
+        finally:
+            kernels.load = usual
+
+    return run
+
+
+def time_length(dtype: torch.dtype, rows: int, no_tiles: ctypes.CDLL | None) -> dict[str, float]:
     """Best seconds of each path for one causal prompt of `rows` rows."""
     scale = 1 / math.sqrt(HEAD_DIM)
     num_pages = -(-rows // BLOCK)
@@ -73,6 +99,8 @@ def time_length(dtype: torch.dtype, rows: int) -> dict[str, float]:
         "sdpa": lambda: flash(*gather()),
         "alone": lambda: flash(*gathered),
     }
+    if no_tiles is not None:
+        paths["no tiles"] = with_library(no_tiles, paths["paged"])
     times: dict[str, float] = dict.fromkeys(paths, float("inf"))
     for _ in range(3):
         for name, fn in paths.items():
@@ -81,15 +109,24 @@ def time_length(dtype: torch.dtype, rows: int) -> dict[str, float]:
 
 
 def kernel_rows(dtype: torch.dtype, lengths: list[int]) -> None:
-    print("| prompt rows | paged ms | sdpa ms | sdpa alone ms | paged GFLOP/s | vs sdpa |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    for rows in lengths:
-        t = time_length(dtype, rows)
-        flops = 4 * HEAD_DIM * HEADS * rows * (rows + 1) / 2
+    no_tiles = None
+    with tempfile.TemporaryDirectory() as tmp:
+        if kernels.prefill_on_tiles(HEAD_DIM, dtype):
+            no_tiles = library_without_tiles(Path(tmp))
+        extra = " no tiles ms |" if no_tiles else ""
         print(
-            f"| {rows} | {t['paged'] * 1e3:.3f} | {t['sdpa'] * 1e3:.3f} | {t['alone'] * 1e3:.3f} "
-            f"| {flops / t['paged'] / 1e9:.0f} | {t['sdpa'] / t['paged']:.2f}x |"
+            f"| prompt rows | paged ms | sdpa ms | sdpa alone ms |{extra} paged GFLOP/s | vs sdpa |"
         )
+        print("|---:|---:|---:|---:|---:|---:|" + ("---:|" if no_tiles else ""))
+        for rows in lengths:
+            t = time_length(dtype, rows, no_tiles)
+            flops = 4 * HEAD_DIM * HEADS * rows * (rows + 1) / 2
+            vector = f" {t['no tiles'] * 1e3:.3f} |" if no_tiles else ""
+            print(
+                f"| {rows} | {t['paged'] * 1e3:.3f} | {t['sdpa'] * 1e3:.3f} | "
+                f"{t['alone'] * 1e3:.3f} |{vector} {flops / t['paged'] / 1e9:.0f} | "
+                f"{t['sdpa'] / t['paged']:.2f}x |"
+            )
 
 
 def prefill_rows(dtype: str, prompts_count: int, rounds: int) -> None:
