@@ -31,13 +31,21 @@
 #include "bf16.h"
 #include "team.h"
 
-/* `rows` rows of `width` values, `stride` elements apart, as contiguous float32 in `dst`. */
+/* `rows` rows of `width` values, `stride` elements apart, as contiguous float32 in `dst`. The
+ * bfloat16 rows widen 16 at a time: this copy waits on the page's loads from memory, and with
+ * half the instructions a cache line more lines are in flight at once (the 64-prompt bfloat16
+ * case 1.04-1.07x in paired runs on a Sapphire Rapids VM, outputs equal). */
 static void load_rows(float *dst, const void *src, int64_t rows, int64_t width, int64_t stride,
                       int is_bf16) {
     for (int64_t r = 0; r < rows; r++) {
         if (is_bf16) {
             const uint16_t *s = (const uint16_t *)src + r * stride;
-            for (int64_t d = 0; d < width; d++) dst[r * width + d] = bf16_load(s, d);
+            int64_t d = 0;
+#ifdef SPECSERVE_BF16X16
+            for (; d + 16 <= width; d += 16)
+                _mm512_storeu_ps(dst + r * width + d, bf16x16_load(s + d));
+#endif
+            for (; d < width; d++) dst[r * width + d] = bf16_load(s, d);
         } else {
             memcpy(dst + r * width, (const float *)src + r * stride, width * sizeof(float));
         }
