@@ -71,4 +71,13 @@ static inline void bf16x16_store(uint16_t *p, __m512 f) {
 }
 #endif
 
+/* `n` bfloat16 values at `src` as float32 in `dst`, 16 at a time where the CPU has AVX-512. */
+static inline void bf16_widen_row(float *dst, const uint16_t *src, int64_t n) {
+    int64_t i = 0;
+#ifdef SPECSERVE_BF16X16
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, bf16x16_load(src + i));
+#endif
+    for (; i < n; i++) dst[i] = bf16_load(src, i);
+}
+
 #endif

@@ -6,7 +6,7 @@
  * exactly where the bfloat16 model rounds: the residual sum, the normalised value before the
  * weight, the product with the weight, silu(gate) and the product with up, and each product and
  * the sum of RoPE. Only the order of the sum of squares differs, and on AVX-512 the bfloat16
- * forms run 16 lanes at a time (bf16.h), silu's e^x there a polynomial within 2 ulp of expf.
+ * forms run 16 lanes at a time (bf16.h), silu's e^x there vec.h's exp_ps (within 2 ulp).
  */
 #include <math.h>
 #include <stdint.h>
@@ -14,6 +14,7 @@
 
 #include "bf16.h"
 #include "team.h"
+#include "vec.h"
 
 /* Elements from which a standalone call runs on all threads. Low on purpose: a decode step's
  * 16 rows are small, but they arrive from memory rather than cache, and each thread has its own
@@ -50,14 +51,9 @@ static inline float rms_inverse(const float *s, int64_t dim, float eps) {
 
 /* `dim` values at `src` as float32 in `dst`. */
 static inline void load_f32(float *dst, const void *src, int64_t dim, int is_bf16) {
-    if (is_bf16) {
-        int64_t i = 0;
-#ifdef SPECSERVE_BF16X16
-        for (; i + 16 <= dim; i += 16)
-            _mm512_storeu_ps(dst + i, bf16x16_load((const uint16_t *)src + i));
-#endif
-        for (; i < dim; i++) dst[i] = bf16_load((const uint16_t *)src, i);
-    } else
+    if (is_bf16)
+        bf16_widen_row(dst, (const uint16_t *)src, dim);
+    else
         memcpy(dst, src, dim * sizeof(float));
 }
 
@@ -108,29 +104,11 @@ void add_rms_norm(const void *x, int64_t x_stride, const void *delta, int64_t de
 static inline float silu(float x) { return x / (1.0f + expf(fminf(-x, 88.0f))); }
 
 #ifdef SPECSERVE_BF16X16
-/* e^x on 16 lanes for x in [-87, 88]: x = n ln2 + r, a degree-6 polynomial for e^r (Cephes'
- * expf coefficients; within 2 ulp of expf, and silu's result is rounded to bfloat16 next). */
-static inline __m512 exp16(__m512 x) {
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* silu on 16 lanes; the exponent's range is capped on both sides (below -87 e^x adds nothing
- * to 1 in float32). */
+/* silu on 16 lanes, the exponent capped as `silu` caps it (exp_ps takes anything below -87 as
+ * -87, where e^x adds nothing to 1 in float32). */
 static inline __m512 silu16(__m512 x) {
-    const __m512 e = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), x),
-                                                 _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(e));
+    const __m512 e = _mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), _mm512_set1_ps(88.0f));
+    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(e));
     const __m512 y = _mm512_rcp14_ps(d); /* 1/d to 2^-14, one Newton step to ~2^-28 */
     return _mm512_mul_ps(x, _mm512_fmadd_ps(_mm512_fnmadd_ps(d, y, _mm512_set1_ps(1.0f)), y, y));
 }

@@ -39,13 +39,7 @@ static void load_rows(float *dst, const void *src, int64_t rows, int64_t width, 
                       int is_bf16) {
     for (int64_t r = 0; r < rows; r++) {
         if (is_bf16) {
-            const uint16_t *s = (const uint16_t *)src + r * stride;
-            int64_t d = 0;
-#ifdef SPECSERVE_BF16X16
-            for (; d + 16 <= width; d += 16)
-                _mm512_storeu_ps(dst + r * width + d, bf16x16_load(s + d));
-#endif
-            for (; d < width; d++) dst[r * width + d] = bf16_load(s, d);
+            bf16_widen_row(dst + r * width, (const uint16_t *)src + r * stride, width);
         } else {
             memcpy(dst + r * width, (const float *)src + r * stride, width * sizeof(float));
         }

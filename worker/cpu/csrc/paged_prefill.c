@@ -39,6 +39,7 @@
 #include "amx.h"
 #include "bf16.h"
 #include "team.h"
+#include "vec.h"
 
 #define TILE_ROWS 64 /* query rows of one work item, per query head */
 #define MR 8         /* rows scored at once */
@@ -46,23 +47,8 @@
 #define MASKED -1e30f
 #define QUERY_FIELDS 8
 
-#if defined(__AVX512F__)
+#if VEC_SIMD == 512
 #define PREFILL_SIMD 512
-#include <immintrin.h>
-
-/* The vector vocabulary the shared helpers below are written in: 16 float32 lanes. */
-typedef __m512 vf;
-#define VL 16
-#define vf_load _mm512_load_ps
-#define vf_store _mm512_store_ps
-#define vf_set1 _mm512_set1_ps
-#define vf_mul _mm512_mul_ps
-#define vf_max _mm512_max_ps
-#define vf_fmadd _mm512_fmadd_ps
-#define vf_fnmadd _mm512_fnmadd_ps
-#define vf_round_nearest(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define vf_times_pow2 _mm512_scalef_ps /* p * 2^n */
-
 /* Bits [a, b) of a 16-bit mask for lanes `base .. base + 16`. */
 static inline __mmask16 lanes(int64_t a, int64_t b, int64_t base) {
     a = a < base ? base : a, b = b > base + 16 ? base + 16 : b;
@@ -94,30 +80,10 @@ static inline void score_tile(float *restrict s, const float *restrict q,
 #undef STORE
 }
 
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif VEC_SIMD == 256
 #define PREFILL_SIMD 256
-#include <immintrin.h>
-
 /* The same kernel on 8-wide AVX2 registers: 16 of them hold half the score tile, so it runs
  * in passes; masks and reductions by hand. */
-typedef __m256 vf;
-#define VL 8
-#define vf_load _mm256_load_ps
-#define vf_store _mm256_store_ps
-#define vf_set1 _mm256_set1_ps
-#define vf_mul _mm256_mul_ps
-#define vf_max _mm256_max_ps
-#define vf_fmadd _mm256_fmadd_ps
-#define vf_fnmadd _mm256_fnmadd_ps
-#define vf_round_nearest(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-
-/* p * 2^n for whole n >= -126, built in the exponent bits (AVX2 has no scalef). */
-static inline vf vf_times_pow2(vf p, vf n) {
-    const __m256i bits = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
 static inline float hsum_ps(__m256 v) {
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
@@ -173,24 +139,6 @@ static inline void score_tile(float *restrict s, const float *restrict q,
 #endif /* SIMD */
 
 #if defined(PREFILL_SIMD)
-
-/* exp(x) for x <= 0 within 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor
- * series to r^7 (error below 1e-8), scaled by 2^n. Inputs below -87 give exp(-87). */
-static inline vf exp_ps(vf x) {
-    x = vf_max(x, vf_set1(-87.0f));
-    const vf n = vf_round_nearest(vf_mul(x, vf_set1(1.44269504088896341f)));
-    vf r = vf_fnmadd(n, vf_set1(0.693145751953125f), x);
-    r = vf_fnmadd(n, vf_set1(1.428606765330187e-06f), r);
-    vf p = vf_set1(1.0f / 5040);
-    p = vf_fmadd(p, r, vf_set1(1.0f / 720));
-    p = vf_fmadd(p, r, vf_set1(1.0f / 120));
-    p = vf_fmadd(p, r, vf_set1(1.0f / 24));
-    p = vf_fmadd(p, r, vf_set1(1.0f / 6));
-    p = vf_fmadd(p, r, vf_set1(0.5f));
-    p = vf_fmadd(p, r, vf_set1(1.0f));
-    p = vf_fmadd(p, r, vf_set1(1.0f));
-    return vf_times_pow2(p, n);
-}
 
 /* o[r] += sum_n p[r][n] v[n] for two rows, 4 vectors of columns at a time (8 accumulators). */
 static inline void weigh_values(float *restrict o0, float *restrict o1,
