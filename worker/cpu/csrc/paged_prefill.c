@@ -309,7 +309,7 @@ static int attend_tile(const int64_t *qd, const int64_t *pages, int64_t r0, int6
                        int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
                        int64_t window, float scale, int is_bf16, float *scratch) {
     const int64_t group = heads / kv_heads, esize = is_bf16 ? 2 : 4;
-    const int64_t row0 = qd[0], first_pos = qd[2], first_key = qd[3], seq_len = qd[4];
+    const int64_t row0 = qd[0], first_pos = qd[2], first_key = qd[3];
     const int causal = qd[5] != 0;
     const int64_t rows = r1 - r0, padded = (rows + MR - 1) / MR * MR;
     const int64_t token_stride = kv_heads * dim, page_elems = block_size * token_stride;
