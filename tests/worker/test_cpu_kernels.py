@@ -18,7 +18,7 @@ import pytest
 import structlog
 import torch
 from structlog.testing import CapturedCall
-from test_linear import _reference
+from test_linear import _assert_panel_result, _reference
 from test_worker_attention import LONG_MIXED, MIXED, _run_case
 
 from specserve.worker.cpu import kernels, ops
@@ -137,12 +137,41 @@ def avx2_library(tmp_path_factory: pytest.TempPathFactory):
     return kernels.open_library(target)
 
 
+PANEL_CASES = [(1, 50, 37), (3, 960, 576), (6, 960, 576), (17, 50, 37), (40, 960, 576)]
+
+
+def _panel_case(rows: int, n: int, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(rows * 1000 + k)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    b = torch.randn(n, generator=g)
+    x = torch.randn(rows, k, generator=g)
+    return x.to(dtype), w.to(dtype), b.to(dtype)
+
+
+def _native_bf16_sums() -> dict[int, torch.Tensor]:
+    """This CPU's own bfloat16 panel results (vdpbf16ps, not on the tiles) by case, where it
+    has AVX512_BF16: the AVX2 body accumulates each pair in the same order."""
+    native = kernels.linear_dtypes()
+    if torch.bfloat16 not in native or kernels.linear_widens_bfloat16():
+        return {}
+    tiles_from = kernels.linear_amx_min_rows() or 1 << 30
+    return {
+        i: kernels.panel_linear(x, kernels.pack_panels(w), b, n)
+        for i, (rows, n, k) in enumerate(PANEL_CASES)
+        if rows < tiles_from
+        for x, w, b in [_panel_case(rows, n, k, torch.bfloat16)]
+    }
+
+
 def test_avx2_bodies_match_the_references(avx2_library, monkeypatch, prefill_calls) -> None:
     """The AVX2 multi-row attention (float32 and bfloat16) against the dense reference, and
-    the AVX2 panel kernel (float32; no bfloat16 without AVX512_BF16) against float64."""
+    the AVX2 panel kernel against float64: float32, and bfloat16 widened to float32 (bit for
+    bit the AVX512_BF16 body's sums where this CPU has one)."""
+    native_bf16 = _native_bf16_sums()
     monkeypatch.setattr(kernels, "load", lambda: avx2_library)
     assert kernels.prefill_available()
-    assert kernels.linear_dtypes() == {torch.float32}
+    assert kernels.linear_dtypes() == {torch.float32, torch.bfloat16}
+    assert kernels.linear_widens_bfloat16()
     for dtype, window, block_size, head_dim in [
         (torch.float32, None, 16, 64),
         (torch.float32, 3, 4, 16),
@@ -152,13 +181,15 @@ def test_avx2_bodies_match_the_references(avx2_library, monkeypatch, prefill_cal
         out, expected = _run_case(MULTI_ROW, window, dtype, block_size, head_dim)
         assert prefill_calls == [sum(q > 1 for q, _, _ in MULTI_ROW)]
         torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=0)
-    g = torch.Generator().manual_seed(0)
-    for rows, n, k in [(1, 50, 37), (6, 960, 576), (17, 50, 37), (40, 960, 576)]:
-        w = torch.randn(n, k, generator=g) / k**0.5
-        b = torch.randn(n, generator=g)
-        x = torch.randn(rows, k, generator=g)
+    for i, (rows, n, k) in enumerate(PANEL_CASES):
+        x, w, b = _panel_case(rows, n, k, torch.float32)
         got = kernels.panel_linear(x, kernels.pack_panels(w), b, n)
         torch.testing.assert_close(got, _reference(x, w, b).float(), atol=1e-5, rtol=1e-5)
+        x, w, b = _panel_case(rows, n, k, torch.bfloat16)
+        got = kernels.panel_linear(x, kernels.pack_panels(w), b, n)
+        _assert_panel_result(got, _reference(x, w, b), torch.bfloat16)
+        if i in native_bf16:
+            assert torch.equal(got, native_bf16[i])
 
 
 @needs_multi_row_kernel

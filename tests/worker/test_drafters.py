@@ -474,12 +474,13 @@ def test_drafter_dtype_auto_takes_bfloat16_where_it_pays(
     llama_target: Target, tmp_path: Path
 ) -> None:
     """`--drafter-dtype auto`: the target's dtype, except bfloat16 for a 16-bit checkpoint beside
-    a float32 target on a CPU with bfloat16 kernels; a named dtype as given. A bfloat16 drafter
-    that borrows the float32 target's LM head gets its logits as `borrowed_head_logits` says."""
+    a float32 target on a CPU with bfloat16 arithmetic (not AVX2, whose panels widen bfloat16);
+    a named dtype as given. A bfloat16 drafter that borrows the float32 target's LM head gets
+    its logits as `borrowed_head_logits` says."""
     target = llama_target.model
     assert target.dtype == torch.float32
     path = write_random_eagle3(tmp_path, llama_target.config, "speculators", with_lm_head=False)
-    fast_bf16 = torch.bfloat16 in kernels.linear_dtypes()
+    fast_bf16 = torch.bfloat16 in kernels.linear_dtypes() and not kernels.linear_widens_bfloat16()
     for saved, auto in (
         ("bfloat16", torch.bfloat16 if fast_bf16 else torch.float32),
         ("float16", torch.bfloat16 if fast_bf16 else torch.float32),

@@ -9,30 +9,34 @@ it, with and without speculation.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from specserve.llm import LLM
 from specserve.shared.protocol import SamplingParams
 from specserve.worker.cpu import kernels
-from specserve.worker.cpu.greedy_screen import MAX_CANDIDATES, GreedyScreen
+from specserve.worker.cpu.greedy_screen import MAX_CANDIDATES, WIDENED_MAX_ROWS, GreedyScreen
 from specserve.worker.cpu.linear import linear, pack_weight
 from specserve.worker.sampler import argmax_rows
 
 pytestmark = pytest.mark.skipif(
     torch.bfloat16 not in kernels.linear_dtypes(),
-    reason="the greedy screen needs the bfloat16 panel kernel (AVX512_BF16)",
+    reason="the greedy screen needs the bfloat16 panel kernel (AVX512_BF16, or AVX2 with FMA)",
 )
 
 VOCAB, DEPTH = 4099, 576  # a partial last panel
 
 
 def _head(weight: torch.Tensor):
+    """The packed head and its screen, answering any number of rows (its exactness does not
+    depend on `max_rows`, which only says where it pays)."""
     packed = pack_weight(weight)
     assert packed is not None and packed.panels
     screen = GreedyScreen.of(packed)
     assert screen is not None
-    return packed, screen
+    return packed, dataclasses.replace(screen, max_rows=None)
 
 
 def _full_argmax(hidden: torch.Tensor, weight: torch.Tensor, packed) -> torch.Tensor:
@@ -121,6 +125,20 @@ def test_rows_it_cannot_promise_are_declined() -> None:
     assert GreedyScreen.of(same).argmax(torch.randn(1, 64)) is None
 
 
+def test_where_bfloat16_is_widened_the_screen_answers_only_few_rows() -> None:
+    """On AVX2 the screen multiplies at float32's rate: from `WIDENED_MAX_ROWS` rows on the
+    float32 head is as fast, so the screen declines; elsewhere it answers as many rows as the
+    head's panels take."""
+    torch.manual_seed(4)
+    screen = GreedyScreen.of(pack_weight(torch.randn(VOCAB, DEPTH) * 0.05))
+    assert screen is not None
+    widened = kernels.linear_widens_bfloat16()
+    assert screen.max_rows == (WIDENED_MAX_ROWS if widened else None)
+    assert screen.argmax(torch.randn(WIDENED_MAX_ROWS, DEPTH)) is not None
+    beyond = screen.argmax(torch.randn(WIDENED_MAX_ROWS + 1, DEPTH))
+    assert (beyond is None) == widened
+
+
 def test_only_a_float32_head_packed_as_panels_gets_a_screen() -> None:
     assert GreedyScreen.of(None) is None
     assert GreedyScreen.of(pack_weight(torch.randn(64, 32).to(torch.bfloat16))) is None
@@ -160,12 +178,16 @@ def test_the_engines_greedy_output_is_the_same_with_and_without_it(
     ]
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=8, temperature=0.8, seed=3, ignore_eos=True)
-    answered = []
+    answered: list[tuple[int, torch.Tensor | None]] = []  # (rows, tokens) of each call
     real = model.greedy_tokens
-    monkeypatch.setattr(model, "greedy_tokens", lambda h: answered.append(real(h)) or answered[-1])
+    monkeypatch.setattr(
+        model, "greedy_tokens", lambda h: answered.append((h.shape[0], real(h))) or answered[-1][1]
+    )
     with_screen = [o.token_ids for o in llm.generate(prompts, greedy, chat=True)]
     mixed = [o.token_ids for o in llm.generate(prompts, [greedy, sampled, greedy], chat=True)]
-    assert answered and all(a is not None for a in answered)
+    max_rows = model.greedy_screen().max_rows or len(prompts) * 4
+    assert any(rows <= max_rows for rows, _ in answered)
+    assert all(tokens is not None for rows, tokens in answered if rows <= max_rows)
     monkeypatch.setattr(model, "greedy_tokens", lambda h: None)
     assert [o.token_ids for o in llm.generate(prompts, greedy, chat=True)] == with_screen
     again = [o.token_ids for o in llm.generate(prompts, [greedy, sampled, greedy], chat=True)]

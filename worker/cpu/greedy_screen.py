@@ -21,7 +21,9 @@ argmax. `kernels.screen_columns` applies that test in float32, with its inputs m
 float32 rounding only ever keeps more columns; typically one or two columns a row pass.
 
 Only where it is exact: the head's float32 call would run the panel kernel at this many rows
-(`PackedWeight.runs_panels`), every value is finite, and the CPU has bfloat16 panels. Drafters
+(`PackedWeight.runs_panels`), every value is finite, and the CPU has bfloat16 panels. Where
+those widen bfloat16 to float32 (AVX2), the screen multiplies at float32's rate: it answers
+steps of up to `WIDENED_MAX_ROWS` rows, which wait on the head's bytes. Drafters
 read the screen's logits as they are (`logits`): a draft needs no exact logits, since the
 target verifies it.
 """
@@ -42,6 +44,11 @@ _MARGIN = 2.0**-20  # what float32 inputs of the column test are moved by: 16x i
 # A step whose rows keep more columns than this each is left to the float32 head: gathering
 # and packing that many of its rows again would cost more than reading half the head.
 MAX_CANDIDATES = 4096
+# With bfloat16 widened to float32 (AVX2) the screen pays where the float32 head is bound by
+# its bytes: a 49,152 x 576 head (SmolLM2) on a 2-core AMD Zen 3, float32 head and argmax
+# against the screen, ms: 1 row 6.8 / 4.7, 2 rows 6.5 / 4.4, 4 rows 6.9 / 6.2, 8 rows 8.6 / 8.7,
+# 16 rows 13.3 / 14.0.
+WIDENED_MAX_ROWS = 4
 
 
 def _slack(depth: int) -> float:
@@ -61,6 +68,7 @@ class GreedyScreen:
     column_norms: torch.Tensor  # [V] float32: ||w_j||_2, rounded up
     max_norm: float
     slack: float
+    max_rows: int | None  # the most rows it answers (None: as many as the head's panels take)
 
     @classmethod
     def of(cls, head: PackedWeight | None) -> GreedyScreen | None:
@@ -77,6 +85,7 @@ class GreedyScreen:
             norms,
             float(norms.max()) if norms.numel() else 0.0,
             _slack(weight.shape[1]),
+            WIDENED_MAX_ROWS if kernels.linear_widens_bfloat16() else None,
         )
 
     @property
@@ -96,6 +105,7 @@ class GreedyScreen:
             or hidden.dtype != torch.float32
             or rows == 0
             or not self.head.runs_panels(rows)
+            or (self.max_rows is not None and rows > self.max_rows)
         ):
             return None
         screen = self.logits(hidden)

@@ -10,7 +10,7 @@
   kernel on 40-1,024-row prompts at head dim 64, which also needs the pages gathered first
   (docs/benchmarks.md).
 - `panel_linear`: `y = x W^T + b` for the few rows of a decode step (AVX-512, or AVX2 with
-  FMA in float32), over weights laid out once in panels of 16 output columns (`pack_panels`).
+  FMA), over weights laid out once in panels of 16 output columns (`pack_panels`).
   A step streams every weight of the model from memory; the kernel streams each panel once
   per 16 rows (6 with AVX2), at about the CPU's peak: 1.2-1.8x oneDNN's packed GEMM up to 16
   rows, on par beyond, on AVX-512 (`worker.linear`). On CPUs with AMX tiles bfloat16 inputs of
@@ -317,6 +317,7 @@ def open_library(path: Path) -> ctypes.CDLL:
         "linear_kernel_dtypes": (ctypes.c_int, []),
         "linear_enable_amx": (ctypes.c_int, []),
         "linear_amx_min_rows": (i64, []),
+        "linear_widens_bf16": (ctypes.c_int, []),
         "panel_linear": (ctypes.c_int, [_PTR, i64, _PTR, _PTR, _PTR, i64, i64, i64, flag]),
         "rope_write_kv": (
             ctypes.c_int,
@@ -725,10 +726,18 @@ PANEL = 16  # output columns per weight panel (csrc/linear.c)
 
 def linear_dtypes() -> frozenset[torch.dtype]:
     """The dtypes `panel_linear` runs on this CPU: float32 needs AVX-512 or AVX2 with FMA,
-    bfloat16 AVX512_BF16; empty without the kernels."""
+    bfloat16 AVX512_BF16 or AVX2 with FMA (`linear_widens_bfloat16`); empty without the
+    kernels."""
     lib = load()
     bits = lib.linear_kernel_dtypes() if lib is not None else 0
     return frozenset(dtype for bit, dtype in enumerate(DTYPES) if bits & (1 << bit))
+
+
+def linear_widens_bfloat16() -> bool:
+    """Whether `panel_linear` runs bfloat16 by widening it to float32 (AVX2 CPUs, which have no
+    bfloat16 arithmetic): half the bytes of float32 weights, at float32's multiply rate."""
+    lib = load()
+    return lib is not None and bool(lib.linear_widens_bf16())
 
 
 def linear_amx_min_rows() -> int:

@@ -505,17 +505,19 @@ def default_num_spec_tokens(method: SpecMethod, path: str | None) -> int:
 
 def drafter_dtype(choice: str, path: str, target: DecoderModel) -> torch.dtype:
     """The dtype a drafter runs in: `choice`, or for "auto" the target's, except that beside a
-    float32 target on a CPU with bfloat16 kernels a drafter saved in 16 bits runs in bfloat16.
-    At batch 1 a draft streams the drafter's weights as a decode step streams the target's
-    (37 MB in float32 for the bundled EAGLE-3 drafter, 19 of them its draft LM head), and a
-    16-bit checkpoint loses nothing in bfloat16 but the rounding of its activations; drafts
-    stay verified by the target, so what is generated does not change."""
+    float32 target on a CPU with bfloat16 arithmetic a drafter saved in 16 bits runs in
+    bfloat16. At batch 1 a draft streams the drafter's weights as a decode step streams the
+    target's (37 MB in float32 for the bundled EAGLE-3 drafter, 19 of them its draft LM head),
+    and a 16-bit checkpoint loses nothing in bfloat16 but the rounding of its activations;
+    drafts stay verified by the target, so what is generated does not change. Where the panels
+    widen bfloat16 to float32 (AVX2) the drafter keeps the target's dtype: its prompt chunks
+    would have no bfloat16 GEMM there."""
     if choice != "auto":
         return resolve_dtype(choice)
     device = target.embed_tokens.weight.device
     if target.dtype != torch.float32 or device.type != "cpu":
         return target.dtype
-    if torch.bfloat16 not in kernels.linear_dtypes():
+    if torch.bfloat16 not in kernels.linear_dtypes() or kernels.linear_widens_bfloat16():
         return target.dtype
     # the checkpoint's own dtype as `--dtype auto` reads it (float16 is bfloat16 on CPU)
     saved = model_dtype(path, "auto", device)

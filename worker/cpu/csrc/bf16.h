@@ -71,6 +71,28 @@ static inline void bf16x16_store(uint16_t *p, __m512 f) {
 }
 #endif
 
+/* bf16_round on 8 lanes, where the CPU has AVX2 but not AVX-512: the results of two vectors
+ * (columns 0-7 and 8-15) as 16 bfloat16 values in order. */
+#if !defined(__AVX512F__) && defined(__AVX2__)
+#include <immintrin.h>
+
+static inline __m256i bf16x8_round_low(__m256 f) { /* bf16_round's result in each lane's low half */
+    const __m256i bits = _mm256_castps_si256(f);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    const __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
+    const __m256i nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(0x7f800000));
+    const __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x400000));
+    return _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, nan), 16);
+}
+
+static inline __m256i bf16x8x2_round16(__m256 lo, __m256 hi) {
+    /* packus interleaves 64-bit quarters (lo 0-3, hi 0-3, lo 4-7, hi 4-7): put them back */
+    const __m256i packed = _mm256_packus_epi32(bf16x8_round_low(lo), bf16x8_round_low(hi));
+    return _mm256_permute4x64_epi64(packed, 0xd8);
+}
+#endif
+
 /* `n` bfloat16 values at `src` as float32 in `dst`, 16 at a time where the CPU has AVX-512. */
 static inline void bf16_widen_row(float *dst, const uint16_t *src, int64_t n) {
     int64_t i = 0;

@@ -1,6 +1,6 @@
-/* Linear layers y = x W^T (+ bias) for few-row inputs (CPU: AVX-512, or AVX2 with FMA for
- * float32). Built and loaded by
- * worker/cpu_kernels.py; worker/linear.py lays the weights out and decides when to call.
+/* Linear layers y = x W^T (+ bias) for few-row inputs (CPU: AVX-512, or AVX2 with FMA). Built
+ * and loaded by worker/cpu/kernels.py; worker/cpu/linear.py lays the weights out and decides when
+ * to call.
  *
  * A decode step multiplies a handful of rows (one per request) by every weight of the model, so
  * the whole model streams from memory once per step and each weight value is used only `rows`
@@ -15,8 +15,13 @@
  * bfloat16 products use the CPU's bfloat16 pair dot product (vdpbf16ps), accumulated in float32;
  * bias is added in float32 and the result rounded to bfloat16 once, as oneDNN's bf16 GEMM does.
  *
- * With AVX2 (float32 only) a panel is two 8-wide registers per row, so a tile holds 6 rows (12
- * accumulators) and more rows stream the panel once per 6 (from cache: a panel is 16 columns).
+ * With AVX2 a panel is two 8-wide registers per row, so a tile holds 6 rows (12 accumulators)
+ * and more rows stream the panel once per 6 (from cache: a panel is 16 columns). AVX2 has no
+ * bfloat16 arithmetic: a bfloat16 panel's pairs are widened to float32 in registers (a shift and
+ * a mask), the inputs are packed as float32 pairs, and each pair accumulates as vdpbf16ps does
+ * (acc += x1 w1, then acc += x0 w0; a product of two bfloat16 is exact in float32), so the sums
+ * are the AVX512_BF16 tiles' bit for bit but for subnormals (which vdpbf16ps flushes). It reads
+ * half the bytes of float32 panels, which is what a decode step of few rows waits on.
  *
  * On CPUs with AMX tiles, bfloat16 inputs of AMX_MIN_ROWS rows or more multiply on the tiles
  * instead: a bfloat16 panel's [K2][16][2] layout is the tile layout of a B operand (16 pairs of
@@ -27,6 +32,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "amx.h"
 #include "bf16.h"
@@ -260,6 +266,81 @@ static void (*const TILES_F32[MAX_TILE + 1])(const float *, const float *, int64
                                              __m256, float *, int64_t, __m256i, __m256i) = {
     NULL, tile_f32_1, tile_f32_2, tile_f32_3, tile_f32_4, tile_f32_5, tile_f32_6};
 
+/* bfloat16: inputs [K2][ROWS][2] as float32 pairs, panel [K2][16][2], 8 columns at a time. */
+#define PAIR_FMA(acc, i)                                                                     \
+    acc##i = _mm256_fmadd_ps(_mm256_broadcast_ss(a + 2 * i + 1), w_odd, acc##i);            \
+    acc##i = _mm256_fmadd_ps(_mm256_broadcast_ss(a + 2 * i), w_even, acc##i);
+#define PAIR_LO(i) PAIR_FMA(lo, i)
+#define PAIR_HI(i) PAIR_FMA(hi, i)
+#define WIDEN_PAIRS(half)                                                                    \
+    const __m256i w_##half = _mm256_loadu_si256((const __m256i *)w_d + HALF_##half);         \
+    w_even = _mm256_castsi256_ps(_mm256_slli_epi32(w_##half, 16));                           \
+    w_odd = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_srli_epi32(w_##half, 16), 16));
+#define HALF_lo 0
+#define HALF_hi 1
+#define STORE_BF16_2(i) store_bf16_row(y + i * y_stride, _mm256_add_ps(lo##i, b_lo),          \
+                                       _mm256_add_ps(hi##i, b_hi), valid);
+
+/* The 16 columns of one row rounded to bfloat16; the first `valid` of them stored. */
+static inline void store_bf16_row(uint16_t *y, __m256 lo, __m256 hi, int64_t valid) {
+    const __m256i rounded = bf16x8x2_round16(lo, hi);
+    if (valid >= PANEL) {
+        _mm256_storeu_si256((__m256i *)y, rounded);
+    } else {
+        uint16_t row[PANEL];
+        _mm256_storeu_si256((__m256i *)row, rounded);
+        memcpy(y, row, (size_t)valid * sizeof *y);
+    }
+}
+
+/* ROWS rows (of a tile of STRIDE rows, ROWS <= 3: more would spill the accumulators) times one
+ * panel into the float32 sums lo0.., hi0.. of the caller. */
+#define PASS_BF16_2(ROWS, STRIDE, FIRST)                                                     \
+    for (int64_t d = 0; d < depth; d++) {                                                    \
+        const float *a = ap + (d * STRIDE + FIRST) * 2;                                      \
+        const uint16_t *w_d = panel + d * 2 * PANEL;                                         \
+        _mm_prefetch((const char *)w_d + PREFETCH, _MM_HINT_T0);                             \
+        __m256 w_even, w_odd;                                                                \
+        {                                                                                    \
+            WIDEN_PAIRS(lo)                                                                  \
+            REP##ROWS(PAIR_LO)                                                               \
+        }                                                                                    \
+        {                                                                                    \
+            WIDEN_PAIRS(hi)                                                                  \
+            REP##ROWS(PAIR_HI)                                                               \
+        }                                                                                    \
+    }
+
+#define TILE_BF16_HEAD(ROWS)                                                                 \
+    static void tile_bf16_##ROWS(const float *ap, const uint16_t *panel, int64_t depth,      \
+                                 __m256 b_lo, __m256 b_hi, uint16_t *y, int64_t y_stride,    \
+                                 int64_t valid)
+/* One tile of up to 3 rows: one pass over the panel. */
+#define TILE_BF16_2(ROWS)                                                                    \
+    TILE_BF16_HEAD(ROWS) {                                                                   \
+        REP##ROWS(ZERO_2)                                                                    \
+        PASS_BF16_2(ROWS, ROWS, 0)                                                           \
+        REP##ROWS(STORE_BF16_2)                                                              \
+    }
+/* 4-6 rows: the first 3, then the rest, in two passes over the panel (the second from cache). */
+#define TILE_BF16_SPLIT(ROWS, REST)                                                          \
+    TILE_BF16_HEAD(ROWS) {                                                                   \
+        {                                                                                    \
+            REP3(ZERO_2)                                                                     \
+            PASS_BF16_2(3, ROWS, 0)                                                          \
+            REP3(STORE_BF16_2)                                                               \
+        }                                                                                    \
+        y += 3 * y_stride;                                                                   \
+        REP##REST(ZERO_2)                                                                    \
+        PASS_BF16_2(REST, ROWS, 3)                                                           \
+        REP##REST(STORE_BF16_2)                                                              \
+    }
+TILE_BF16_2(1) TILE_BF16_2(2) TILE_BF16_2(3)
+TILE_BF16_SPLIT(4, 1) TILE_BF16_SPLIT(5, 2) TILE_BF16_SPLIT(6, 3)
+static void (*const TILES_BF16[MAX_TILE + 1])(const float *, const uint16_t *, int64_t, __m256,
+                                              __m256, uint16_t *, int64_t, int64_t) = {
+    NULL, tile_bf16_1, tile_bf16_2, tile_bf16_3, tile_bf16_4, tile_bf16_5, tile_bf16_6};
+
 static inline int64_t tile_rows(int64_t left) { return left < MAX_TILE ? left : MAX_TILE; }
 
 /* All-ones in the lanes below `valid` (of 8). */
@@ -268,30 +349,49 @@ static inline __m256i lanes_below(int64_t valid) {
                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-/* Panel p of y for every row (float32 only: `linear_kernel_dtypes` offers no bfloat16). */
+/* The panel's bias values in columns 0-7 (`lo`) and 8-15 (`hi`) as float32, zeros beyond n. */
+static void bias_f32(const void *bias, int64_t p, int64_t valid, int is_bf16, __m256 *lo,
+                     __m256 *hi) {
+    float values[PANEL] = {0};
+    for (int64_t c = 0; bias != NULL && c < valid && c < PANEL; c++)
+        values[c] = is_bf16 ? bf16_load((const uint16_t *)bias, p * PANEL + c)
+                            : ((const float *)bias)[p * PANEL + c];
+    *lo = _mm256_loadu_ps(values), *hi = _mm256_loadu_ps(values + 8);
+}
+
+/* Panel p of y for every row. */
 static void panel_rows(const void *packed, const void *panels, const void *bias, void *y,
                        int64_t rows, int64_t n, int64_t depth, int64_t p, int is_bf16) {
-    (void)is_bf16;
-    const __m256i mask_lo = lanes_below(n - p * PANEL), mask_hi = lanes_below(n - p * PANEL - 8);
-    __m256 b_lo = _mm256_setzero_ps(), b_hi = b_lo;
-    if (bias != NULL) {
-        b_lo = _mm256_maskload_ps((const float *)bias + p * PANEL, mask_lo);
-        b_hi = _mm256_maskload_ps((const float *)bias + p * PANEL + 8, mask_hi);
+    const int64_t valid = n - p * PANEL;
+    const __m256i mask_lo = lanes_below(valid), mask_hi = lanes_below(valid - 8);
+    __m256 b_lo, b_hi;
+    bias_f32(bias, p, valid, is_bf16, &b_lo, &b_hi);
+    for (int64_t r0 = 0; r0 < rows; r0 += MAX_TILE) {
+        const int64_t tile = tile_rows(rows - r0);
+        if (is_bf16)
+            TILES_BF16[tile]((const float *)packed + 2 * r0 * depth,
+                             (const uint16_t *)panels + 2 * p * depth * PANEL, depth, b_lo,
+                             b_hi, (uint16_t *)y + r0 * n + p * PANEL, n, valid);
+        else
+            TILES_F32[tile]((const float *)packed + r0 * depth,
+                            (const float *)panels + p * depth * PANEL, depth, b_lo, b_hi,
+                            (float *)y + r0 * n + p * PANEL, n, mask_lo, mask_hi);
     }
-    for (int64_t r0 = 0; r0 < rows; r0 += MAX_TILE)
-        TILES_F32[tile_rows(rows - r0)]((const float *)packed + r0 * depth,
-                                        (const float *)panels + p * depth * PANEL, depth, b_lo,
-                                        b_hi, (float *)y + r0 * n + p * PANEL, n, mask_lo,
-                                        mask_hi);
 }
+#define PAIRS_AS_FLOAT32 1 /* bfloat16 inputs are packed as float32 pairs */
 #endif /* SIMD */
 
-/* Bit 0: float32 is supported (AVX-512, or AVX2 with FMA); bit 1: bfloat16 (AVX512_BF16). */
+#ifndef PAIRS_AS_FLOAT32
+#define PAIRS_AS_FLOAT32 0
+#endif
+
+/* Bit 0: float32 is supported (AVX-512, or AVX2 with FMA); bit 1: bfloat16 (AVX512_BF16, or
+ * AVX2 with FMA widening it to float32). */
 int linear_kernel_dtypes(void) {
     int dtypes = 0;
 #if defined(LINEAR_SIMD)
     dtypes |= 1;
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || LINEAR_SIMD == 256
     dtypes |= 2;
 #endif
 #endif
@@ -320,8 +420,11 @@ int64_t linear_amx_min_rows(void) {
 #endif
 }
 
+/* 1 where bfloat16 panels are widened to float32 (AVX2: float32's multiply rate, half its bytes). */
+int linear_widens_bf16(void) { return PAIRS_AS_FLOAT32; }
+
 int64_t linear_packed_bytes(int64_t rows, int64_t k, int is_bf16) {
-    return rows * (is_bf16 ? (k + 1) / 2 : k) * 4;
+    return rows * (is_bf16 ? (k + 1) / 2 * (PAIRS_AS_FLOAT32 ? 2 : 1) : k) * 4;
 }
 
 /* y[rows, n] (row stride n) = x[rows, k] (row stride x_stride) W^T + bias, W as panels; the
@@ -351,7 +454,13 @@ void panel_linear_team(const void *x, int64_t x_stride, const void *panels, cons
                 if (is_bf16) {
                     const uint16_t *src = (const uint16_t *)x + (r0 + r) * x_stride;
                     uint32_t hi = 2 * d + 1 < k ? src[2 * d + 1] : 0;
-                    ((uint32_t *)packed)[r0 * depth + d * tile + r] = (uint32_t)src[2 * d] | hi << 16;
+                    const int64_t at = r0 * depth + d * tile + r;
+                    if (PAIRS_AS_FLOAT32) {
+                        float *pair = (float *)packed + 2 * at;
+                        pair[0] = bf16_load(src, 2 * d), pair[1] = bf16_load((uint16_t *)&hi, 0);
+                    } else {
+                        ((uint32_t *)packed)[at] = (uint32_t)src[2 * d] | hi << 16;
+                    }
                 } else {
                     const float *src = (const float *)x + (r0 + r) * x_stride;
                     ((float *)packed)[r0 * depth + d * tile + r] = src[d];
