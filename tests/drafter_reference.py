@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from specserve.worker.models import DecoderModel
 from specserve.worker.spec_decode.drafter import LayerAttention
 
 Weights = Mapping[str, torch.Tensor]
@@ -157,3 +158,16 @@ def dflash_dense(
         out = _attend(q, k, v, _mask(blk_pos, key_pos, kind)) @ w[a + "o_proj.weight"].T
         h = _mlp_block(w, p, h + out, d)
     return _rms(h, w["norm.weight"], d.eps)
+
+
+def borrowed_head_logits(target: DecoderModel, hidden: torch.Tensor) -> torch.Tensor:
+    """What a drafter that borrows the target's LM head gets: the head's bfloat16 screen where
+    the target has one and it pays at this many rows (within bfloat16's rounding of the head's
+    own logits), else the head."""
+    full = target.compute_logits(hidden.to(target.dtype))
+    screen = target.greedy_screen()
+    if screen is None or not screen.pays(hidden.shape[0]):
+        return full
+    logits = screen.logits(hidden)
+    torch.testing.assert_close(logits.float(), full, atol=0.02 * full.abs().max(), rtol=0)
+    return logits

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 from drafter_checkpoints import write_random_dflash, write_random_eagle3
-from drafter_reference import Dims, Weights, dflash_dense, eagle3_dense
+from drafter_reference import Dims, Weights, borrowed_head_logits, dflash_dense, eagle3_dense
 from safetensors.torch import load_file, save_file
 
 from specserve.worker.attention.base import SequenceStep
@@ -287,19 +287,6 @@ def test_eagle3_one_token_steps_run_in_one_kernel_call_bit_for_bit(
         assert torch.equal(got, want)
     for got, want in zip(fused_cache.layers.values(), layered_cache.layers.values(), strict=True):
         assert torch.equal(got, want)
-
-
-def borrowed_head_logits(target: DecoderModel, hidden: torch.Tensor) -> torch.Tensor:
-    """What a drafter that borrows the target's LM head gets: for bfloat16 hidden states the
-    head's bfloat16 screen where the target has one (within bfloat16's rounding of the head's
-    own logits), else the head."""
-    full = target.compute_logits(hidden.to(target.dtype))
-    screen = target.greedy_screen()
-    if screen is None or hidden.dtype != torch.bfloat16:
-        return full
-    logits = screen.logits(hidden)
-    torch.testing.assert_close(logits.float(), full, atol=0.02 * full.abs().max(), rtol=0)
-    return logits
 
 
 def _check_eagle3_logits(

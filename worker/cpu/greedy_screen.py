@@ -92,6 +92,10 @@ class GreedyScreen:
     def vocab_size(self) -> int:
         return self.head.weight.shape[0]
 
+    def pays(self, rows: int) -> bool:
+        """Whether reading the screen beats the float32 head at this many rows."""
+        return self.max_rows is None or rows <= self.max_rows
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[N, V]` bfloat16 logits of `[N, K]` rows from the bfloat16 copy (for drafts)."""
         return kernels.panel_linear(hidden.to(torch.bfloat16), self.panels, None, self.vocab_size)
@@ -105,7 +109,7 @@ class GreedyScreen:
             or hidden.dtype != torch.float32
             or rows == 0
             or not self.head.runs_panels(rows)
-            or (self.max_rows is not None and rows > self.max_rows)
+            or not self.pays(rows)
         ):
             return None
         screen = self.logits(hidden)

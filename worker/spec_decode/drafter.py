@@ -137,14 +137,15 @@ class TargetParts:
     @classmethod
     def of(cls, target: DecoderModel) -> TargetParts:
         """The target's parts; its LM head takes a drafter's hidden states in the target's
-        dtype (a drafter may run in another). A bfloat16 drafter beside a float32 head with a
-        bfloat16 screen reads the screen instead: half the bytes, at the drafter's own
-        precision (a draft needs no exact logits: the target verifies it)."""
+        dtype (a drafter may run in another). Beside a float32 head with a bfloat16 screen a
+        drafter reads the screen instead, at the row counts where it pays: half the bytes (a
+        draft needs no exact logits: the target verifies it). DFlash's drafts at batch 1 on a
+        2-core AMD Zen 3, float32 drafter: 1.06x the tokens/s, outputs equal."""
         cfg = target.config
 
         def compute_logits(hidden: torch.Tensor) -> torch.Tensor:
-            screen = target.greedy_screen() if hidden.dtype == torch.bfloat16 else None
-            if screen is not None:
+            screen = target.greedy_screen()
+            if screen is not None and screen.pays(hidden.shape[0]):
                 return screen.logits(hidden)
             return target.compute_logits(hidden.to(target.dtype))
 
