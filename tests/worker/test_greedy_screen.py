@@ -17,7 +17,12 @@ import torch
 from specserve.llm import LLM
 from specserve.shared.protocol import SamplingParams
 from specserve.worker.cpu import kernels
-from specserve.worker.cpu.greedy_screen import MAX_CANDIDATES, WIDENED_MAX_ROWS, GreedyScreen
+from specserve.worker.cpu.greedy_screen import (
+    MAX_CANDIDATES,
+    WIDENED_MAX_LOGIT_ROWS,
+    WIDENED_MAX_ROWS,
+    GreedyScreen,
+)
 from specserve.worker.cpu.linear import linear, pack_weight
 from specserve.worker.sampler import argmax_rows
 
@@ -31,12 +36,12 @@ VOCAB, DEPTH = 4099, 576  # a partial last panel
 
 def _head(weight: torch.Tensor):
     """The packed head and its screen, answering any number of rows (its exactness does not
-    depend on `max_rows`, which only says where it pays)."""
+    depend on `widened`, which only says where it pays)."""
     packed = pack_weight(weight)
     assert packed is not None and packed.panels
     screen = GreedyScreen.of(packed)
     assert screen is not None
-    return packed, dataclasses.replace(screen, max_rows=None)
+    return packed, dataclasses.replace(screen, widened=False)
 
 
 def _full_argmax(hidden: torch.Tensor, weight: torch.Tensor, packed) -> torch.Tensor:
@@ -133,10 +138,12 @@ def test_where_bfloat16_is_widened_the_screen_answers_only_few_rows() -> None:
     screen = GreedyScreen.of(pack_weight(torch.randn(VOCAB, DEPTH) * 0.05))
     assert screen is not None
     widened = kernels.linear_widens_bfloat16()
-    assert screen.max_rows == (WIDENED_MAX_ROWS if widened else None)
+    assert screen.widened == widened
     assert screen.argmax(torch.randn(WIDENED_MAX_ROWS, DEPTH)) is not None
     beyond = screen.argmax(torch.randn(WIDENED_MAX_ROWS + 1, DEPTH))
     assert (beyond is None) == widened
+    assert screen.pays(WIDENED_MAX_LOGIT_ROWS, exact=False)
+    assert screen.pays(WIDENED_MAX_LOGIT_ROWS + 1, exact=False) == (not widened)
 
 
 def test_only_a_float32_head_packed_as_panels_gets_a_screen() -> None:
@@ -185,7 +192,7 @@ def test_the_engines_greedy_output_is_the_same_with_and_without_it(
     )
     with_screen = [o.token_ids for o in llm.generate(prompts, greedy, chat=True)]
     mixed = [o.token_ids for o in llm.generate(prompts, [greedy, sampled, greedy], chat=True)]
-    max_rows = model.greedy_screen().max_rows or len(prompts) * 4
+    max_rows = WIDENED_MAX_ROWS if model.greedy_screen().widened else len(prompts) * 4
     assert any(rows <= max_rows for rows, _ in answered)
     assert all(tokens is not None for rows, tokens in answered if rows <= max_rows)
     monkeypatch.setattr(model, "greedy_tokens", lambda h: None)

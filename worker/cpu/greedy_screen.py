@@ -23,9 +23,9 @@ float32 rounding only ever keeps more columns; typically one or two columns a ro
 Only where it is exact: the head's float32 call would run the panel kernel at this many rows
 (`PackedWeight.runs_panels`), every value is finite, and the CPU has bfloat16 panels. Where
 those widen bfloat16 to float32 (AVX2), the screen multiplies at float32's rate: it answers
-steps of up to `WIDENED_MAX_ROWS` rows, which wait on the head's bytes. Drafters
-read the screen's logits as they are (`logits`): a draft needs no exact logits, since the
-target verifies it.
+steps of up to `WIDENED_MAX_ROWS` rows, which wait on the head's bytes. Drafters read the
+screen's logits as they are (`logits`; on AVX2 up to `WIDENED_MAX_LOGIT_ROWS` rows): a draft
+needs no exact logits, since the target verifies it.
 """
 
 from __future__ import annotations
@@ -45,10 +45,13 @@ _MARGIN = 2.0**-20  # what float32 inputs of the column test are moved by: 16x i
 # and packing that many of its rows again would cost more than reading half the head.
 MAX_CANDIDATES = 4096
 # With bfloat16 widened to float32 (AVX2) the screen pays where the float32 head is bound by
-# its bytes: a 49,152 x 576 head (SmolLM2) on a 2-core AMD Zen 3, float32 head and argmax
-# against the screen, ms: 1 row 6.8 / 4.7, 2 rows 6.5 / 4.4, 4 rows 6.9 / 6.2, 8 rows 8.6 / 8.7,
-# 16 rows 13.3 / 14.0.
-WIDENED_MAX_ROWS = 4
+# its bytes. A 49,152 x 576 head (SmolLM2) on a 2-core AMD Zen 3, ms: the float32 head and its
+# argmax against the screen's argmax, 1 row 6.8 / 4.7, 2 rows 6.5 / 4.4, 4 rows 6.9 / 6.2,
+# 8 rows 8.6 / 8.7, 16 rows 13.3 / 14.0; the float32 head against the screen's logits alone
+# (drafts), 1 row 9.0 / 4.2, 4 rows 8.2 / 5.3, 8 rows 10.0 / 7.6, 16 rows 13.7 / 12.4, 24 rows
+# 17.3 / 16.4.
+WIDENED_MAX_ROWS = 4  # argmax (candidate columns recomputed in float32)
+WIDENED_MAX_LOGIT_ROWS = 24  # logits alone
 
 
 def _slack(depth: int) -> float:
@@ -68,7 +71,7 @@ class GreedyScreen:
     column_norms: torch.Tensor  # [V] float32: ||w_j||_2, rounded up
     max_norm: float
     slack: float
-    max_rows: int | None  # the most rows it answers (None: as many as the head's panels take)
+    widened: bool  # the panels widen bfloat16 to float32 (`kernels.linear_widens_bfloat16`)
 
     @classmethod
     def of(cls, head: PackedWeight | None) -> GreedyScreen | None:
@@ -85,16 +88,19 @@ class GreedyScreen:
             norms,
             float(norms.max()) if norms.numel() else 0.0,
             _slack(weight.shape[1]),
-            WIDENED_MAX_ROWS if kernels.linear_widens_bfloat16() else None,
+            kernels.linear_widens_bfloat16(),
         )
 
     @property
     def vocab_size(self) -> int:
         return self.head.weight.shape[0]
 
-    def pays(self, rows: int) -> bool:
-        """Whether reading the screen beats the float32 head at this many rows."""
-        return self.max_rows is None or rows <= self.max_rows
+    def pays(self, rows: int, exact: bool = True) -> bool:
+        """Whether reading the screen beats the float32 head at this many rows: for exact
+        greedy tokens (`argmax`), or for logits as they are (`exact=False`, drafts)."""
+        if not self.widened:
+            return True
+        return rows <= (WIDENED_MAX_ROWS if exact else WIDENED_MAX_LOGIT_ROWS)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[N, V]` bfloat16 logits of `[N, K]` rows from the bfloat16 copy (for drafts)."""

@@ -145,7 +145,7 @@ class TargetParts:
 
         def compute_logits(hidden: torch.Tensor) -> torch.Tensor:
             screen = target.greedy_screen()
-            if screen is not None and screen.pays(hidden.shape[0]):
+            if screen is not None and screen.pays(hidden.shape[0], exact=False):
                 return screen.logits(hidden)
             return target.compute_logits(hidden.to(target.dtype))
 
