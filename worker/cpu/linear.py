@@ -3,8 +3,9 @@
 On CPU, torch's default `F.linear` runs a GEMM that reads the weight in its plain layout on
 every call, which is slow for the few rows of a decode step. So each weight gets a packed copy:
 
-- on AVX-512 CPUs (and in float32 on AVX2 ones with FMA), panels for specserve's own kernel
-  (`kernels.panel_linear`): it streams each weight once per 16 rows at about the CPU's peak.
+- on AVX-512 CPUs (and on AVX2 ones with FMA, bfloat16 widened to float32), panels for
+  specserve's own kernel (`kernels.panel_linear`): it streams each weight once per 16 rows at
+  about the CPU's peak.
   For SmolLM2's 121 matmuls (LM head included) on a 2-core AMD Zen 4: 23.6 ms at 16 rows in
   float32 (oneDNN packed: 29.7 ms) and 13.1 ms in bfloat16 (17.3 ms); 11.8 ms (20.7 ms) at one
   row; on par (+-10%) at 64 to 256 rows. On a 2-core AMD Zen 1 (AVX2, float32): 27.4 ms at one
