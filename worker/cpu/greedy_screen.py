@@ -47,10 +47,12 @@ MAX_CANDIDATES = 4096
 # With bfloat16 widened to float32 (AVX2) the screen pays where the float32 head is bound by
 # its bytes. A 49,152 x 576 head (SmolLM2) on a 2-core AMD Zen 3, ms: the float32 head and its
 # argmax against the screen's argmax, 1 row 6.8 / 4.7, 2 rows 6.5 / 4.4, 4 rows 6.9 / 6.2,
-# 8 rows 8.6 / 8.7, 16 rows 13.3 / 14.0; the float32 head against the screen's logits alone
-# (drafts), 1 row 9.0 / 4.2, 4 rows 8.2 / 5.3, 8 rows 10.0 / 7.6, 16 rows 13.7 / 12.4, 24 rows
-# 17.3 / 16.4.
-WIDENED_MAX_ROWS = 4  # argmax (candidate columns recomputed in float32)
+# 8 rows 8.6 / 8.7, 16 rows 13.3 / 14.0 (random rows: ~44 candidate columns a row, where real
+# rows keep 1-2); the float32 head against the screen's logits alone (drafts), 1 row 9.0 / 4.2,
+# 4 rows 8.2 / 5.3, 8 rows 10.0 / 7.6, 16 rows 13.7 / 12.4, 24 rows 17.3 / 16.4. The engine
+# with real rows (A/B, 4 rounds): a limit of 16 against 4 gave batch 8 1.02-1.15x (median
+# 1.05x) and batch 16 0.93-1.09x (1.00x).
+WIDENED_MAX_ROWS = 8  # argmax (candidate columns recomputed in float32)
 WIDENED_MAX_LOGIT_ROWS = 24  # logits alone
 
 
