@@ -17,8 +17,8 @@
  *
  * With AVX2 a panel is two 8-wide registers per row, so a tile holds 6 rows (12 accumulators)
  * and more rows stream the panel once per 6 (from cache: a panel is 16 columns). AVX2 has no
- * bfloat16 arithmetic: a bfloat16 panel's pairs are widened to float32 in registers (a shift and
- * a mask), the inputs are packed as float32 pairs, and each pair accumulates as vdpbf16ps does
+ * bfloat16 arithmetic: a bfloat16 panel's pairs are widened to float32 in registers (by shifts),
+ * the inputs are packed as float32 pairs, and each pair accumulates as vdpbf16ps does
  * (acc += x1 w1, then acc += x0 w0; a product of two bfloat16 is exact in float32), so the sums
  * are the AVX512_BF16 tiles' bit for bit but for subnormals (which vdpbf16ps flushes). It reads
  * half the bytes of float32 panels, which is what a decode step of few rows waits on.
@@ -30,6 +30,7 @@
  * bfloat16 pair products in float32, K in the same order; bias and rounding are as above. The
  * process must be granted the tile state first (`linear_enable_amx`, called at load).
  */
+#define _DEFAULT_SOURCE 1 /* syscall() under -std=c11 (the AMX tile request) */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -453,12 +454,14 @@ void panel_linear_team(const void *x, int64_t x_stride, const void *panels, cons
             for (int64_t r = 0; r < tile; r++) {
                 if (is_bf16) {
                     const uint16_t *src = (const uint16_t *)x + (r0 + r) * x_stride;
-                    uint32_t hi = 2 * d + 1 < k ? src[2 * d + 1] : 0;
+                    const int has_odd = 2 * d + 1 < k; /* else the pair's zero padding */
                     const int64_t at = r0 * depth + d * tile + r;
                     if (PAIRS_AS_FLOAT32) {
                         float *pair = (float *)packed + 2 * at;
-                        pair[0] = bf16_load(src, 2 * d), pair[1] = bf16_load((uint16_t *)&hi, 0);
+                        pair[0] = bf16_load(src, 2 * d);
+                        pair[1] = has_odd ? bf16_load(src, 2 * d + 1) : 0.0f;
                     } else {
+                        const uint32_t hi = has_odd ? src[2 * d + 1] : 0;
                         ((uint32_t *)packed)[at] = (uint32_t)src[2 * d] | hi << 16;
                     }
                 } else {
