@@ -161,9 +161,9 @@ def dflash_dense(
 
 
 def borrowed_head_logits(target: DecoderModel, hidden: torch.Tensor) -> torch.Tensor:
-    """What a drafter that borrows the target's LM head gets: the head's bfloat16 screen where
-    the target has one and it pays at this many rows (within bfloat16's rounding of the head's
-    own logits), else the head."""
+    """What a drafter that borrows the target's LM head gets: the logits of the head's screen
+    (a bfloat16 or int8 copy) where the target has one and it pays at this many rows (within
+    the copy's rounding of the head's own logits), else the head."""
     full = target.compute_logits(hidden.to(target.dtype))
     screen = target.greedy_screen()
     if screen is None or not screen.pays(hidden.shape[0], exact=False):

@@ -1,10 +1,10 @@
 """The greedy screen (`worker/cpu/greedy_screen.py`): a float32 head's argmax from a bfloat16
-read of it, which must be the float32 head's own argmax (first index on ties) on every row it
-answers, however close the logits, and must decline (None) rows it cannot promise.
+or int8 read of it, which must be the float32 head's own argmax (first index on ties) on every
+row it answers, however close the logits, and must decline (None) rows it cannot promise. Both
+copies are checked wherever the tests run, whichever this CPU's screen reads.
 
-The screen's column test (`kernels.screen_columns`) is checked against the same float32
-arithmetic in PyTorch; the engine's greedy output with the screen against the output without
-it, with and without speculation.
+Each copy's bound is checked column by column where its error adds up; the engine's greedy
+output with the screen against the output without it, with and without speculation.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from specserve.worker.cpu.greedy_screen import (
     WIDENED_MAX_LOGIT_ROWS,
     WIDENED_MAX_ROWS,
     GreedyScreen,
+    default_copy,
 )
 from specserve.worker.cpu.linear import linear, pack_weight
 from specserve.worker.sampler import argmax_rows
@@ -34,12 +35,15 @@ pytestmark = pytest.mark.skipif(
 VOCAB, DEPTH = 4099, 576  # a partial last panel
 
 
-def _head(weight: torch.Tensor):
-    """The packed head and its screen, answering any number of rows (its exactness does not
-    depend on `widened`, which only says where it pays)."""
+COPIES = pytest.mark.parametrize("copy", ["bfloat16", "int8"])
+
+
+def _head(weight: torch.Tensor, copy: str):
+    """The packed head and its screen reading `copy`, answering any number of rows (its
+    exactness does not depend on `widened`, which only says where it pays)."""
     packed = pack_weight(weight)
     assert packed is not None and packed.panels
-    screen = GreedyScreen.of(packed)
+    screen = GreedyScreen.of(packed, copy)
     assert screen is not None
     return packed, dataclasses.replace(screen, widened=False)
 
@@ -49,10 +53,11 @@ def _full_argmax(hidden: torch.Tensor, weight: torch.Tensor, packed) -> torch.Te
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
-def test_the_screen_gives_the_float32_heads_argmax(rows: int) -> None:
+@COPIES
+def test_the_screen_gives_the_float32_heads_argmax(rows: int, copy: str) -> None:
     torch.manual_seed(rows)
     weight = torch.randn(VOCAB, DEPTH) * 0.05
-    packed, screen = _head(weight)
+    packed, screen = _head(weight, copy)
     answered = 0
     for scale in (0.1, 1.0, 10.0, 1000.0):
         hidden = torch.randn(rows, DEPTH) * scale
@@ -63,7 +68,8 @@ def test_the_screen_gives_the_float32_heads_argmax(rows: int) -> None:
     assert answered >= 3
 
 
-def test_near_ties_and_exact_ties_go_to_the_float32_heads_first_index() -> None:
+@COPIES
+def test_near_ties_and_exact_ties_go_to_the_float32_heads_first_index(copy: str) -> None:
     """Columns whose logits differ by a float32 ulp or less, far below bfloat16's resolution:
     only the float32 recomputation can tell them apart, and equal ones go to the lowest id."""
     torch.manual_seed(0)
@@ -73,7 +79,7 @@ def test_near_ties_and_exact_ties_go_to_the_float32_heads_first_index() -> None:
     for i, column in enumerate(near):  # the same row, nudged by a few float32 ulps
         weight[column] = base + torch.randn(DEPTH) * 1e-7 * i
     weight[3000] = weight[100]  # an exact tie with a later index
-    packed, screen = _head(weight)
+    packed, screen = _head(weight, copy)
     checked = 0
     for seed in range(40):
         torch.manual_seed(seed)
@@ -90,9 +96,10 @@ def test_near_ties_and_exact_ties_go_to_the_float32_heads_first_index() -> None:
         assert screen.argmax(hidden).tolist() == [100]
 
 
-def test_columns_apart_by_less_than_bfloat16_can_see_are_told_apart() -> None:
+@COPIES
+def test_columns_apart_by_less_than_the_copy_can_see_are_told_apart(copy: str) -> None:
     """A ladder of columns around one direction, apart by 1e-6 to 1e-2 of it: the screen's own
-    order of them is often wrong (bfloat16 rounding), so only the bound keeps the float32
+    order of them is often wrong (the copy's rounding), so only the bound keeps the float32
     argmax among the columns recomputed."""
     torch.manual_seed(3)
     base = torch.randn(DEPTH) * 0.05
@@ -100,7 +107,7 @@ def test_columns_apart_by_less_than_bfloat16_can_see_are_told_apart() -> None:
     ladder = torch.arange(0, VOCAB, 7)
     steps = torch.logspace(-6, -2, ladder.numel())
     weight[ladder] = base + steps[:, None] * torch.randn(ladder.numel(), DEPTH) * 0.05
-    packed, screen = _head(weight)
+    packed, screen = _head(weight, copy)
     hidden = base[None] * 40 + torch.randn(64, DEPTH) * 0.05
     full = linear(hidden, weight, None, packed)
     screened_order_wrong = int((argmax_rows(screen.logits(hidden)) != argmax_rows(full)).sum())
@@ -111,10 +118,11 @@ def test_columns_apart_by_less_than_bfloat16_can_see_are_told_apart() -> None:
         assert torch.equal(got, argmax_rows(linear(rows, weight, None, packed)))
 
 
-def test_rows_it_cannot_promise_are_declined() -> None:
+@COPIES
+def test_rows_it_cannot_promise_are_declined(copy: str) -> None:
     torch.manual_seed(1)
     weight = torch.randn(VOCAB, DEPTH) * 0.05
-    packed, screen = _head(weight)
+    packed, screen = _head(weight, copy)
     hidden = torch.randn(3, DEPTH)
     for bad in (float("nan"), float("inf"), -float("inf")):
         poisoned = hidden.clone()
@@ -127,7 +135,7 @@ def test_rows_it_cannot_promise_are_declined() -> None:
     assert screen.argmax(torch.randn(4, DEPTH)) is not None
     # All columns alike: every one passes the test, more than the screen recomputes.
     same = pack_weight(torch.ones(MAX_CANDIDATES + 16, 64))
-    assert GreedyScreen.of(same).argmax(torch.randn(1, 64)) is None
+    assert GreedyScreen.of(same, copy).argmax(torch.randn(1, 64)) is None
 
 
 def test_where_bfloat16_is_widened_the_screen_answers_only_few_rows() -> None:
@@ -151,19 +159,70 @@ def test_only_a_float32_head_packed_as_panels_gets_a_screen() -> None:
     assert GreedyScreen.of(pack_weight(torch.randn(64, 32).to(torch.bfloat16))) is None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_screen_columns_is_the_float32_test(dtype: torch.dtype) -> None:
-    torch.manual_seed(2)
-    rows, cols = 5, 1000
-    x = torch.randn(rows, cols).to(dtype)
-    x[2, 17] = float("nan")
-    norms = torch.rand(cols)
-    scales = torch.rand(rows) * 0.5
-    floors = x.float().nan_to_num(-9.0).max(dim=1).values - torch.rand(rows) * 2
-    expect = torch.nonzero((x.float() + scales[:, None] * norms[None]) >= floors[:, None])
-    got = kernels.screen_columns(x, floors, scales, norms, float(norms.max()), 10_000)
-    assert got is not None and torch.equal(got, expect)
-    assert kernels.screen_columns(x, floors, scales, norms, float(norms.max()), 3) is None
+@pytest.mark.parametrize("rows", [1, 5, 6, 13])
+def test_the_int8_kernel_sums_each_column_of_its_copy(rows: int) -> None:
+    """`int8_panel_linear` against float64 sums of the same int8 values and scales: within a
+    float32 sum's rounding, for tiles of 1-6 rows and a remainder, a partial last panel and
+    rows a stride apart; and `int8_panels_weight` reads back the Q that was packed."""
+    torch.manual_seed(rows)
+    weight = torch.randn(VOCAB, DEPTH) * 0.05
+    weight[5] = 0.0  # a zero column: scale 0, logits 0
+    panels, scale = kernels.pack_int8_panels(weight)
+    q = kernels.int8_panels_weight(panels, VOCAB)
+    assert q.dtype == torch.int8 and q.shape == (VOCAB, DEPTH) and int(q.abs().max()) == 127
+    assert torch.equal(q.double() * scale.double()[:, None], _round_trip(weight, scale))
+    wide = torch.randn(rows, DEPTH + 7)
+    x = wide[:, :DEPTH]  # rows DEPTH + 7 apart
+    got = kernels.int8_panel_linear(x, panels, scale, VOCAB)
+    sums = x.double() @ q.double().T
+    expect = sums * scale.double()
+    magnitude = x.double().abs() @ q.double().abs().T * scale.double()
+    assert got.dtype == torch.float32 and got.shape == (rows, VOCAB)
+    assert bool(((got.double() - expect).abs() <= 2 * DEPTH * 2.0**-24 * magnitude + 1e-30).all())
+    assert bool((got[:, 5] == 0).all())
+    with pytest.raises(ValueError, match="scale"):
+        kernels.int8_panel_linear(x.contiguous(), panels, scale[:-1], VOCAB)
+
+
+def _round_trip(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    s = torch.where(scale > 0, scale, 1.0).double()[:, None]
+    return (weight.double() / s).round().clamp(-127, 127) * scale.double()[:, None]
+
+
+@COPIES
+def test_each_column_is_within_its_bound_even_where_the_error_adds_up(copy: str) -> None:
+    """|head_j - screen_j| <= c_j ||x|| for every column, on random rows and on rows along a
+    column's own rounding error (where the error of every product has the same sign: the
+    Cauchy-Schwarz bound's worst case), at magnitudes from 1e-3 to 1e3."""
+    torch.manual_seed(6)
+    weight = torch.randn(VOCAB, DEPTH) * 0.05
+    packed, screen = _head(weight, copy)
+    copied = (
+        weight.to(torch.bfloat16).double()
+        if copy == "bfloat16"
+        else kernels.int8_panels_weight(screen.panels, VOCAB).double()
+        * screen.scale.double()[:, None]
+    )
+    error = weight.double() - copied
+    rows = [
+        torch.randn(8, DEPTH),
+        error[:8].float().sign(),
+        (error[100:108] / error[100:108].norm(dim=1, keepdim=True)).float(),
+    ]
+    for hidden in rows:
+        for magnitude in (1e-3, 1.0, 1e3):
+            x = (hidden * magnitude).contiguous()
+            head = linear(x, weight, None, packed).double()
+            got = screen.logits(x).double()
+            bound = x.double().norm(dim=1)[:, None] * screen.column_bounds.double()[None]
+            assert bool(((head - got).abs() <= bound).all())
+
+
+def test_the_default_copy_is_int8_where_bfloat16_is_widened() -> None:
+    expect = "int8" if kernels.linear_widens_bfloat16() else "bfloat16"
+    assert default_copy() == expect
+    screen = GreedyScreen.of(pack_weight(torch.randn(VOCAB, DEPTH) * 0.05))
+    assert screen is not None and screen.copy == expect
 
 
 @pytest.mark.parametrize(

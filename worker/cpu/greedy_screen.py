@@ -1,37 +1,45 @@
-"""Greedy tokens of a float32 LM head, exactly, from a bfloat16 read of it.
+"""Greedy tokens of a float32 LM head, exactly, from a cheaper read of it.
 
 A float32 decode step at batch 1 streams every weight once, and the LM head is a fifth of
 them (SmolLM2-135M: 113 of 540 MB, ~3.4 ms of a ~19 ms step on a 2-core Zen 4). A greedy row
-needs only the head's argmax. `GreedyScreen` reads a bfloat16 copy of the head instead (half
-the bytes), bounds how far each screened logit can be from the float32 head's, and computes
-in float32 only the columns whose bound reaches the row's best: their logits bit for bit as
-the head's own call gives them (the same panel kernel sums each output column on its own, in
-the same order, whichever columns it is given), so the token is the float32 head's argmax,
-first index on ties.
+needs only the head's argmax. `GreedyScreen` reads a copy of the head instead, a bfloat16 one
+(half the bytes) or an int8 one with a scale a column (a quarter), bounds how far each screened
+logit can be from the float32 head's, and computes in float32 only the columns whose bound
+reaches the row's best: their logits bit for bit as the head's own call gives them (the same
+panel kernel sums each output column on its own, in the same order, whichever columns it is
+given), so the token is the float32 head's argmax, first index on ties.
 
-The bound. The screen multiplies x and w rounded to bfloat16 (relative error u = 2^-8 each),
-sums in float32 and rounds the sum to bfloat16; the head sums x w in float32. With
-S = sum_i |w_i| |x_i| and gamma = K 2^-24 (a float32 sum of K products, in any order):
+The bound has one form for both copies: |head_j - screen_j| <= c_j ||x||_2, with a constant
+c_j per column computed when the copy is made. Let gamma = K 2^-24 / (1 - K 2^-24) bound a
+float32 sum of K products in any order, relative to the sum of their magnitudes, so that the
+head's own logit is within gamma ||w_j|| ||x|| of x.w_j (Cauchy-Schwarz).
 
-    |head - screen| <= (2u + u^2) S + u (1 + u)^2 S + gamma S + gamma (1 + u)^2 S
-                    <= SLACK * S,   and   S <= ||w||_2 ||x||_2 =: B_j / SLACK.
+- bfloat16 (x and w rounded to bfloat16, relative error u = 2^-8 each; float32 sums; the sum
+  rounded to bfloat16): c_j = SLACK ||w_j||, with SLACK = (2u + u^2) + u (1 + u)^2 +
+  gamma (1 + (1 + u)^2), plus 1%.
+- int8 (w_j = s_j q_j + e_j, q_j integers of at most 127, the error e_j known exactly; the
+  kernel sums x_i q_ij in float32 and multiplies by s_j once): x.w_j - s_j x.q_j = x.e_j, so
+  c_j = ||e_j|| + gamma ||w_j|| + (gamma + 2^-24 (1 + gamma)) s_j ||q_j||, plus 1%. On SmolLM2's
+  head it is 3% below the bfloat16 copy's.
 
 Column j can hold the argmax only if screen_j + B_j >= screen_b - B_b, b the screen's own
-argmax. `kernels.screen_columns` applies that test in float32, with its inputs moved so that
-float32 rounding only ever keeps more columns; typically one or two columns a row pass.
+argmax, B = c ||x||. `kernels.screen_argmax` applies that test in float32, with its floor
+moved so that float32 rounding only ever keeps more columns (typically one or two columns a
+row pass), and computes the passing columns' logits as the head's float32 panels do.
 
 Only where it is exact: the head's float32 call would run the panel kernel at this many rows
-(`PackedWeight.runs_panels`), every value is finite, and the CPU has bfloat16 panels. Where
-those widen bfloat16 to float32 (AVX2), the screen multiplies at float32's rate: it answers
-steps of up to `WIDENED_MAX_ROWS` rows, which wait on the head's bytes. Drafters read the
-screen's logits as they are (`logits`; on AVX2 up to `WIDENED_MAX_LOGIT_ROWS` rows): a draft
-needs no exact logits, since the target verifies it.
+(`PackedWeight.runs_panels`) and every value is finite. Which copy: bfloat16 where the CPU
+multiplies bfloat16 (AVX512_BF16), int8 where it would widen bfloat16 to float32 anyway (AVX2):
+there both copies multiply at float32's rate, so the screen answers steps of up to
+`WIDENED_MAX_ROWS` rows, which wait on the head's bytes. Drafters read the screen's logits as
+they are (`logits`; on AVX2 up to `WIDENED_MAX_LOGIT_ROWS` rows): a draft needs no exact
+logits, since the target verifies it.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -41,26 +49,43 @@ from specserve.worker.cpu.linear import PackedWeight
 _U = 2.0**-8  # bfloat16's unit roundoff
 _U32 = 2.0**-24
 _MARGIN = 2.0**-20  # what float32 inputs of the column test are moved by: 16x its rounding
-# A step whose rows keep more columns than this each is left to the float32 head: gathering
-# and packing that many of its rows again would cost more than reading half the head.
-MAX_CANDIDATES = 4096
-# With bfloat16 widened to float32 (AVX2) the screen pays where the float32 head is bound by
-# its bytes. A 49,152 x 576 head (SmolLM2) on a 2-core AMD Zen 3, ms: the float32 head and its
-# argmax against the screen's argmax, 1 row 6.8 / 4.7, 2 rows 6.5 / 4.4, 4 rows 6.9 / 6.2,
-# 8 rows 8.6 / 8.7, 16 rows 13.3 / 14.0 (random rows: ~44 candidate columns a row, where real
-# rows keep 1-2); the float32 head against the screen's logits alone (drafts), 1 row 9.0 / 4.2,
-# 4 rows 8.2 / 5.3, 8 rows 10.0 / 7.6, 16 rows 13.7 / 12.4, 24 rows 17.3 / 16.4. The engine
-# with real rows (A/B, 4 rounds): a limit of 16 against 4 gave batch 8 1.02-1.15x (median
-# 1.05x) and batch 16 0.93-1.09x (1.00x).
+# A row that keeps more columns than this is left to the float32 head: computing that many
+# columns one by one would cost more than reading the head.
+MAX_CANDIDATES = 1024
+# Where the copy multiplies at float32's rate (AVX2) the screen pays while the float32 head is
+# bound by its bytes. A 49,152 x 576 head (SmolLM2) on a 2-core AMD Zen 3, caches flushed
+# between calls, ms: the float32 head and its argmax against the int8 screen's argmax, 1 row
+# 9.3 / 3.1, 2 rows 6.9 / 2.8, 4 rows 7.9 / 3.6, 8 rows 10.6-11.2 / 6.4-7.9, 16 rows 15.5 /
+# 11.5, 24 rows 19.0 / 16.5, 32 rows 28.3 / 33.4; the float32 head against the int8 screen's
+# logits alone (drafts), 1 row 7.4 / 2.5, 8 rows 10.9 / 5.8, 16 rows 14.4 / 10.8, 24 rows
+# 18.2 / 14.8, 32 rows 26.7 / 31.0. In the engine with real rows (A/B, 4 rounds, outputs equal)
+# a greedy limit of 16 against 8 gave batch 16 0.96-1.03x (median 0.98x), as a limit of 16
+# against 4 had for the bfloat16 copy (1.00x; batch 8 1.05x).
 WIDENED_MAX_ROWS = 8  # argmax (candidate columns recomputed in float32)
 WIDENED_MAX_LOGIT_ROWS = 24  # logits alone
 
 
+Copy = Literal["bfloat16", "int8"]
+
+
+def _gamma(depth: int) -> float:
+    """The bound of a float32 sum of `depth` products, relative to their magnitudes' sum."""
+    return depth * _U32 / (1 - depth * _U32)
+
+
 def _slack(depth: int) -> float:
-    """The bound's factor on ||w|| ||x|| for sums of `depth` products, with 1% to spare."""
-    gamma = depth * _U32 / (1 - depth * _U32)
-    u = _U
+    """The bfloat16 copy's bound factor on ||w|| ||x|| for sums of `depth` products, with 1% to
+    spare."""
+    u, gamma = _U, _gamma(depth)
     return 1.01 * ((2 * u + u * u) + u * (1 + u) ** 2 + gamma * (1 + (1 + u) ** 2))
+
+
+def default_copy() -> Copy | None:
+    """The copy a screen reads on this CPU: bfloat16 where it multiplies bfloat16, int8 where
+    bfloat16 would be widened to float32 (AVX2); None without bfloat16 panels."""
+    if torch.bfloat16 not in kernels.linear_dtypes():
+        return None
+    return "int8" if kernels.linear_widens_bfloat16() else "bfloat16"
 
 
 @dataclass(eq=False)
@@ -69,28 +94,45 @@ class GreedyScreen:
     head's packing) is the one in use."""
 
     head: PackedWeight
-    panels: torch.Tensor  # the head's weight in bfloat16, packed for `kernels.panel_linear`
-    column_norms: torch.Tensor  # [V] float32: ||w_j||_2, rounded up
-    max_norm: float
-    slack: float
-    widened: bool  # the panels widen bfloat16 to float32 (`kernels.linear_widens_bfloat16`)
+    copy: Copy
+    panels: torch.Tensor  # the head's copy, packed for its kernel
+    scale: torch.Tensor | None  # int8: each column's float32 scale
+    column_bounds: torch.Tensor  # [V] float32 c_j, rounded up: |head_j - screen_j| <= c_j ||x||
+    max_bound: float
+    widened: bool  # the copy multiplies at float32's rate: int8, or bfloat16 on AVX2
 
     @classmethod
-    def of(cls, head: PackedWeight | None) -> GreedyScreen | None:
-        """A screen for a float32 head packed as panels on a CPU with bfloat16 panels."""
+    def of(cls, head: PackedWeight | None, copy: Copy | None = None) -> GreedyScreen | None:
+        """A screen for a float32 head packed as panels, reading `copy` (default: this CPU's,
+        `default_copy`)."""
         if head is None or not head.panels or head.weight.dtype != torch.float32:
             return None
-        if torch.bfloat16 not in kernels.linear_dtypes():
+        copy = copy or default_copy()
+        if copy is None:
             return None
         weight = head.weight.detach()
-        norms = (weight.double().norm(dim=1) * (1 + _MARGIN)).float()
+        norms = weight.double().norm(dim=1)
+        gamma = _gamma(weight.shape[1])
+        if copy == "bfloat16":
+            panels, scale = kernels.pack_panels(weight.to(torch.bfloat16)), None
+            bounds = _slack(weight.shape[1]) * norms
+        else:
+            panels, scale = kernels.pack_int8_panels(weight)
+            q = kernels.int8_panels_weight(panels, weight.shape[0]).double()
+            s = scale.double()
+            error = (weight.double() - s[:, None] * q).norm(dim=1)
+            bounds = 1.01 * (
+                error + gamma * norms + (gamma + _U32 * (1 + gamma)) * s * q.norm(dim=1)
+            )
+        bounds = (bounds * (1 + _MARGIN)).float()
         return cls(
             head,
-            kernels.pack_panels(weight.to(torch.bfloat16)),
-            norms,
-            float(norms.max()) if norms.numel() else 0.0,
-            _slack(weight.shape[1]),
-            kernels.linear_widens_bfloat16(),
+            copy,
+            panels,
+            scale,
+            bounds,
+            float(bounds.max()) if bounds.numel() else 0.0,
+            copy == "int8" or kernels.linear_widens_bfloat16(),
         )
 
     @property
@@ -105,7 +147,11 @@ class GreedyScreen:
         return rows <= (WIDENED_MAX_ROWS if exact else WIDENED_MAX_LOGIT_ROWS)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[N, V]` bfloat16 logits of `[N, K]` rows from the bfloat16 copy (for drafts)."""
+        """`[N, V]` logits of `[N, K]` rows from the copy (for drafts): bfloat16 from the
+        bfloat16 copy, float32 from the int8 one."""
+        if self.scale is not None:
+            rows = hidden.to(torch.float32).contiguous()
+            return kernels.int8_panel_linear(rows, self.panels, self.scale, self.vocab_size)
         return kernels.panel_linear(hidden.to(torch.bfloat16), self.panels, None, self.vocab_size)
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -123,35 +169,12 @@ class GreedyScreen:
         screen = self.logits(hidden)
         if not kernels.rows_supported(screen):
             return None
-        candidates = self._candidates(screen, hidden.double().norm(dim=1))
-        if candidates is None:
-            return None
-        columns = torch.unique(candidates[:, 1])  # sorted: ties go to the lowest id
-        exact = kernels.panel_linear(
-            hidden, kernels.pack_panels(self.head.weight[columns]), None, columns.numel()
-        )
-        keep = torch.full((rows, columns.numel()), False)
-        keep[candidates[:, 0], torch.searchsorted(columns, candidates[:, 1].contiguous())] = True
-        return columns[exact.masked_fill(~keep, -math.inf).argmax(dim=1)]
-
-    def _candidates(self, screen: torch.Tensor, x_norms: torch.Tensor) -> torch.Tensor | None:
-        """`[M, 2]` (row, column) pairs that may hold their row's argmax (each row's screened
-        best among them); None where a value is not finite or too many columns pass."""
-        best_column = kernels.argmax_rows(screen)
-        best = screen.gather(1, best_column[:, None])[:, 0].double()
-        if not (bool(torch.isfinite(best).all()) and bool(torch.isfinite(x_norms).all())):
-            return None  # a NaN or an infinity in a row (argmax_rows gives NaN's index)
-        scales = self.slack * x_norms * (1 + _MARGIN)  # B_j = scale * ||w_j||
-        floors = best - scales * self.column_norms[best_column].double()
-        widest = best.abs() + 2 * scales * self.max_norm  # what the test's terms reach
-        floors = floors - widest * _MARGIN - 2.0**-140
-        if not bool(torch.isfinite(floors).all()):
-            return None
-        return kernels.screen_columns(
+        return kernels.screen_argmax(
+            hidden.contiguous(),
             screen,
-            floors,
-            scales,
-            self.column_norms,
-            self.max_norm,
-            MAX_CANDIDATES * screen.shape[0],
+            self.column_bounds,
+            self.max_bound,
+            _MARGIN,
+            self.head.tensor,
+            MAX_CANDIDATES,
         )

@@ -20,8 +20,8 @@
   a pass over memory apiece), in one call.
 - `decode_layers`: a whole decode step, every layer, in one call (`worker.fused_decode`).
 - `argmax_rows`: greedy picks over vocabulary-wide rows, ~10x PyTorch's `max` on CPU, and
-  `screen_columns`: the columns of each row that may hold its argmax
-  (`worker.cpu.greedy_screen`).
+  `screen_argmax`: the greedy screen's tokens from its screened logits
+  (`worker.cpu.greedy_screen`), whose int8 copy of the head `int8_panel_linear` reads.
 
 Each kernel's body is a "team" function (`csrc/team.h`) that the threads of one OpenMP team
 share, so the standalone calls above and the fused decode step run the same code.
@@ -319,6 +319,7 @@ def open_library(path: Path) -> ctypes.CDLL:
         "linear_amx_min_rows": (i64, []),
         "linear_widens_bf16": (ctypes.c_int, []),
         "panel_linear": (ctypes.c_int, [_PTR, i64, _PTR, _PTR, _PTR, i64, i64, i64, flag]),
+        "int8_panel_linear": (None, [_PTR, i64, _PTR, _PTR, _PTR, i64, i64, i64]),
         "rope_write_kv": (
             ctypes.c_int,
             [_PTR, *[i64] * 5, *[_PTR] * 4, f32, _PTR, i64, _PTR, i64, flag],
@@ -326,7 +327,10 @@ def open_library(path: Path) -> ctypes.CDLL:
         "decode_layers": (ctypes.c_int, [_PTR, i64, *[_PTR] * 9, f32, f32, _PTR]),
         "decode_table_fields": (ctypes.c_char_p, [ctypes.c_int]),
         "argmax_rows": (None, [_PTR, i64, i64, i64, _PTR, flag]),
-        "screen_columns": (i64, [_PTR, i64, i64, i64, *[_PTR] * 3, f32, _PTR, i64, flag]),
+        "screen_argmax": (
+            ctypes.c_int,
+            [_PTR, *[i64] * 3, _PTR, i64, i64, flag, _PTR, f32, ctypes.c_double, _PTR, i64, _PTR],
+        ),
         "paged_prefill_supported": (ctypes.c_int, []),
         "paged_prefill_on_tiles": (ctypes.c_int, [i64, flag]),
         "paged_prefill_attention": (
@@ -522,38 +526,35 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def screen_columns(
+def screen_argmax(
     x: torch.Tensor,
-    floors: torch.Tensor,
-    scales: torch.Tensor,
-    norms: torch.Tensor,
-    max_norm: float,
-    capacity: int,
+    screen: torch.Tensor,
+    bounds: torch.Tensor,
+    max_bound: float,
+    margin: float,
+    head_panels: torch.Tensor,
+    max_candidates: int,
 ) -> torch.Tensor | None:
-    """`torch.nonzero(x + scales[:, None] * norms >= floors[:, None])` of `[N, V]` rows
-    (row-major order, NaN never kept; float32 arithmetic), or None when there are more than
-    `capacity` pairs. `max_norm` must bound `norms`. Call `rows_supported` first."""
+    """The greedy screen's tokens (`csrc/sampling.c` `screen_argmax`): for float32 rows `x [N,
+    K]` and their screened logits `screen [N, V]` (`rows_supported`), each row's argmax of the
+    float32 head packed as `head_panels` (`pack_panels`), first index on ties, from the columns
+    whose bound `||x|| (1 + margin) bounds[j]` reaches the row's best; None where a row cannot
+    be promised (a value not finite, more than `max_candidates` columns)."""
     lib = load()
-    assert lib is not None, "screen_columns called where rows_supported() is False"
-    rows, cols = x.shape
-    floors, scales = (t.to(torch.float32).contiguous() for t in (floors, scales))
-    assert floors.shape == scales.shape == (rows,) and norms.shape == (cols,)
-    assert norms.dtype == torch.float32 and norms.is_contiguous()
-    pairs = torch.empty((capacity, 2), dtype=torch.int64)
-    found = lib.screen_columns(
-        x.data_ptr(),
-        x.stride(0),
-        rows,
-        cols,
-        floors.data_ptr(),
-        scales.data_ptr(),
-        norms.data_ptr(),
-        max_norm,
-        pairs.data_ptr(),
-        capacity,
-        int(x.dtype == torch.bfloat16),
-    )
-    return pairs[:found] if found <= capacity else None
+    assert lib is not None, "screen_argmax called where rows_supported() is False"
+    rows, k = x.shape
+    cols = screen.shape[1]
+    assert x.dtype == torch.float32 and x.stride(1) == 1 and screen.shape[0] == rows
+    assert bounds.dtype == torch.float32 and bounds.is_contiguous() and bounds.shape == (cols,)
+    assert head_panels.dtype == torch.float32 and head_panels.is_contiguous()
+    assert head_panels.numel() == -(-cols // PANEL) * PANEL * k
+    out = torch.empty(rows, dtype=torch.int64)
+    failed = lib.screen_argmax(
+        x.data_ptr(), x.stride(0), rows, k, screen.data_ptr(), screen.stride(0), cols,
+        int(screen.dtype == torch.bfloat16), bounds.data_ptr(), max_bound, margin,
+        head_panels.data_ptr(), max_candidates, out.data_ptr(),
+    )  # fmt: skip
+    return None if failed else out
 
 
 def attention_supported(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -760,6 +761,53 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
         w = F.pad(weight.detach(), (0, 0, 0, pad_n))
         panels = w.view(-1, PANEL, k).permute(0, 2, 1)
     return panels.contiguous()
+
+
+def pack_int8_panels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float32 `weight [N, K]` as int8 panels for `int8_panel_linear` (ceil(N/16) panels of
+    16 output columns, each `[K][16]`, zero-padded) and each column's float32 scale: row j of
+    `weight` is about `scale[j] * Q[j]`, Q = round(w / scale) with scale = max|w_j| / 127."""
+    n, k = weight.shape
+    w = weight.detach().double()
+    scale = (w.abs().amax(dim=1) / 127).float()
+    safe = torch.where(scale > 0, scale, 1.0).double()
+    q = torch.round(w / safe[:, None]).clamp(-127, 127).to(torch.int8)
+    panels = F.pad(q, (0, 0, 0, -n % PANEL)).view(-1, PANEL, k).permute(0, 2, 1)
+    return panels.contiguous(), scale
+
+
+def int8_panels_weight(panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The int8 `Q [N, K]` that `pack_int8_panels` laid out as `panels`."""
+    num_panels, depth, _ = panels.shape
+    return panels.permute(0, 2, 1).reshape(num_panels * PANEL, depth)[:out_features]
+
+
+def int8_panel_linear(
+    x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor, out_features: int
+) -> torch.Tensor:
+    """`(x Q^T) * scale` of float32 rows `x [N, K]`, for `panels, scale = pack_int8_panels(W)`:
+    float32 `[N, out_features]`."""
+    lib = load()
+    assert lib is not None, "int8_panel_linear called without the kernel library"
+    rows, k = x.shape
+    if x.dtype != torch.float32 or x.stride(-1) != 1:
+        raise ValueError(
+            f"int8_panel_linear: input {tuple(x.shape)} {x.dtype} strides {x.stride()}"
+        )
+    if panels.dtype != torch.int8 or panels.numel() != -(-out_features // PANEL) * PANEL * k:
+        raise ValueError(
+            f"int8_panel_linear: panels {tuple(panels.shape)} {panels.dtype} do not fit "
+            f"{out_features} outputs of depth {k}"
+        )
+    if scale.shape != (out_features,) or scale.dtype != torch.float32:
+        raise ValueError(f"int8_panel_linear: scale {tuple(scale.shape)} {scale.dtype}")
+    out = torch.empty((rows, out_features), dtype=torch.float32)
+    if rows:
+        lib.int8_panel_linear(
+            x.data_ptr(), x.stride(0), panels.data_ptr(), scale.data_ptr(), out.data_ptr(),
+            rows, out_features, k,
+        )  # fmt: skip
+    return out
 
 
 def panel_linear(

@@ -137,9 +137,10 @@ class TargetParts:
     @classmethod
     def of(cls, target: DecoderModel) -> TargetParts:
         """The target's parts; its LM head takes a drafter's hidden states in the target's
-        dtype (a drafter may run in another). Beside a float32 head with a bfloat16 screen a
-        drafter reads the screen instead, at the row counts where it pays: half the bytes (a
-        draft needs no exact logits: the target verifies it). DFlash's drafts at batch 1 on a
+        dtype (a drafter may run in another). Beside a float32 head with a screen (a bfloat16 or
+        int8 copy, `cpu.greedy_screen`) a drafter reads the screen's logits instead, at the row
+        counts where it pays: half or a quarter of the bytes (a draft needs no exact logits:
+        the target verifies it). DFlash's drafts at batch 1 on a
         2-core AMD Zen 3, float32 drafter: 1.06x the tokens/s, outputs equal."""
         cfg = target.config
 

@@ -424,6 +424,21 @@ int64_t linear_amx_min_rows(void) {
 /* 1 where bfloat16 panels are widened to float32 (AVX2: float32's multiply rate, half its bytes). */
 int linear_widens_bf16(void) { return PAIRS_AS_FLOAT32; }
 
+/* Column c of one float32 panel ([depth][16]) times one row x: the float32 tiles' sum for that
+ * column bit for bit (one fused multiply-add a step, k in order, from zero), plus the tiles'
+ * zero bias. Scalar intrinsics, so that no compiler reorders the sum. */
+float panel_column_f32(const float *x, const float *panel, int64_t depth, int64_t c) {
+#if defined(LINEAR_SIMD)
+    __m128 acc = _mm_setzero_ps();
+    for (int64_t d = 0; d < depth; d++)
+        acc = _mm_fmadd_ss(_mm_set_ss(x[d]), _mm_set_ss(panel[d * PANEL + c]), acc);
+    return _mm_cvtss_f32(_mm_add_ss(acc, _mm_setzero_ps()));
+#else
+    (void)x, (void)panel, (void)depth, (void)c;
+    return 0.0f; /* no float32 panels without SIMD (linear_kernel_dtypes) */
+#endif
+}
+
 int64_t linear_packed_bytes(int64_t rows, int64_t k, int is_bf16) {
     return rows * (is_bf16 ? (k + 1) / 2 * (PAIRS_AS_FLOAT32 ? 2 : 1) : k) * 4;
 }

@@ -5,11 +5,15 @@
  * SmolLM2. Here a row is split in chunks whose maxima are found with vector max instructions;
  * only the first chunk holding the row's maximum is scanned for its index.
  */
+#include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "bf16.h"
+#include "team.h"
 
 #define CHUNK 256
+#define PANEL 16 /* output columns per float32 panel (linear.c) */
 #define PARALLEL_MIN_ELEMS 65536
 
 static inline float value(const void *row, int64_t i, int is_bf16) {
@@ -59,19 +63,54 @@ void argmax_rows(const void *x, int64_t stride, int64_t rows, int64_t cols, int6
     }
 }
 
-/* The (row, column) pairs, row by row and column by column, with x[r][i] + scales[r] *
- * norms[i] >= floors[r] (NaN never), written to `pairs` as [row, column] while they fit
- * `capacity` pairs; returns how many there are. `max_norm` bounds `norms`: a chunk of 256
- * columns whose maximum cannot pass is skipped whole. This is the greedy screen's test
- * (worker/cpu/greedy_screen.py) of which columns may hold a row's argmax: one pass, where
- * PyTorch's compare and nonzero took ~0.7 ms for 16 rows of 49152 bfloat16 logits. */
-int64_t screen_columns(const void *x, int64_t stride, int64_t rows, int64_t cols,
-                       const float *floors, const float *scales, const float *norms,
-                       float max_norm, int64_t *pairs, int64_t capacity, int is_bf16) {
-    int64_t found = 0;
+/* Whether a double is finite, from its bits (-ffast-math folds isfinite() to true). */
+static inline int finite_f64(double v) {
+    uint64_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    return ((bits >> 52) & 0x7ff) != 0x7ff;
+}
+
+/* The greedy screen's answer (worker/cpu/greedy_screen.py) for `rows` float32 rows x
+ * (`x_stride` apart, `k` values each) whose screened logits are `screen` (`cols` a row,
+ * `screen_stride` apart, float32 or bfloat16): out[r] = the float32 head's argmax of row r,
+ * first index on ties. With b a row's screened argmax, B_j = ||x|| (1 + margin) bounds[j]:
+ * column j may hold the argmax only if screen_j + B_j >= screen_b - B_b (tested in float32,
+ * the floor moved down by `margin` of the terms it holds, so that rounding only ever keeps
+ * more columns); those columns' logits are computed as the head's panels give them
+ * (`panel_column_f32` over `panels`, the head packed as float32 panels of depth k), and the
+ * largest wins. Returns 0; 1 where it cannot promise a row (a value that is not finite, more
+ * than `max_candidates` columns passing), and the caller computes the logits instead.
+ * `max_bound` bounds `bounds`: a chunk of 256 columns whose maximum cannot pass is skipped
+ * whole. One call and one pass a row, where the same steps as PyTorch ops took ~1.5 ms of a
+ * batch-1 step. */
+int screen_argmax(const float *x, int64_t x_stride, int64_t rows, int64_t k, const void *screen,
+                  int64_t screen_stride, int64_t cols, int is_bf16, const float *bounds,
+                  float max_bound, double margin, const float *panels, int64_t max_candidates,
+                  int64_t *out) {
     for (int64_t r = 0; r < rows; r++) {
-        const char *row = (const char *)x + r * stride * (is_bf16 ? 2 : 4);
-        const float floor = floors[r], scale = scales[r];
+        const float *xr = x + r * x_stride;
+        const uint32_t *x_bits = (const uint32_t *)xr;
+        double norm2 = 0.0;
+        for (int64_t i = 0; i < k; i++) {
+            if ((x_bits[i] & 0x7f800000u) == 0x7f800000u) return 1;
+            norm2 += (double)xr[i] * (double)xr[i];
+        }
+        const char *row = (const char *)screen + r * screen_stride * (is_bf16 ? 2 : 4);
+        int64_t b = 0;
+        float best = value(row, 0, is_bf16);
+        for (int64_t i = 0; i < cols; i++) {
+            if (is_nan(row, i, is_bf16)) return 1;
+            const float v = value(row, i, is_bf16);
+            if (v > best) best = v, b = i;
+        }
+        const double scale = sqrt(norm2) * (1.0 + margin);
+        const double widest = fabs((double)best) + 2.0 * scale * (double)max_bound;
+        const double floor_d =
+            (double)best - scale * (double)bounds[b] - widest * margin - 0x1p-140;
+        if (!finite_f64(floor_d) || !finite_f64(widest)) return 1;
+        const float floor = (float)floor_d, scale_f = (float)scale;
+        int64_t found = 0, winner = -1;
+        float winner_logit = 0.0f;
         for (int64_t c = 0; c < cols; c += CHUNK) {
             const int64_t end = c + CHUNK < cols ? c + CHUNK : cols;
             float m = value(row, c, is_bf16);
@@ -79,14 +118,20 @@ int64_t screen_columns(const void *x, int64_t stride, int64_t rows, int64_t cols
                 const float v = value(row, i, is_bf16);
                 m = v > m ? v : m;
             }
-            if (!(m + scale * max_norm >= floor)) continue;
+            if (!(m + scale_f * max_bound >= floor)) continue;
             for (int64_t i = c; i < end; i++) {
-                if (!(value(row, i, is_bf16) + scale * norms[i] >= floor)) continue;
-                if (is_nan(row, i, is_bf16)) continue;
-                if (found < capacity) pairs[2 * found] = r, pairs[2 * found + 1] = i;
-                found++;
+                if (!(value(row, i, is_bf16) + scale_f * bounds[i] >= floor)) continue;
+                if (++found > max_candidates) return 1;
+                const float logit =
+                    panel_column_f32(xr, panels + (i / PANEL) * k * PANEL, k, i % PANEL);
+                uint32_t logit_bits;
+                memcpy(&logit_bits, &logit, sizeof logit_bits);
+                if ((logit_bits & 0x7fffffffu) > 0x7f800000u) return 1; /* NaN */
+                if (winner < 0 || logit > winner_logit) winner = i, winner_logit = logit;
             }
         }
+        if (winner < 0) return 1; /* b itself always passes; never here */
+        out[r] = winner;
     }
-    return found;
+    return 0;
 }
