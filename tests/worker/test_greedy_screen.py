@@ -163,19 +163,20 @@ def test_only_a_float32_head_packed_as_panels_gets_a_screen() -> None:
 def test_the_int8_kernel_sums_each_column_of_its_copy(rows: int) -> None:
     """`int8_panel_linear` against float64 sums of the same int8 values and scales: within a
     float32 sum's rounding, for tiles of 1-6 rows and a remainder, a partial last panel and
-    rows a stride apart; and `int8_panels_weight` reads back the Q that was packed."""
+    rows a stride apart; and the panels hold the Q that was packed."""
     torch.manual_seed(rows)
     weight = torch.randn(VOCAB, DEPTH) * 0.05
     weight[5] = 0.0  # a zero column: scale 0, logits 0
-    panels, scale = kernels.pack_int8_panels(weight)
-    q = kernels.int8_panels_weight(panels, VOCAB)
+    q, scale = kernels.quantize_int8(weight)
+    panels = kernels.pack_int8_panels(q)
     assert q.dtype == torch.int8 and q.shape == (VOCAB, DEPTH) and int(q.abs().max()) == 127
-    assert torch.equal(q.double() * scale.double()[:, None], _round_trip(weight, scale))
+    assert torch.equal(_unpack_int8(panels), q)
+    rounding = (weight.double() - q.double() * scale.double()[:, None]).abs()
+    assert bool((rounding <= scale.double()[:, None] * (0.5 + 1e-4)).all())
     wide = torch.randn(rows, DEPTH + 7)
     x = wide[:, :DEPTH]  # rows DEPTH + 7 apart
     got = kernels.int8_panel_linear(x, panels, scale, VOCAB)
-    sums = x.double() @ q.double().T
-    expect = sums * scale.double()
+    expect = (x.double() @ q.double().T) * scale.double()
     magnitude = x.double().abs() @ q.double().abs().T * scale.double()
     assert got.dtype == torch.float32 and got.shape == (rows, VOCAB)
     assert bool(((got.double() - expect).abs() <= 2 * DEPTH * 2.0**-24 * magnitude + 1e-30).all())
@@ -184,9 +185,9 @@ def test_the_int8_kernel_sums_each_column_of_its_copy(rows: int) -> None:
         kernels.int8_panel_linear(x.contiguous(), panels, scale[:-1], VOCAB)
 
 
-def _round_trip(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    s = torch.where(scale > 0, scale, 1.0).double()[:, None]
-    return (weight.double() / s).round().clamp(-127, 127) * scale.double()[:, None]
+def _unpack_int8(panels: torch.Tensor) -> torch.Tensor:
+    """The `Q [VOCAB, DEPTH]` of `pack_int8_panels(Q)`."""
+    return panels.permute(0, 2, 1).reshape(-1, DEPTH)[:VOCAB]
 
 
 @COPIES
@@ -200,8 +201,7 @@ def test_each_column_is_within_its_bound_even_where_the_error_adds_up(copy: str)
     copied = (
         weight.to(torch.bfloat16).double()
         if copy == "bfloat16"
-        else kernels.int8_panels_weight(screen.panels, VOCAB).double()
-        * screen.scale.double()[:, None]
+        else _unpack_int8(screen.panels).double() * screen.scale.double()[:, None]
     )
     error = weight.double() - copied
     rows = [

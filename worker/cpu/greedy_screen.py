@@ -17,10 +17,11 @@ head's own logit is within gamma ||w_j|| ||x|| of x.w_j (Cauchy-Schwarz).
 - bfloat16 (x and w rounded to bfloat16, relative error u = 2^-8 each; float32 sums; the sum
   rounded to bfloat16): c_j = SLACK ||w_j||, with SLACK = (2u + u^2) + u (1 + u)^2 +
   gamma (1 + (1 + u)^2), plus 1%.
-- int8 (w_j = s_j q_j + e_j, q_j integers of at most 127, the error e_j known exactly; the
-  kernel sums x_i q_ij in float32 and multiplies by s_j once): x.w_j - s_j x.q_j = x.e_j, so
-  c_j = ||e_j|| + gamma ||w_j|| + (gamma + 2^-24 (1 + gamma)) s_j ||q_j||, plus 1%. On SmolLM2's
-  head it is 3% below the bfloat16 copy's.
+- int8 (w_j = s_j q_j + e_j, q_j integers of at most 127, s_j = max|w_j| / 127; the kernel
+  sums x_i q_ij in float32 and multiplies by s_j once): x.w_j - s_j x.q_j = x.e_j, so c_j =
+  ||e_j|| + gamma ||w_j|| + (gamma + 2^-24 (1 + gamma)) s_j ||q_j||, plus 1% (`_int8_bounds`
+  computes ||e_j|| in float32 and adds what that rounding can hide). On SmolLM2's head it is
+  3% below the bfloat16 copy's.
 
 Column j can hold the argmax only if screen_j + B_j >= screen_b - B_b, b the screen's own
 argmax, B = c ||x||. `kernels.screen_argmax` applies that test in float32, with its floor
@@ -80,6 +81,24 @@ def _slack(depth: int) -> float:
     return 1.01 * ((2 * u + u * u) + u * (1 + u) ** 2 + gamma * (1 + (1 + u) ** 2))
 
 
+def _int8_bounds(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """c_j of the int8 copy (the module's docstring), from float32 arithmetic: e_j computed
+    as w_j - s_j q_j rounds twice an element, which 2^-23 s_j ||q_j|| covers, and the norms'
+    float32 sums (relative error below K 2^-24) are covered by the 1%."""
+    gamma = _gamma(weight.shape[1])
+    q = q.float()
+    q_norms = q.norm(dim=1).double()  # exact: integers, sums below 2^24
+    error = torch.addcmul(weight, scale[:, None], q, value=-1).norm(dim=1).double()
+    s = scale.double()
+    rounding = 2 * _U32 * s * q_norms
+    return 1.01 * (
+        error
+        + rounding
+        + gamma * weight.norm(dim=1).double()
+        + (gamma + _U32 * (1 + gamma)) * s * q_norms
+    )
+
+
 def default_copy() -> Copy | None:
     """The copy a screen reads on this CPU: bfloat16 where it multiplies bfloat16, int8 where
     bfloat16 would be widened to float32 (AVX2); None without bfloat16 panels."""
@@ -111,19 +130,12 @@ class GreedyScreen:
         if copy is None:
             return None
         weight = head.weight.detach()
-        norms = weight.double().norm(dim=1)
-        gamma = _gamma(weight.shape[1])
         if copy == "bfloat16":
             panels, scale = kernels.pack_panels(weight.to(torch.bfloat16)), None
-            bounds = _slack(weight.shape[1]) * norms
+            bounds = _slack(weight.shape[1]) * weight.double().norm(dim=1)
         else:
-            panels, scale = kernels.pack_int8_panels(weight)
-            q = kernels.int8_panels_weight(panels, weight.shape[0]).double()
-            s = scale.double()
-            error = (weight.double() - s[:, None] * q).norm(dim=1)
-            bounds = 1.01 * (
-                error + gamma * norms + (gamma + _U32 * (1 + gamma)) * s * q.norm(dim=1)
-            )
+            q, scale = kernels.quantize_int8(weight)
+            panels, bounds = kernels.pack_int8_panels(q), _int8_bounds(weight, q, scale)
         bounds = (bounds * (1 + _MARGIN)).float()
         return cls(
             head,

@@ -763,29 +763,26 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return panels.contiguous()
 
 
-def pack_int8_panels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A float32 `weight [N, K]` as int8 panels for `int8_panel_linear` (ceil(N/16) panels of
-    16 output columns, each `[K][16]`, zero-padded) and each column's float32 scale: row j of
-    `weight` is about `scale[j] * Q[j]`, Q = round(w / scale) with scale = max|w_j| / 127."""
-    n, k = weight.shape
-    w = weight.detach().double()
-    scale = (w.abs().amax(dim=1) / 127).float()
-    safe = torch.where(scale > 0, scale, 1.0).double()
-    q = torch.round(w / safe[:, None]).clamp(-127, 127).to(torch.int8)
-    panels = F.pad(q, (0, 0, 0, -n % PANEL)).view(-1, PANEL, k).permute(0, 2, 1)
-    return panels.contiguous(), scale
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float32 `weight [N, K]` as int8 `Q [N, K]` and a float32 scale a row: row j is about
+    `scale[j] * Q[j]`, Q = round(w / scale) with scale = max|w_j| / 127 (0 for a zero row)."""
+    w = weight.detach()
+    scale = w.abs().amax(dim=1) / 127
+    q = (w / torch.where(scale > 0, scale, 1.0)[:, None]).round_().clamp_(-127, 127)
+    return q.to(torch.int8), scale
 
 
-def int8_panels_weight(panels: torch.Tensor, out_features: int) -> torch.Tensor:
-    """The int8 `Q [N, K]` that `pack_int8_panels` laid out as `panels`."""
-    num_panels, depth, _ = panels.shape
-    return panels.permute(0, 2, 1).reshape(num_panels * PANEL, depth)[:out_features]
+def pack_int8_panels(q: torch.Tensor) -> torch.Tensor:
+    """int8 `Q [N, K]` laid out for `int8_panel_linear`: ceil(N/16) panels of 16 output
+    columns, each `[K][16]`, zero-padded."""
+    n, k = q.shape
+    return F.pad(q, (0, 0, 0, -n % PANEL)).view(-1, PANEL, k).permute(0, 2, 1).contiguous()
 
 
 def int8_panel_linear(
     x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor, out_features: int
 ) -> torch.Tensor:
-    """`(x Q^T) * scale` of float32 rows `x [N, K]`, for `panels, scale = pack_int8_panels(W)`:
+    """`(x Q^T) * scale` of float32 rows `x [N, K]`, for `panels = pack_int8_panels(Q)`:
     float32 `[N, out_features]`."""
     lib = load()
     assert lib is not None, "int8_panel_linear called without the kernel library"
