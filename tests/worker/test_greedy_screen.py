@@ -168,7 +168,7 @@ def test_the_int8_kernel_sums_each_column_of_its_copy(rows: int) -> None:
     weight = torch.randn(VOCAB, DEPTH) * 0.05
     weight[5] = 0.0  # a zero column: scale 0, logits 0
     q, scale = kernels.quantize_int8(weight)
-    panels = kernels.pack_int8_panels(q)
+    panels = kernels.pack_panels(q)
     assert q.dtype == torch.int8 and q.shape == (VOCAB, DEPTH) and int(q.abs().max()) == 127
     assert torch.equal(_unpack_int8(panels), q)
     rounding = (weight.double() - q.double() * scale.double()[:, None]).abs()
@@ -186,7 +186,7 @@ def test_the_int8_kernel_sums_each_column_of_its_copy(rows: int) -> None:
 
 
 def _unpack_int8(panels: torch.Tensor) -> torch.Tensor:
-    """The `Q [VOCAB, DEPTH]` of `pack_int8_panels(Q)`."""
+    """The `Q [VOCAB, DEPTH]` of `pack_panels(Q)`."""
     return panels.permute(0, 2, 1).reshape(-1, DEPTH)[:VOCAB]
 
 

@@ -135,7 +135,7 @@ class GreedyScreen:
             bounds = _slack(weight.shape[1]) * weight.double().norm(dim=1)
         else:
             q, scale = kernels.quantize_int8(weight)
-            panels, bounds = kernels.pack_int8_panels(q), _int8_bounds(weight, q, scale)
+            panels, bounds = kernels.pack_panels(q), _int8_bounds(weight, q, scale)
         bounds = (bounds * (1 + _MARGIN)).float()
         return cls(
             head,
@@ -178,11 +178,12 @@ class GreedyScreen:
             or not self.pays(rows)
         ):
             return None
+        hidden = hidden.contiguous()
         screen = self.logits(hidden)
         if not kernels.rows_supported(screen):
             return None
         return kernels.screen_argmax(
-            hidden.contiguous(),
+            hidden,
             screen,
             self.column_bounds,
             self.max_bound,

@@ -749,8 +749,9 @@ def linear_amx_min_rows() -> int:
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """`weight [N, K]` laid out for `panel_linear`: ceil(N/16) panels of 16 output columns,
-    each `[K][16]` (float32) or `[ceil(K/2)][16][2]` (bfloat16 pairs), zero-padded."""
+    """`weight [N, K]` laid out for `panel_linear` (or, int8, `int8_panel_linear`): ceil(N/16)
+    panels of 16 output columns, each `[K][16]` (float32, int8) or `[ceil(K/2)][16][2]`
+    (bfloat16 pairs), zero-padded."""
     n, k = weight.shape
     pad_n = -n % PANEL
     if weight.dtype == torch.bfloat16:
@@ -772,17 +773,10 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.int8), scale
 
 
-def pack_int8_panels(q: torch.Tensor) -> torch.Tensor:
-    """int8 `Q [N, K]` laid out for `int8_panel_linear`: ceil(N/16) panels of 16 output
-    columns, each `[K][16]`, zero-padded."""
-    n, k = q.shape
-    return F.pad(q, (0, 0, 0, -n % PANEL)).view(-1, PANEL, k).permute(0, 2, 1).contiguous()
-
-
 def int8_panel_linear(
     x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor, out_features: int
 ) -> torch.Tensor:
-    """`(x Q^T) * scale` of float32 rows `x [N, K]`, for `panels = pack_int8_panels(Q)`:
+    """`(x Q^T) * scale` of float32 rows `x [N, K]`, for `panels = pack_panels(Q)`:
     float32 `[N, out_features]`."""
     lib = load()
     assert lib is not None, "int8_panel_linear called without the kernel library"

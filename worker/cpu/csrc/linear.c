@@ -424,17 +424,19 @@ int64_t linear_amx_min_rows(void) {
 /* 1 where bfloat16 panels are widened to float32 (AVX2: float32's multiply rate, half its bytes). */
 int linear_widens_bf16(void) { return PAIRS_AS_FLOAT32; }
 
-/* Column c of one float32 panel ([depth][16]) times one row x: the float32 tiles' sum for that
+/* Column `column` of float32 panels of depth k times one row x: the float32 tiles' sum for that
  * column bit for bit (one fused multiply-add a step, k in order, from zero), plus the tiles'
  * zero bias. Scalar intrinsics, so that no compiler reorders the sum. */
-float panel_column_f32(const float *x, const float *panel, int64_t depth, int64_t c) {
+float panel_column_f32(const float *x, const float *panels, int64_t k, int64_t column) {
 #if defined(LINEAR_SIMD)
+    const float *panel = panels + column / PANEL * k * PANEL;
+    const int64_t c = column % PANEL, depth = k;
     __m128 acc = _mm_setzero_ps();
     for (int64_t d = 0; d < depth; d++)
         acc = _mm_fmadd_ss(_mm_set_ss(x[d]), _mm_set_ss(panel[d * PANEL + c]), acc);
     return _mm_cvtss_f32(_mm_add_ss(acc, _mm_setzero_ps()));
 #else
-    (void)x, (void)panel, (void)depth, (void)c;
+    (void)x, (void)panels, (void)k, (void)column;
     return 0.0f; /* no float32 panels without SIMD (linear_kernel_dtypes) */
 #endif
 }

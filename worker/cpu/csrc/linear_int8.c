@@ -3,7 +3,7 @@
  * quarter of the head's bytes, which is what a decode step of few rows waits on. Built and
  * loaded by worker/cpu/kernels.py.
  *
- * Layout ("int8 panels", made by kernels.pack_int8_panels): output columns in panels of 16 (the
+ * Layout (kernels.pack_panels of the int8 Q, as for float32): output columns in panels of 16 (the
  * last one zero-padded), each panel [K][16] int8, panel element (k, c) = Q[16p + c, k].
  *
  * Each column's sum is float32: acc = fma(x[k], (float)Q[c, k], acc) over k in order, then one

@@ -13,7 +13,6 @@
 #include "team.h"
 
 #define CHUNK 256
-#define PANEL 16 /* output columns per float32 panel (linear.c) */
 #define PARALLEL_MIN_ELEMS 65536
 
 static inline float value(const void *row, int64_t i, int is_bf16) {
@@ -26,41 +25,42 @@ static inline int is_nan(const void *row, int64_t i, int is_bf16) {
     return (((const uint32_t *)row)[i] & 0x7fffffffu) > 0x7f800000u;
 }
 
+/* The index of the largest value of a row of `cols` values, the first one on ties, as
+ * torch.argmax gives; -1 for a row holding a NaN. */
+static int64_t row_argmax(const char *row, int64_t cols, int is_bf16) {
+    const int64_t chunks = (cols + CHUNK - 1) / CHUNK;
+    float chunk_max[chunks];
+    int nans = 0;
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t end = (c + 1) * CHUNK < cols ? (c + 1) * CHUNK : cols;
+        float m = value(row, c * CHUNK, is_bf16);
+        for (int64_t i = c * CHUNK; i < end; i++) {
+            const float v = value(row, i, is_bf16);
+            m = v > m ? v : m;
+            nans |= is_nan(row, i, is_bf16);
+        }
+        chunk_max[c] = m;
+    }
+    if (nans) return -1;
+    float best = chunk_max[0];
+    for (int64_t c = 1; c < chunks; c++) best = chunk_max[c] > best ? chunk_max[c] : best;
+    for (int64_t c = 0; c < chunks; c++) {
+        if (chunk_max[c] != best) continue;
+        const int64_t end = (c + 1) * CHUNK < cols ? (c + 1) * CHUNK : cols;
+        for (int64_t i = c * CHUNK; i < end; i++)
+            if (value(row, i, is_bf16) == best) return i;
+    }
+    return -1;
+}
+
 /* out[r] = index of the largest value of row r (rows `stride` elements apart), the first one
- * on ties, as torch.argmax gives; -1 for a row holding a NaN, for the caller to settle. */
+ * on ties, as torch.argmax gives; -1 for a row holding a NaN, for the caller to settle
+ * (torch.argmax picks the first NaN). */
 void argmax_rows(const void *x, int64_t stride, int64_t rows, int64_t cols, int64_t *out,
                  int is_bf16) {
 #pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_MIN_ELEMS)
-    for (int64_t r = 0; r < rows; r++) {
-        const char *row = (const char *)x + r * stride * (is_bf16 ? 2 : 4);
-        const int64_t chunks = (cols + CHUNK - 1) / CHUNK;
-        float chunk_max[chunks];
-        int nans = 0;
-        for (int64_t c = 0; c < chunks; c++) {
-            const int64_t end = (c + 1) * CHUNK < cols ? (c + 1) * CHUNK : cols;
-            float m = value(row, c * CHUNK, is_bf16);
-            for (int64_t i = c * CHUNK; i < end; i++) {
-                const float v = value(row, i, is_bf16);
-                m = v > m ? v : m;
-                nans |= is_nan(row, i, is_bf16);
-            }
-            chunk_max[c] = m;
-        }
-        out[r] = -1;
-        if (nans) continue; /* torch.argmax picks the first NaN: the caller asks it */
-        float best = chunk_max[0];
-        for (int64_t c = 1; c < chunks; c++) best = chunk_max[c] > best ? chunk_max[c] : best;
-        for (int64_t c = 0; c < chunks && out[r] < 0; c++) {
-            if (chunk_max[c] != best) continue;
-            const int64_t end = (c + 1) * CHUNK < cols ? (c + 1) * CHUNK : cols;
-            for (int64_t i = c * CHUNK; i < end; i++) {
-                if (value(row, i, is_bf16) == best) {
-                    out[r] = i;
-                    break;
-                }
-            }
-        }
-    }
+    for (int64_t r = 0; r < rows; r++)
+        out[r] = row_argmax((const char *)x + r * stride * (is_bf16 ? 2 : 4), cols, is_bf16);
 }
 
 /* Whether a double is finite, from its bits (-ffast-math folds isfinite() to true). */
@@ -96,13 +96,9 @@ int screen_argmax(const float *x, int64_t x_stride, int64_t rows, int64_t k, con
             norm2 += (double)xr[i] * (double)xr[i];
         }
         const char *row = (const char *)screen + r * screen_stride * (is_bf16 ? 2 : 4);
-        int64_t b = 0;
-        float best = value(row, 0, is_bf16);
-        for (int64_t i = 0; i < cols; i++) {
-            if (is_nan(row, i, is_bf16)) return 1;
-            const float v = value(row, i, is_bf16);
-            if (v > best) best = v, b = i;
-        }
+        const int64_t b = row_argmax(row, cols, is_bf16);
+        if (b < 0) return 1;
+        const float best = value(row, b, is_bf16);
         const double scale = sqrt(norm2) * (1.0 + margin);
         const double widest = fabs((double)best) + 2.0 * scale * (double)max_bound;
         const double floor_d =
@@ -122,8 +118,7 @@ int screen_argmax(const float *x, int64_t x_stride, int64_t rows, int64_t k, con
             for (int64_t i = c; i < end; i++) {
                 if (!(value(row, i, is_bf16) + scale_f * bounds[i] >= floor)) continue;
                 if (++found > max_candidates) return 1;
-                const float logit =
-                    panel_column_f32(xr, panels + (i / PANEL) * k * PANEL, k, i % PANEL);
+                const float logit = panel_column_f32(xr, panels, k, i);
                 uint32_t logit_bits;
                 memcpy(&logit_bits, &logit, sizeof logit_bits);
                 if ((logit_bits & 0x7fffffffu) > 0x7f800000u) return 1; /* NaN */

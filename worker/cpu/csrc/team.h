@@ -65,8 +65,8 @@ void paged_prefill_attention_team(const void *query, int64_t q_row_stride, const
 void panel_linear_team(const void *x, int64_t x_stride, const void *panels, const void *bias,
                        void *y, int64_t rows, int64_t n, int64_t k, int is_bf16, void *packed);
 int64_t linear_packed_bytes(int64_t rows, int64_t k, int is_bf16);
-/* Column c of a float32 panel ([depth][16]) times x: what panel_linear gives for it. */
-float panel_column_f32(const float *x, const float *panel, int64_t depth, int64_t c);
+/* Column `column` of W (float32 panels of depth k) times x: what panel_linear gives for it. */
+float panel_column_f32(const float *x, const float *panels, int64_t k, int64_t column);
 int linear_kernel_dtypes(void);
 
 #endif
