@@ -95,6 +95,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--resume", action="store_true", help="continue OUT's last checkpoint")
     p.add_argument(
+        "--init",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="start from the drafter in DIR (same method and target; a bundled drafter's "
+        "directory, say) instead of a fresh one: its geometry and draft vocabulary are kept",
+    )
+    p.add_argument(
         "--eval-only",
         action="store_true",
         help="measure OUT's drafter on held-out prompts through the serving path",

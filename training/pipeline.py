@@ -86,6 +86,7 @@ class TrainDrafterArgs:
     mask_token_id: int | None = None  # DFlash; default: a special token the chat never uses
     bf16: bool = True  # autocast training matmuls to bfloat16
     resume: bool = False
+    init: Path | None = None  # start from the drafter saved there (fine-tuning it)
     eval_only: bool = False
     threads: int | None = None
     device: str = "auto"  # cuda where there is a GPU, else cpu
@@ -144,7 +145,9 @@ def train_drafter(args: TrainDrafterArgs) -> dict[str, Any]:
     layers = aux_layers_for(target.config.num_layers)
     _check_manifest(work_dir, args, target.config.vocab_size, layers)
     mask_token = None
-    if args.method == "dflash":
+    if args.init is not None:
+        args, mask_token = _init_args(args, layers)
+    elif args.method == "dflash":
         mask_token = pick_mask_token(llm.tokenizer, target.config.vocab_size, args.mask_token_id)
     chats = list(islice(read_chats(args.data), args.held_out + args.max_samples))
     if len(chats) <= args.held_out:
@@ -173,7 +176,10 @@ def train_drafter(args: TrainDrafterArgs) -> dict[str, Any]:
     evaluation = [s for s in samples if s.held_out]
     config = _train_config(args, target, layers, mask_token or 0, device)
     reader = ShardReader(work_dir / "shards")
-    trainee = build_trainee(config, target, train, reader)
+    if args.init is not None:
+        trainee = _load_trainee(args.init, config, target)
+    else:
+        trainee = build_trainee(config, target, train, reader)
     trainer = Trainer(config, trainee, target.config, train, reader, args.out)
     state = args.out / STATE_FILE
     if args.resume and state.is_file():
@@ -190,6 +196,7 @@ def train_drafter(args: TrainDrafterArgs) -> dict[str, Any]:
         "seed": args.seed,
         "data": args.data,
         "answers": args.answers,
+        "init": None if args.init is None else str(args.init),
         "train_samples": len(train),
         "train_tokens": sum(s.num_tokens for s in train),
         "response_tokens": sum(len(s.response) for s in train),
@@ -376,13 +383,7 @@ def teacher_forced(
     estimate points at serving, not at the drafter."""
     import specserve
 
-    config = json.loads((args.out / "config.json").read_text())
-    if args.method == "eagle3":
-        layers = tuple(i - 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
-        k, mask = args.num_spec_tokens or 5, 0
-    else:
-        layers = tuple(config["dflash_config"]["target_layer_ids"])
-        k, mask = config["block_size"] - 1, config["dflash_config"]["mask_token_id"]
+    saved, layers, mask = _saved_drafter(args.out, args)
     llm = specserve.LLM(args.model, device=device, enable_prefix_caching=False)
     target = llm.engine.loaded.model
     recorder = FeatureRecorder(layers)
@@ -398,16 +399,60 @@ def teacher_forced(
             Sample(str(i), 0, True, prompts[i], outputs[i], "", "served.safetensors", first)
             for (i, _), first in zip(kept, firsts, strict=True)
         ]
-        saved = replace(
-            args,
-            num_spec_tokens=k,
-            draft_vocab_size=config.get("draft_vocab_size", 0),
-            num_layers=config["num_hidden_layers"],
-        )
         train_config = _train_config(saved, target, layers, mask, device)
         trainee = _load_trainee(args.out, train_config, target)
         trainer = Trainer(train_config, trainee, target.config, [], ShardReader(work), work)
         return trainer.evaluate(samples)
+
+
+DRAFTER_ARCHITECTURES = {"eagle3": "LlamaForCausalLMEagle3", "dflash": "DFlashDraftModel"}
+
+
+def _saved_drafter(
+    out: Path, args: TrainDrafterArgs
+) -> tuple[TrainDrafterArgs, tuple[int, ...], int]:
+    """The drafter saved in OUT as training arguments (`args` with its draft vocabulary, its
+    layers and, for DFlash, its block size), the target layers it reads and its mask token."""
+    _check_drafter_target(out, args)
+    config = json.loads((out / "config.json").read_text())
+    architecture = (config.get("architectures") or ["an unknown architecture"])[0]
+    if architecture != DRAFTER_ARCHITECTURES[args.method]:
+        raise ValueError(
+            f"the drafter in {out} is {architecture}, not {DRAFTER_ARCHITECTURES[args.method]} "
+            f"(--method {args.method})"
+        )
+    if args.method == "eagle3":
+        layers = tuple(i - 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+        k, mask = args.num_spec_tokens or 5, 0  # TTT steps: a training choice, not the drafter's
+    else:
+        layers = tuple(config["dflash_config"]["target_layer_ids"])
+        k, mask = config["block_size"] - 1, config["dflash_config"]["mask_token_id"]
+    saved = replace(
+        args,
+        num_spec_tokens=k,
+        draft_vocab_size=config.get("draft_vocab_size", 0),
+        num_layers=config["num_hidden_layers"],
+    )
+    return saved, layers, mask
+
+
+def _init_args(args: TrainDrafterArgs, layers: tuple[int, ...]) -> tuple[TrainDrafterArgs, int]:
+    """`--init DIR`: the run takes DIR's drafter geometry (refusing one that reads other
+    target layers than the data records, or a DFlash block size other than the one asked
+    for); returns the arguments and the mask token to train with."""
+    assert args.init is not None
+    saved, init_layers, mask = _saved_drafter(args.init, args)
+    if init_layers != layers:
+        raise ValueError(
+            f"--init {args.init}: the drafter reads target layers {list(init_layers)}, "
+            f"the data records {list(layers)}"
+        )
+    if args.method == "dflash" and args.num_spec_tokens not in (None, saved.num_spec_tokens):
+        raise ValueError(
+            f"--init {args.init}: the drafter's blocks are {saved.num_spec_tokens + 1} tokens, "
+            f"not --num-spec-tokens {args.num_spec_tokens} + 1"
+        )
+    return saved, mask
 
 
 def _load_trainee(out: Path, config: TrainConfig, target) -> Eagle3Trainee | DFlashTrainee:

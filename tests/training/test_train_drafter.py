@@ -415,6 +415,38 @@ def test_resume_continues_where_it_stopped(
     assert state["step"] == 6
 
 
+def test_init_starts_from_a_saved_drafter_and_refuses_another_kind(
+    chat_target: Path, regenerated: Path, tmp_path: Path
+) -> None:
+    data = regenerated / "prompts.jsonl"
+    first = _args("eagle3", chat_target, data, tmp_path / "first", work_dir=regenerated, steps=4)
+    train_drafter(replace(first, draft_vocab_size=512))
+    # At a learning rate of 0 nothing moves, so the run writes back the drafter it started
+    # from: its weights, and its draft vocabulary of 512 where this run would count 1,024.
+    kept = replace(first, out=tmp_path / "kept", steps=1, lr=0.0, init=tmp_path / "first")
+    assert train_drafter(kept)["init"] == str(tmp_path / "first")
+    started = load_file(tmp_path / "first" / "model.safetensors")
+    written = load_file(tmp_path / "kept" / "model.safetensors")
+    assert started.keys() == written.keys() and started["d2t"].numel() == 512
+    for name in started:
+        assert torch.equal(started[name], written[name]), name
+    train_drafter(replace(kept, out=tmp_path / "moved", lr=3e-3))  # trained on from there
+    moved = load_file(tmp_path / "moved" / "model.safetensors")
+    assert torch.equal(moved["d2t"], started["d2t"])
+    assert not torch.equal(moved["fc.weight"], started["fc.weight"])
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"]}))
+    with pytest.raises(ValueError, match="is DFlashDraftModel, not LlamaForCausalLMEagle3"):
+        train_drafter(replace(kept, init=other))
+    config = json.loads((tmp_path / "first" / "config.json").read_text())
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3]
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"reads target layers \[0, 1, 2\], the data records"):
+        train_drafter(replace(kept, init=other))
+
+
 def test_bad_input_is_refused_with_a_message_naming_it(
     chat_target: Path, prompts_file: Path, regenerated: Path, tmp_path: Path
 ) -> None:
