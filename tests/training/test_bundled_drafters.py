@@ -23,7 +23,7 @@ MODEL = "smollm2-135m"
 MAX_TOKENS = 24
 # The drafters never trained on the first 200 ShareGPT chats (`--held-out`, default 200).
 HELD_OUT = 200
-MIN_ACCEPTANCE = {"eagle3": 1.8, "dflash": 1.35}
+MIN_ACCEPTANCE = {"eagle3": 1.95, "dflash": 1.35}
 ENGINE = dict(dtype="float32", num_blocks=512, block_size=16, max_model_len=1024)
 
 
@@ -66,6 +66,6 @@ def test_the_bundled_drafter_is_the_default_and_lossless(
     assert [list(o.token_ids) for o in outs] == plain
     stats = llm.spec_stats
     assert stats.num_drafts > 0
-    # Trained: well above the ~1.00 of a random drafter (measured here: EAGLE-3 2.01, DFlash
+    # Trained: well above the ~1.00 of a random drafter (measured here: EAGLE-3 2.09, DFlash
     # 1.48 in float32; docs/benchmarks.md).
     assert stats.mean_acceptance_length > MIN_ACCEPTANCE[method], stats.mean_acceptance_length
