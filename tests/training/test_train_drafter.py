@@ -394,6 +394,15 @@ def test_an_overfit_drafter_is_accepted_through_the_runner(
     assert abs(estimate - served_al) < 0.15 * served_al, report
 
 
+def _assert_same_drafter(a: Path, b: Path) -> dict[str, torch.Tensor]:
+    """The drafters saved in `a` and `b` hold the same tensors bit for bit; returns `a`'s."""
+    first, second = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert first.keys() == second.keys()
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+    return first
+
+
 def test_resume_continues_where_it_stopped(
     chat_target: Path, prompts_file: Path, tmp_path: Path
 ) -> None:
@@ -406,11 +415,7 @@ def test_resume_continues_where_it_stopped(
         train_drafter(replace(stopped, steps=6))
     resumed = train_drafter(replace(stopped, steps=6, resume=True))
     assert resumed["steps"] == 6
-    a = load_file(tmp_path / "a" / "model.safetensors")
-    b = load_file(tmp_path / "b" / "model.safetensors")
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    _assert_same_drafter(tmp_path / "a", tmp_path / "b")
     state = torch.load(tmp_path / "b" / STATE_FILE, weights_only=False)
     assert state["step"] == 6
 
@@ -425,11 +430,8 @@ def test_init_starts_from_a_saved_drafter_and_refuses_another_kind(
     # from: its weights, and its draft vocabulary of 512 where this run would count 1,024.
     kept = replace(first, out=tmp_path / "kept", steps=1, lr=0.0, init=tmp_path / "first")
     assert train_drafter(kept)["init"] == str(tmp_path / "first")
-    started = load_file(tmp_path / "first" / "model.safetensors")
-    written = load_file(tmp_path / "kept" / "model.safetensors")
-    assert started.keys() == written.keys() and started["d2t"].numel() == 512
-    for name in started:
-        assert torch.equal(started[name], written[name]), name
+    started = _assert_same_drafter(tmp_path / "first", tmp_path / "kept")
+    assert started["d2t"].numel() == 512
     train_drafter(replace(kept, out=tmp_path / "moved", lr=3e-3))  # trained on from there
     moved = load_file(tmp_path / "moved" / "model.safetensors")
     assert torch.equal(moved["d2t"], started["d2t"])
