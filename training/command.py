@@ -93,6 +93,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="regenerate at most this long (between waves of 2x --concurrency chats; one always "
         "runs), then train on the chats done; a later run continues the regeneration",
     )
+    p.add_argument(
+        "--no-regenerate",
+        action="store_true",
+        help="train on the samples already in the work directory, answering no new chats (it "
+        "then only reads the directory, so runs with other settings can share it side by side)",
+    )
     p.add_argument("--resume", action="store_true", help="continue OUT's last checkpoint")
     p.add_argument(
         "--init",

@@ -92,6 +92,7 @@ class TrainDrafterArgs:
     device: str = "auto"  # cuda where there is a GPU, else cpu
     time_limit: float | None = None  # seconds of training (regeneration not counted)
     regenerate_time_limit: float | None = None  # seconds of regeneration; a later run goes on
+    no_regenerate: bool = False  # train on the work directory's samples, answer no new chats
     command: str = ""
 
 
@@ -161,6 +162,7 @@ def train_drafter(args: TrainDrafterArgs) -> dict[str, Any]:
         args.max_len, args.max_new_tokens, args.max_turns, args.concurrency,
         wave=max(128, 2 * args.concurrency),
         time_limit=args.regenerate_time_limit, answers=args.answers,
+        answer_new=not args.no_regenerate,
     )  # fmt: skip
     samples = regenerate(
         llm,
@@ -173,6 +175,11 @@ def train_drafter(args: TrainDrafterArgs) -> dict[str, Any]:
     regenerate_seconds = time.perf_counter() - started
     del llm  # frees the KV cache; the target stays for the loss
     train = [s for s in samples if not s.held_out]
+    if args.no_regenerate and not train:
+        raise ValueError(
+            f"--no-regenerate: {work_dir} holds no training samples for these chats; "
+            "run once without it to record them"
+        )
     evaluation = [s for s in samples if s.held_out]
     config = _train_config(args, target, layers, mask_token or 0, device)
     reader = ShardReader(work_dir / "shards")

@@ -77,6 +77,7 @@ class RegenerateOptions:
     answers: str = "target"  # "target": regenerated; "dataset": the data's own (training chats)
     # seconds: no wave starts that the last one's pace says would end past them (one always runs)
     time_limit: float | None = None
+    answer_new: bool = True  # False: only the samples already in the work directory
 
 
 def read_samples(path: Path) -> list[Sample]:
@@ -129,9 +130,12 @@ def _answer_chats(
 ) -> list[Sample]:
     """`regenerate` with the recorder in place: every sample in the work directory after it."""
     index = work_dir / "samples.jsonl"
-    done = _keep_or_rebuild(llm, recorder, read_samples(index), work_dir, options.wave)
+    found = read_samples(index)
+    if not options.answer_new and all((work_dir / "shards" / s.shard).is_file() for s in found):
+        return found  # read only, so runs sharing the directory can train side by side
+    done = _keep_or_rebuild(llm, recorder, found, work_dir, options.wave)
     finished_chats = {s.chat for s in done}
-    todo = [c for c in chats if c.id not in finished_chats]
+    todo = [c for c in chats if c.id not in finished_chats] if options.answer_new else []
     _rewrite(index, done)  # drops a torn last line before appending
     progress = Progress(
         "regenerating", total=len(chats), unit="chats", initial=len(chats) - len(todo)

@@ -590,6 +590,28 @@ def test_regeneration_stops_between_waves_at_its_time_limit_and_goes_on_later(
     assert [s for s in rest if s.chat in {c.id for c in chats[:4]}] == first
 
 
+def test_no_regenerate_takes_the_samples_there_and_answers_nothing(
+    chat_target: Path, prompts_file: Path, tmp_path: Path
+) -> None:
+    """`--no-regenerate`: the samples already recorded, the work directory only read (so runs
+    with other settings can train from it side by side); none there is an error naming it."""
+    from specserve.training.corpus import read_chats
+    from specserve.training.regenerate import RegenerateOptions, regenerate
+
+    chats = list(read_chats(str(prompts_file)))
+    llm = specserve.LLM(str(chat_target), max_num_seqs=4, enable_prefix_caching=False)
+    options = RegenerateOptions(96, 8, 1, 4, wave=4, time_limit=0.0)
+    first = regenerate(llm, chats, set(), tmp_path / "work", LAYERS, options)  # one wave of 4
+    index = tmp_path / "work" / "samples.jsonl"
+    written = index.stat().st_mtime_ns
+    kept = replace(options, time_limit=None, answer_new=False)
+    assert regenerate(llm, chats, set(), tmp_path / "work", LAYERS, kept) == first
+    assert index.stat().st_mtime_ns == written and len(first) == 4
+    args = _args("eagle3", chat_target, prompts_file, tmp_path / "out", steps=1)
+    with pytest.raises(ValueError, match=r"--no-regenerate: .*empty holds no training samples"):
+        train_drafter(replace(args, no_regenerate=True, work_dir=tmp_path / "empty"))
+
+
 def test_dataset_answers_are_trained_on_with_the_targets_rows_and_held_out_chats_regenerated(
     chat_target: Path, tmp_path: Path
 ) -> None:
