@@ -233,10 +233,15 @@ def micro_batch_default(device: str) -> int:
     return GPU_MICRO_BATCH_TOKENS if torch.device(device).type == "cuda" else 1
 
 
+def num_spec_tokens(args: TrainDrafterArgs) -> int:
+    """`--num-spec-tokens`, else its default: 5 EAGLE-3 TTT steps, a DFlash block of 16."""
+    return args.num_spec_tokens or (5 if args.method == "eagle3" else 15)
+
+
 def _train_config(
     args: TrainDrafterArgs, target, layers: tuple[int, ...], mask: int, device: str = "cpu"
 ) -> TrainConfig:
-    k = args.num_spec_tokens or (5 if args.method == "eagle3" else 15)
+    k = num_spec_tokens(args)
     return TrainConfig(
         method=args.method,
         aux_layers=layers,
@@ -354,7 +359,7 @@ def evaluate_drafter(
     import specserve
 
     _check_drafter_target(args.out, args)
-    k = args.num_spec_tokens or (5 if args.method == "eagle3" else 15)
+    k = num_spec_tokens(args)
     llm = specserve.LLM(  # every round verifies all K drafts: acceptance of the drafter alone
         args.model,
         spec_method=args.method,
@@ -430,7 +435,7 @@ def _saved_drafter(
         )
     if args.method == "eagle3":
         layers = tuple(i - 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
-        k, mask = args.num_spec_tokens or 5, 0  # TTT steps: a training choice, not the drafter's
+        k, mask = args.num_spec_tokens, 0  # TTT steps: the run's choice, not the drafter's
     else:
         layers = tuple(config["dflash_config"]["target_layer_ids"])
         k, mask = config["block_size"] - 1, config["dflash_config"]["mask_token_id"]

@@ -131,9 +131,9 @@ def _answer_chats(
     """`regenerate` with the recorder in place: every sample in the work directory after it."""
     index = work_dir / "samples.jsonl"
     found = read_samples(index)
-    if not options.answer_new and all((work_dir / "shards" / s.shard).is_file() for s in found):
-        return found  # read only, so runs sharing the directory can train side by side
     done = _keep_or_rebuild(llm, recorder, found, work_dir, options.wave)
+    if not options.answer_new and done == found:
+        return done  # nothing rebuilt: read only, so runs sharing the directory can train at once
     finished_chats = {s.chat for s in done}
     todo = [c for c in chats if c.id not in finished_chats] if options.answer_new else []
     _rewrite(index, done)  # drops a torn last line before appending
