@@ -67,8 +67,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="EAGLE-3: steps unrolled (default 5); DFlash: block size - 1 (15)",
     )
-    p.add_argument("--draft-vocab-size", type=int, default=8192, help="EAGLE-3")
-    p.add_argument("--num-layers", type=int, default=2, help="DFlash drafter layers")
+    p.add_argument(
+        "--draft-vocab-size", type=int, default=None, help="EAGLE-3 (default 8192; --init: its own)"
+    )
+    p.add_argument(
+        "--num-layers",
+        type=int,
+        default=None,
+        help="DFlash drafter layers (default 2; --init: its own)",
+    )
     p.add_argument("--mask-token-id", type=int, default=None, help="DFlash")
     p.add_argument("--max-anchors", type=int, default=32, help="DFlash blocks per sample")
     p.add_argument("--concurrency", type=int, default=64, help="answers generated at once")

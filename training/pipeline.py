@@ -52,6 +52,8 @@ ANSWERS = ("target", "dataset")  # who wrote the training answers: regenerated, 
 GPU_MICRO_BATCH_TOKENS = 32768
 GPU_BATCHED_TOKENS = 16384
 BLOCK_SIZE = 16  # regeneration's KV cache holds `concurrency` sequences of `max_len` tokens
+DRAFT_VOCAB_SIZE = 8192  # EAGLE-3's draft vocabulary, the tokens most frequent in the data
+DFLASH_LAYERS = 2
 # A token the chat never produces, whose (frozen) embedding marks DFlash's masked rows.
 MASK_TOKEN_CANDIDATES = ("<|mask|>", "<mask>", "<|MASK|>", "<empty_output>", "<unk>")
 
@@ -80,8 +82,8 @@ class TrainDrafterArgs:
     seed: int = 0
     checkpoint_every: int = 25
     num_spec_tokens: int | None = None  # default: 5 (EAGLE-3 TTT steps), 15 (DFlash)
-    draft_vocab_size: int = 8192
-    num_layers: int = 2
+    draft_vocab_size: int | None = None  # EAGLE-3; default DRAFT_VOCAB_SIZE (--init: the drafter's)
+    num_layers: int | None = None  # DFlash; default DFLASH_LAYERS (--init: the drafter's)
     max_anchors: int = 32
     mask_token_id: int | None = None  # DFlash; default: a special token the chat never uses
     bf16: bool = True  # autocast training matmuls to bfloat16
@@ -254,8 +256,8 @@ def _train_config(
         seed=args.seed,
         checkpoint_every=args.checkpoint_every,
         num_spec_tokens=k,
-        draft_vocab_size=args.draft_vocab_size,
-        num_layers=args.num_layers,
+        draft_vocab_size=args.draft_vocab_size or DRAFT_VOCAB_SIZE,
+        num_layers=args.num_layers or DFLASH_LAYERS,
         max_anchors=args.max_anchors,
         decay_gamma=default_decay_gamma(k + 1),
         mask_token_id=mask,
@@ -449,9 +451,10 @@ def _saved_drafter(
 
 
 def _init_args(args: TrainDrafterArgs, layers: tuple[int, ...]) -> tuple[TrainDrafterArgs, int]:
-    """`--init DIR`: the run takes DIR's drafter geometry (refusing one that reads other
-    target layers than the data records, or a DFlash block size other than the one asked
-    for); returns the arguments and the mask token to train with."""
+    """`--init DIR`: the run takes DIR's drafter geometry, refusing one that reads other target
+    layers than the data records or that differs from a size given explicitly (a DFlash
+    block, the number of DFlash layers, EAGLE-3's draft vocabulary); returns the arguments and
+    the mask token to train with."""
     assert args.init is not None
     saved, init_layers, mask = _saved_drafter(args.init, args)
     if init_layers != layers:
@@ -459,11 +462,16 @@ def _init_args(args: TrainDrafterArgs, layers: tuple[int, ...]) -> tuple[TrainDr
             f"--init {args.init}: the drafter reads target layers {list(init_layers)}, "
             f"the data records {list(layers)}"
         )
-    if args.method == "dflash" and args.num_spec_tokens not in (None, saved.num_spec_tokens):
-        raise ValueError(
-            f"--init {args.init}: the drafter's blocks are {saved.num_spec_tokens + 1} tokens, "
-            f"not --num-spec-tokens {args.num_spec_tokens} + 1"
-        )
+    if args.method == "dflash":
+        asked = {
+            "--num-spec-tokens": (args.num_spec_tokens, saved.num_spec_tokens),
+            "--num-layers": (args.num_layers, saved.num_layers),
+        }
+    else:
+        asked = {"--draft-vocab-size": (args.draft_vocab_size, saved.draft_vocab_size)}
+    for flag, (given, has) in asked.items():
+        if given is not None and given != has:
+            raise ValueError(f"--init {args.init}: the drafter has {flag} {has}, not {given}")
     return saved, mask
 
 

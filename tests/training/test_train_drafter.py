@@ -426,9 +426,13 @@ def test_init_starts_from_a_saved_drafter_and_refuses_another_kind(
     data = regenerated / "prompts.jsonl"
     first = _args("eagle3", chat_target, data, tmp_path / "first", work_dir=regenerated, steps=4)
     train_drafter(replace(first, draft_vocab_size=512))
+    # A size given explicitly that the saved drafter does not have is refused, not ignored.
+    init = replace(first, out=tmp_path / "kept", steps=1, lr=0.0, init=tmp_path / "first")
+    with pytest.raises(ValueError, match="the drafter has --draft-vocab-size 512, not 1024"):
+        train_drafter(init)
     # At a learning rate of 0 nothing moves, so the run writes back the drafter it started
     # from: its weights, and its draft vocabulary of 512 where this run would count 1,024.
-    kept = replace(first, out=tmp_path / "kept", steps=1, lr=0.0, init=tmp_path / "first")
+    kept = replace(init, draft_vocab_size=None)
     assert train_drafter(kept)["init"] == str(tmp_path / "first")
     started = _assert_same_drafter(tmp_path / "first", tmp_path / "kept")
     assert started["d2t"].numel() == 512
@@ -447,6 +451,23 @@ def test_init_starts_from_a_saved_drafter_and_refuses_another_kind(
     (other / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"reads target layers \[0, 1, 2\], the data records"):
         train_drafter(replace(kept, init=other))
+
+
+def test_init_refuses_a_dflash_drafter_of_other_sizes_than_asked(
+    chat_target: Path, regenerated: Path, tmp_path: Path
+) -> None:
+    data = regenerated / "prompts.jsonl"
+    saved = _args("dflash", chat_target, data, tmp_path / "saved", work_dir=regenerated, steps=1)
+    train_drafter(replace(saved, num_layers=1))
+    init = replace(saved, out=tmp_path / "next", init=tmp_path / "saved")
+    with pytest.raises(ValueError, match="the drafter has --num-layers 1, not 2"):
+        train_drafter(init)
+    with pytest.raises(ValueError, match="the drafter has --num-spec-tokens 3, not 7"):
+        train_drafter(replace(init, num_layers=None, num_spec_tokens=7))
+    report = train_drafter(replace(init, num_layers=None, num_spec_tokens=None))
+    assert report["steps"] == 1
+    config = json.loads((tmp_path / "next" / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["block_size"]) == (1, 4)
 
 
 def test_bad_input_is_refused_with_a_message_naming_it(
