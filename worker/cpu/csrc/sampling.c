@@ -26,10 +26,10 @@ static inline int is_nan(const void *row, int64_t i, int is_bf16) {
 }
 
 /* The index of the largest value of a row of `cols` values, the first one on ties, as
- * torch.argmax gives; -1 for a row holding a NaN. */
-static int64_t row_argmax(const char *row, int64_t cols, int is_bf16) {
+ * torch.argmax gives; -1 for a row holding a NaN. Leaves the maximum of each chunk of CHUNK
+ * values in `chunk_max` (cols / CHUNK rounded up of them). */
+static int64_t row_argmax(const char *row, int64_t cols, int is_bf16, float *chunk_max) {
     const int64_t chunks = (cols + CHUNK - 1) / CHUNK;
-    float chunk_max[chunks];
     int nans = 0;
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t end = (c + 1) * CHUNK < cols ? (c + 1) * CHUNK : cols;
@@ -59,8 +59,11 @@ static int64_t row_argmax(const char *row, int64_t cols, int is_bf16) {
 void argmax_rows(const void *x, int64_t stride, int64_t rows, int64_t cols, int64_t *out,
                  int is_bf16) {
 #pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_MIN_ELEMS)
-    for (int64_t r = 0; r < rows; r++)
-        out[r] = row_argmax((const char *)x + r * stride * (is_bf16 ? 2 : 4), cols, is_bf16);
+    for (int64_t r = 0; r < rows; r++) {
+        float chunk_max[(cols + CHUNK - 1) / CHUNK];
+        out[r] = row_argmax((const char *)x + r * stride * (is_bf16 ? 2 : 4), cols, is_bf16,
+                            chunk_max);
+    }
 }
 
 /* Whether a double is finite, from its bits (-ffast-math folds isfinite() to true). */
@@ -68,6 +71,45 @@ static inline int finite_f64(double v) {
     uint64_t bits;
     memcpy(&bits, &v, sizeof bits);
     return ((bits >> 52) & 0x7ff) != 0x7ff;
+}
+
+/* screen_argmax's answer for row `xr` and its screened logits `row`: the float32 head's
+ * argmax, or -1 where the screen cannot promise it. */
+static int64_t screen_row(const float *xr, int64_t k, const char *row, int64_t cols, int is_bf16,
+                          const float *bounds, float max_bound, double margin,
+                          const float *panels, int64_t max_candidates) {
+    const uint32_t *x_bits = (const uint32_t *)xr;
+    double norm2 = 0.0;
+    for (int64_t i = 0; i < k; i++) {
+        if ((x_bits[i] & 0x7f800000u) == 0x7f800000u) return -1;
+        norm2 += (double)xr[i] * (double)xr[i];
+    }
+    const int64_t chunks = (cols + CHUNK - 1) / CHUNK;
+    float chunk_max[chunks];
+    const int64_t b = row_argmax(row, cols, is_bf16, chunk_max);
+    if (b < 0) return -1;
+    const float best = value(row, b, is_bf16);
+    const double scale = sqrt(norm2) * (1.0 + margin);
+    const double widest = fabs((double)best) + 2.0 * scale * (double)max_bound;
+    const double floor_d = (double)best - scale * (double)bounds[b] - widest * margin - 0x1p-140;
+    if (!finite_f64(floor_d) || !finite_f64(widest)) return -1;
+    const float floor = (float)floor_d, scale_f = (float)scale;
+    int64_t found = 0, winner = -1;
+    float winner_logit = 0.0f;
+    for (int64_t c = 0; c < chunks; c++) {
+        if (!(chunk_max[c] + scale_f * max_bound >= floor)) continue;
+        const int64_t end = (c + 1) * CHUNK < cols ? (c + 1) * CHUNK : cols;
+        for (int64_t i = c * CHUNK; i < end; i++) {
+            if (!(value(row, i, is_bf16) + scale_f * bounds[i] >= floor)) continue;
+            if (++found > max_candidates) return -1;
+            const float logit = panel_column_f32(xr, panels, k, i);
+            uint32_t logit_bits;
+            memcpy(&logit_bits, &logit, sizeof logit_bits);
+            if ((logit_bits & 0x7fffffffu) > 0x7f800000u) return -1; /* NaN */
+            if (winner < 0 || logit > winner_logit) winner = i, winner_logit = logit;
+        }
+    }
+    return winner; /* b itself always passes: never -1 here */
 }
 
 /* The greedy screen's answer (worker/cpu/greedy_screen.py) for `rows` float32 rows x
@@ -81,52 +123,19 @@ static inline int finite_f64(double v) {
  * largest wins. Returns 0; 1 where it cannot promise a row (a value that is not finite, more
  * than `max_candidates` columns passing), and the caller computes the logits instead.
  * `max_bound` bounds `bounds`: a chunk of 256 columns whose maximum cannot pass is skipped
- * whole. One call and one pass a row, where the same steps as PyTorch ops took ~1.5 ms of a
- * batch-1 step. */
+ * whole. One call (the same steps as PyTorch ops took ~1.5 ms of a batch-1 step), one read
+ * of a row's logits, its rows split among the threads. */
 int screen_argmax(const float *x, int64_t x_stride, int64_t rows, int64_t k, const void *screen,
                   int64_t screen_stride, int64_t cols, int is_bf16, const float *bounds,
                   float max_bound, double margin, const float *panels, int64_t max_candidates,
                   int64_t *out) {
+    int failed = 0;
+#pragma omp parallel for schedule(static) if (rows > 1) reduction(| : failed)
     for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * x_stride;
-        const uint32_t *x_bits = (const uint32_t *)xr;
-        double norm2 = 0.0;
-        for (int64_t i = 0; i < k; i++) {
-            if ((x_bits[i] & 0x7f800000u) == 0x7f800000u) return 1;
-            norm2 += (double)xr[i] * (double)xr[i];
-        }
         const char *row = (const char *)screen + r * screen_stride * (is_bf16 ? 2 : 4);
-        const int64_t b = row_argmax(row, cols, is_bf16);
-        if (b < 0) return 1;
-        const float best = value(row, b, is_bf16);
-        const double scale = sqrt(norm2) * (1.0 + margin);
-        const double widest = fabs((double)best) + 2.0 * scale * (double)max_bound;
-        const double floor_d =
-            (double)best - scale * (double)bounds[b] - widest * margin - 0x1p-140;
-        if (!finite_f64(floor_d) || !finite_f64(widest)) return 1;
-        const float floor = (float)floor_d, scale_f = (float)scale;
-        int64_t found = 0, winner = -1;
-        float winner_logit = 0.0f;
-        for (int64_t c = 0; c < cols; c += CHUNK) {
-            const int64_t end = c + CHUNK < cols ? c + CHUNK : cols;
-            float m = value(row, c, is_bf16);
-            for (int64_t i = c; i < end; i++) {
-                const float v = value(row, i, is_bf16);
-                m = v > m ? v : m;
-            }
-            if (!(m + scale_f * max_bound >= floor)) continue;
-            for (int64_t i = c; i < end; i++) {
-                if (!(value(row, i, is_bf16) + scale_f * bounds[i] >= floor)) continue;
-                if (++found > max_candidates) return 1;
-                const float logit = panel_column_f32(xr, panels, k, i);
-                uint32_t logit_bits;
-                memcpy(&logit_bits, &logit, sizeof logit_bits);
-                if ((logit_bits & 0x7fffffffu) > 0x7f800000u) return 1; /* NaN */
-                if (winner < 0 || logit > winner_logit) winner = i, winner_logit = logit;
-            }
-        }
-        if (winner < 0) return 1; /* b itself always passes; never here */
-        out[r] = winner;
+        out[r] = screen_row(x + r * x_stride, k, row, cols, is_bf16, bounds, max_bound, margin,
+                            panels, max_candidates);
+        failed |= out[r] < 0;
     }
-    return 0;
+    return failed;
 }
