@@ -369,11 +369,18 @@ class SpecPolicy:
 
         plain_rate = tokens / seconds(forced_drafts)
         best_rate, best_n = plain_rate, 0
+        last_rate = plain_rate
         for n, (gain, _, _) in enumerate(gains, start=1):
             tokens += gain
             rate = tokens / seconds(forced_drafts + n)
             if rate > best_rate:
                 best_rate, best_n = rate, n
+            # From the first draft on, each further draft adds no less time than the one before
+            # (every line is straight; the larger of two straight lines is convex) and no more
+            # tokens (sorted): once the rate falls it keeps falling, so no later prefix wins.
+            if n > 1 and rate < last_rate:
+                break
+            last_rate = rate
         if among_many and best_rate < plain_rate * MIN_SPEEDUP:
             best_n = 0
         for _, j, handle in gains[:best_n]:
