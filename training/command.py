@@ -37,6 +37,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-samples", type=int, default=2000, help="training chats")
     p.add_argument("--held-out", type=int, default=200, help="leading chats never trained on")
+    p.add_argument(
+        "--skip-chats",
+        type=int,
+        default=0,
+        help="training chats passed over before --max-samples are taken (ones an --init "
+        "drafter already trained on)",
+    )
     p.add_argument("--max-len", type=int, default=1024, help="tokens per sample")
     p.add_argument("--max-new-tokens", type=int, default=384, help="tokens per answer")
     p.add_argument("--max-turns", type=int, default=2, help="user turns answered per chat")

@@ -1,7 +1,7 @@
 """`specserve train-drafter`: from chats to a drafter in its serving format, resumable.
 
 1. Chats (`corpus.py`): the first `held_out` are held out for evaluation, training uses the
-   next `max_samples`.
+   next `max_samples` after passing over `skip_chats` (chats an `--init` drafter trained on).
 2. Regeneration (`regenerate.py`): the target answers them through specserve's engine and its
    hidden states are recorded (with `--answers dataset`, the training chats' own answers are
    run through the target instead). Cached in the work directory, which both drafters can share;
@@ -66,6 +66,7 @@ class TrainDrafterArgs:
     work_dir: Path | None = None  # default: OUT/data
     data: str = SHAREGPT
     max_samples: int = 2000  # training chats
+    skip_chats: int = 0  # training chats passed over first (the ones an --init drafter saw)
     held_out: int = 200  # leading chats never trained on
     eval_samples: int = 32  # held-out chats regenerated for evaluation
     max_len: int = 1024
@@ -152,12 +153,14 @@ def train_drafter(args: TrainDrafterArgs) -> dict[str, Any]:
         args, mask_token = _init_args(args, layers)
     elif args.method == "dflash":
         mask_token = pick_mask_token(llm.tokenizer, target.config.vocab_size, args.mask_token_id)
-    chats = list(islice(read_chats(args.data), args.held_out + args.max_samples))
-    if len(chats) <= args.held_out:
+    first = args.held_out + args.skip_chats  # the first training chat
+    chats = list(islice(read_chats(args.data), first + args.max_samples))
+    if len(chats) <= first:
         raise ValueError(
             f"{args.data}: {len(chats)} chats, not more than the {args.held_out} held out"
+            + (f" and the {args.skip_chats} skipped" if args.skip_chats else "")
         )
-    held, train_chats = chats[: args.held_out], chats[args.held_out :]
+    held, train_chats = chats[: args.held_out], chats[first:]
     if args.answers == "dataset" and not any(c.answers for c in train_chats):
         raise ValueError(f"--answers dataset: {args.data} holds no assistant answers to train on")
     options = RegenerateOptions(
@@ -206,6 +209,7 @@ def train_drafter(args: TrainDrafterArgs) -> dict[str, Any]:
         "data": args.data,
         "answers": args.answers,
         "init": None if args.init is None else str(args.init),
+        "skip_chats": args.skip_chats,
         "train_samples": len(train),
         "train_tokens": sum(s.num_tokens for s in train),
         "response_tokens": sum(len(s.response) for s in train),

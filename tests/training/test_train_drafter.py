@@ -470,6 +470,22 @@ def test_init_refuses_a_dflash_drafter_of_other_sizes_than_asked(
     assert (config["num_hidden_layers"], config["block_size"]) == (1, 4)
 
 
+def test_skip_chats_passes_over_leading_training_chats(
+    chat_target: Path, regenerated: Path, tmp_path: Path
+) -> None:
+    data = regenerated / "prompts.jsonl"
+    args = _args("eagle3", chat_target, data, tmp_path / "out", work_dir=regenerated, steps=1)
+    whole = train_drafter(args)
+    skipped = train_drafter(replace(args, out=tmp_path / "skipped", skip_chats=2))
+    assert whole["train_samples"] == len(PROMPTS)  # one answered turn a prompt
+    assert skipped["train_samples"] == len(PROMPTS) - 2
+    assert skipped["skip_chats"] == 2
+    with pytest.raises(
+        ValueError, match=f"{len(PROMPTS)} chats, .* and the {len(PROMPTS)} skipped"
+    ):
+        train_drafter(replace(args, out=tmp_path / "none", skip_chats=len(PROMPTS)))
+
+
 def test_bad_input_is_refused_with_a_message_naming_it(
     chat_target: Path, prompts_file: Path, regenerated: Path, tmp_path: Path
 ) -> None:
