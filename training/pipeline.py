@@ -260,8 +260,10 @@ def _train_config(
         seed=args.seed,
         checkpoint_every=args.checkpoint_every,
         num_spec_tokens=k,
-        draft_vocab_size=args.draft_vocab_size or DRAFT_VOCAB_SIZE,
-        num_layers=args.num_layers or DFLASH_LAYERS,
+        draft_vocab_size=DRAFT_VOCAB_SIZE
+        if args.draft_vocab_size is None
+        else args.draft_vocab_size,
+        num_layers=DFLASH_LAYERS if args.num_layers is None else args.num_layers,
         max_anchors=args.max_anchors,
         decay_gamma=default_decay_gamma(k + 1),
         mask_token_id=mask,
