@@ -72,7 +72,7 @@ def _assert_panel_result(got: torch.Tensor, expected: torch.Tensor, dtype: torch
 
 
 @pytest.mark.parametrize("dtype", PANEL_DTYPES)
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 28, 29, 61])
 # A partial panel and odd K; on CPUs with AMX tiles, bfloat16 runs from 4 rows on the tiles where
 # K is a multiple of 32 (960 x 576: an even count of panels; 100 x 64: an odd one, partial).
 @pytest.mark.parametrize(("n", "k"), [(50, 37), (960, 576), (100, 64)])
@@ -80,8 +80,9 @@ def _assert_panel_result(got: torch.Tensor, expected: torch.Tensor, dtype: torch
 def test_panel_kernel_matches_float64(
     dtype: torch.dtype, rows: int, n: int, k: int, with_bias: bool
 ) -> None:
-    """Tiles of 1-16 rows and several tiles (17, 40), a last panel of 2 columns, an odd K
-    (a zero-padded bfloat16 pair), bias; the input rows strided (a column slice)."""
+    """One tile (1-28 rows on AVX-512, 6 on AVX2) and several, split evenly (29 as 15 and 14,
+    61 as three); a last panel of 2 columns, an odd K (a zero-padded bfloat16 pair), bias; the
+    input rows strided (a column slice)."""
     g = torch.Generator().manual_seed(rows * n + k)
     w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if with_bias else None
@@ -89,6 +90,21 @@ def test_panel_kernel_matches_float64(
     assert x.stride(0) == k + 3
     got = kernels.panel_linear(x, kernels.pack_panels(w), b, n)
     _assert_panel_result(got, _reference(x, w, b), dtype)
+
+
+@pytest.mark.parametrize("dtype", PANEL_DTYPES)
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(dtype: torch.dtype) -> None:
+    """Bit for bit whatever tile a row lands in: a request's logits must not change with the
+    batch around it (a verified draft row against the same token decoded alone), or greedy
+    speculation would not be lossless."""
+    g = torch.Generator().manual_seed(7)
+    n, k = 100, 576
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    x = torch.randn(70, k, generator=g).to(dtype)
+    panels = kernels.pack_panels(w)
+    alone = torch.cat([kernels.panel_linear(x[i : i + 1], panels, None, n) for i in range(70)])
+    for rows in (2, 16, 17, 28, 29, 45, 57, 70):
+        assert torch.equal(kernels.panel_linear(x[:rows], panels, None, n), alone[:rows]), rows
 
 
 def test_bfloat16_panels_run_on_amx_tiles_where_the_cpu_has_them() -> None:

@@ -4,14 +4,14 @@ On CPU, torch's default `F.linear` runs a GEMM that reads the weight in its plai
 every call, which is slow for the few rows of a decode step. So each weight gets a packed copy:
 
 - on AVX-512 CPUs (and on AVX2 ones with FMA, bfloat16 widened to float32), panels for
-  specserve's own kernel (`kernels.panel_linear`): it streams each weight once per 16 rows at
-  about the CPU's peak.
+  specserve's own kernel (`kernels.panel_linear`): it streams each weight once per tile of up
+  to 28 rows (6 with AVX2) at about the CPU's peak.
   For SmolLM2's 121 matmuls (LM head included) on a 2-core AMD Zen 4: 23.6 ms at 16 rows in
   float32 (oneDNN packed: 29.7 ms) and 13.1 ms in bfloat16 (17.3 ms); 11.8 ms (20.7 ms) at one
   row; on par (+-10%) at 64 to 256 rows. On a 2-core AMD Zen 1 (AVX2, float32): 27.4 ms at one
   row (34.3), 70.2 ms at 16 (91.6), 245 ms at 64 (261) (`bench/linear.py`,
   docs/benchmarks.md). From `PANEL_MAX_ROWS` rows on (prompt chunks) oneDNN's GEMM on the
-  plain weight takes over: streaming each weight once per 16 rows stops paying there, and in a
+  plain weight takes over: streaming each weight once per tile of rows stops paying there, and in a
   real prefill between the model's other ops the panels ran at about 290 GFLOP/s where oneDNN
   ran at about 450 (64 ShareGPT prompts: 1,000 prompt tokens/s against 1,540 in float32, 1,600
   against 2,400 in bfloat16). oneDNN is reached through `F.linear` in bfloat16 and
