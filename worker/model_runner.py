@@ -117,11 +117,15 @@ class ModelRunner:
         self.speculator = speculator
         self.spec_policy = None
         if speculator is not None:
+            as_rows = verifies_as_decode_rows(
+                model.backend, self.device, speculator.num_spec_tokens + 1
+            )
             self.spec_policy = SpecPolicy(
                 speculator.num_spec_tokens,
                 speculator.drafts_are_free,
                 adaptive_spec,
-                verifies_as_decode_rows(model.backend, self.device, speculator.num_spec_tokens + 1),
+                as_rows,
+                row_tiles=model.row_tiles() if as_rows else None,
             )
         self.recorder: HiddenStateRecorder | None = None  # set for drafter training only
         self.requests: dict[int, RequestState] = {}

@@ -14,7 +14,7 @@ instead taken after the final norm).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -389,6 +389,12 @@ class DecoderModel(nn.Module):
         if self._screen[0] is not head:
             self._screen = (head, GreedyScreen.of(head))
         return self._screen[1]
+
+    def row_tiles(self) -> Callable[[int], int] | None:
+        """Row tiles per step size where the decode step's linears run as panels (the head's
+        `PackedWeight.row_tiles`; every linear is packed alike), else None."""
+        head = self.lm_head.packed if self.lm_head is not None else self.tied_head_packed
+        return head.row_tiles if head is not None and head.panels else None
 
     @torch.no_grad()
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -286,6 +286,24 @@ def test_model_packs_every_linear_and_its_lm_head(request: pytest.FixtureRequest
     expected = F.linear(hidden.double(), head.double())
     got = model.compute_logits(hidden)
     assert (got.double() - expected).abs().max().item() < 1e-4
+    # The speculation policy prices the panel kernel's row tiles (`SpecPolicy(row_tiles=)`).
+    tiles = model.row_tiles()
+    assert (tiles is not None) == panels
+    if panels:
+        size = 6 if kernels.linear_widens_bfloat16() else 28
+        assert [tiles(rows) for rows in (1, size, size + 1, 3 * size)] == [1, 1, 2, 3]
+
+
+@pytest.mark.parametrize("dtype", PANEL_DTYPES)
+def test_row_tiles_are_the_kernels_passes(dtype: torch.dtype) -> None:
+    """Tiles of 28 rows with AVX-512, 6 with AVX2, 16 on AMX tiles (bfloat16 from 4 rows where
+    K is a multiple of 32)."""
+    size = 6 if kernels.linear_widens_bfloat16() else 28
+    amx = dtype == torch.bfloat16 and kernels.linear_amx_min_rows() > 0
+    for rows in (1, 2, 6, 7, 16, 17, 28, 29, 57, 100):
+        expected = -(-rows // (16 if amx and rows >= 4 else size))
+        assert kernels.linear_row_tiles(rows, 576, dtype) == expected, rows
+    assert kernels.linear_row_tiles(29, 37, dtype) == -(-29 // size)  # K not on AMX tiles
 
 
 @needs_onednn

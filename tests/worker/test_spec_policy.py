@@ -66,6 +66,49 @@ def test_cost_line_of_one_size_borrows_a_slope():
     assert line.per_unit() == pytest.approx(0.002)  # drafting: never free
 
 
+def _tiles_of(size: int):
+    return lambda rows: -(-rows // size)
+
+
+def test_cost_line_with_row_tiles_fits_their_step_and_keeps_it():
+    """a + b rows + c tiles, exactly; once every step the window holds is of one tile count,
+    the step last fitted still prices the next tile."""
+    line = CostLine(decay=0.9, tiles=_tiles_of(16))
+    for _ in range(3):
+        for rows in (1, 4, 9, 16, 17, 20, 28, 33):
+            line.observe(rows, 0.010 + 0.001 * rows + 0.004 * -(-rows // 16))
+    assert line.jump == pytest.approx(0.004)
+    assert line.slope() == pytest.approx(0.001)
+    assert line.predict(16) == pytest.approx(0.030)
+    assert line.predict(17) == pytest.approx(0.035)
+    for _ in range(300):  # batch 16 decoding alone: the two-tile steps are forgotten
+        for rows in (15, 16):
+            line.observe(rows, 0.014 + 0.001 * rows)
+    assert line.jump == pytest.approx(0.004)
+    assert line.predict(17) == pytest.approx(0.035, rel=1e-6)
+    plain = CostLine(decay=0.9)  # a straight line through the same steps spreads the jump
+    for rows in (1, 4, 9, 16, 17, 20, 28, 33):
+        plain.observe(rows, 0.010 + 0.001 * rows + 0.004 * -(-rows // 16))
+    assert plain.predict(17) - plain.predict(16) < 0.002
+
+
+@pytest.mark.parametrize(("tile", "verified"), [(16, 0), (28, K)])
+def test_a_draft_that_opens_another_row_tile_pays_for_its_pass(tile: int, verified: int):
+    """Batch 16 on CPU, one request accepting 90% of its drafts: inside the tile a draft row
+    costs 1 ms of a 26 ms step and three drafts pay (18.44 tokens in 29 ms against 16 in 26);
+    where the 17th row opens a second tile (+4 ms) none does (18.44 in 33 ms)."""
+    policy = SpecPolicy(
+        K, free_drafts=True, verifies_as_decode_rows=True, row_tiles=_tiles_of(tile)
+    )
+    for _ in range(5):
+        for rows in (1, 2, 4, 8, 16, 17, 20, 24, 28, 29, 32, 40, 56, 57, 64):
+            tiles = -(-rows // tile)
+            policy.observe_step(rows, 0, False, 0.006 + 0.001 * rows + 0.004 * tiles)
+    _set_rates(policy, 0, [0.9, 0.9, 0.9])
+    plan = policy.plan([Candidate(0, [])], other_decodes=15)
+    assert plan.verify.get(0, 0) == verified
+
+
 def test_plain_steps_seen_at_batch_1_are_not_priced_in_proportion_at_batch_16():
     """Plain steps measured only at batch 1 (30 ms) and verification steps at batch 1 with 1-3
     drafts (48 ms, +2.5 ms a row): at batch 16 a plain step is not 16 x 30 ms. With the slope
@@ -261,6 +304,40 @@ def test_the_choice_is_the_best_of_every_possible_one(plain, mixed, prefill, man
         assert not any(chosen.values())
     else:
         assert _throughput(policy, rates, chosen, prefill) == pytest.approx(best, rel=1e-9)
+
+
+@pytest.mark.parametrize("jump", [0.0005, 0.003, 0.02])
+def test_the_choice_is_the_best_of_every_possible_one_across_row_tiles(jump: float):
+    """Steps rising by `jump` every 4 rows (a tile): the rate can fall on a draft that opens a
+    tile and rise on the next ones, so the search must not stop there."""
+    policy = SpecPolicy(K, free_drafts=True, verifies_as_decode_rows=True, row_tiles=_tiles_of(4))
+    for _ in range(5):
+        for rows in range(1, 33):
+            policy.observe_step(rows, 0, False, 0.008 + 0.0004 * rows + jump * -(-rows // 4))
+    assert policy.plain_step.jump == pytest.approx(jump)
+    rates = {1: [0.95, 0.9, 0.9], 2: [0.9, 0.8, 0.5], 3: [0.6, 0.5, 0.5], 4: [0.3, 0.9, 0.9]}
+    for handle, r in rates.items():
+        _set_rates(policy, handle, r)
+    plan = policy.plan([Candidate(h, []) for h in rates], other_decodes=1)
+    chosen = {h: plan.verify.get(h, 0) for h in rates}
+
+    def throughput(verify: dict[int, int]) -> float:
+        tokens = 1.0
+        for handle, k in verify.items():
+            p, tokens = 1.0, tokens + 1.0
+            for rate in rates[handle][:k]:
+                p *= rate
+                tokens += p * policy.calibration()
+        return tokens / policy.plain_step.predict(1 + len(verify) + sum(verify.values()))
+
+    best = max(
+        throughput(dict(zip(rates, ks, strict=True)))
+        for ks in itertools.product(range(K + 1), repeat=len(rates))
+    )
+    if best < throughput(dict.fromkeys(rates, 0)) * MIN_SPEEDUP:
+        assert not any(chosen.values())
+    else:
+        assert throughput(chosen) == pytest.approx(best, rel=1e-9)
 
 
 def test_cheap_rows_verify_everything_and_costly_rows_nothing():

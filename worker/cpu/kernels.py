@@ -318,6 +318,7 @@ def open_library(path: Path) -> ctypes.CDLL:
         "linear_enable_amx": (ctypes.c_int, []),
         "linear_amx_min_rows": (i64, []),
         "linear_widens_bf16": (ctypes.c_int, []),
+        "linear_row_tiles": (i64, [i64, i64, flag]),
         "panel_linear": (ctypes.c_int, [_PTR, i64, _PTR, _PTR, _PTR, i64, i64, i64, flag]),
         "int8_panel_linear": (None, [_PTR, i64, _PTR, _PTR, _PTR, i64, i64, i64]),
         "rope_write_kv": (
@@ -746,6 +747,14 @@ def linear_amx_min_rows() -> int:
     a multiple of 32); 0 where it never does (no tiles, or no kernels)."""
     lib = load()
     return lib.linear_amx_min_rows() if lib is not None else 0
+
+
+def linear_row_tiles(rows: int, k: int, dtype: torch.dtype) -> int:
+    """How many row tiles `panel_linear` makes of `rows` rows of depth `k`: each is a pass over
+    every panel, so a step's cost rises by a pass where its rows cross into another tile (up to
+    28 rows a tile with AVX-512, 6 with AVX2, 16 on AMX tiles); 0 without the kernel."""
+    lib = load()
+    return lib.linear_row_tiles(rows, k, int(dtype == torch.bfloat16)) if lib is not None else 0
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

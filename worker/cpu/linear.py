@@ -132,6 +132,13 @@ class PackedWeight:
             and not (self.large_rows_onednn and rows >= self.onednn_rows)
         )
 
+    def row_tiles(self, rows: int) -> int:
+        """The panel kernel's row tiles for `rows` rows (`kernels.linear_row_tiles`): the passes
+        over the weights a step of that many rows makes; 1 where another GEMM runs it."""
+        if not self.runs_panels(rows):
+            return 1
+        return kernels.linear_row_tiles(rows, self.weight.shape[1], self.weight.dtype)
+
     def hand_over(self, rows: int) -> None:
         """Panels hand `rows` rows and more to oneDNN; below `PANEL_MAX_ROWS` through a
         blocked copy of the weight (more memory, a faster GEMM than reordering per call)."""

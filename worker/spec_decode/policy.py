@@ -31,9 +31,11 @@ second (down to none), from:
   follow the machine's load. Each line is fitted only on its own kind of step: a prompt chunk's
   rows cost differently from a verification's, and a line through both mispredicts either.
   Where verification runs as decode rows (CPU), plain and verification steps are one kind and
-  share one line. A plain line measured at one size only (plain steps seen at batch 1, then a
-  batch of 16) borrows the per-row slope of the plain and verification lines fitted together;
-  a verification or drafting line measured at one size scales in proportion (errors that make
+  share one line, which also steps up where the rows open another of the panel kernel's row
+  tiles (a pass over every weight: drafts that take a step into a new tile pay for it). A
+  plain line measured at one size only (plain steps seen at batch 1, then a batch of 16)
+  borrows the per-row slope of the plain and verification lines fitted together; a
+  verification or drafting line measured at one size scales in proportion (errors that make
   drafts look dear, never cheap), and a step with drafts is never priced below the plain step
   of the same requests plus its draft rows at the verification line's slope.
 
@@ -89,15 +91,37 @@ class CostLine:
     step at 16 batch-1 steps, when most of a small step is fixed cost (streaming the weights),
     and make every verification look cheap beside it. For verification and drafting it gives
     `per_unit()`, the proportional scale, which errs the other way.
+
+    With `tiles` (rows -> the CPU panel kernel's row tiles, `kernels.linear_row_tiles`) the
+    line is a + b rows + c tiles: each further tile is another pass over every weight, a step
+    up that a straight line spreads over all rows (16-row tiles on a Zen 4: a 17th row cost
+    +16% of the step, a row inside a tile 2-5%). The step `c` is fitted once steps of two
+    tile counts are in the window, and kept after they are forgotten (`jump`).
     """
 
-    def __init__(self, decay: float = COST_DECAY) -> None:
+    def __init__(
+        self, decay: float = COST_DECAY, tiles: Callable[[int], int] | None = None
+    ) -> None:
         self.decay = decay
         self.weight = self.sum_x = self.sum_y = self.sum_xx = self.sum_xy = 0.0
+        self.tiles = tiles
+        self._tiles_of: dict[int, int] = {}
+        self.sum_z = self.sum_zz = self.sum_xz = self.sum_zy = 0.0
+        self.jump = 0.0  # seconds a further tile costs (0.0 until two tile counts are seen)
 
     @property
     def known(self) -> bool:
         return self.weight > 0.0
+
+    def tiles_at(self, x: float) -> int:
+        """The row tiles of a step of `x` rows (0 without `tiles`)."""
+        if self.tiles is None:
+            return 0
+        rows = int(x)
+        tiles = self._tiles_of.get(rows)
+        if tiles is None:
+            tiles = self._tiles_of[rows] = self.tiles(rows)
+        return tiles
 
     def observe(self, x: float, seconds: float) -> None:
         d = self.decay
@@ -106,10 +130,32 @@ class CostLine:
         self.sum_y = self.sum_y * d + seconds
         self.sum_xx = self.sum_xx * d + x * x
         self.sum_xy = self.sum_xy * d + x * seconds
+        if self.tiles is not None:
+            z = self.tiles_at(x)
+            self.sum_z = self.sum_z * d + z
+            self.sum_zz = self.sum_zz * d + z * z
+            self.sum_xz = self.sum_xz * d + x * z
+            self.sum_zy = self.sum_zy * d + z * seconds
+            self._fit_jump()
+
+    def _fit_jump(self) -> None:
+        """Refit `jump` where the window holds steps of two tile counts or more, and rows vary
+        apart from them (else keep the last one)."""
+        w = self.weight
+        mean_x, mean_z, mean_y = self.sum_x / w, self.sum_z / w, self.sum_y / w
+        var_x = self.sum_xx / w - mean_x * mean_x
+        var_z = self.sum_zz / w - mean_z * mean_z
+        cov_xz = self.sum_xz / w - mean_x * mean_z
+        cov_xy = self.sum_xy / w - mean_x * mean_y
+        cov_zy = self.sum_zy / w - mean_z * mean_y
+        det = var_x * var_z - cov_xz * cov_xz
+        if var_z <= 1e-6 or det <= 1e-6 * var_x * var_z:
+            return
+        self.jump = max((cov_zy * var_x - cov_xy * cov_xz) / det, 0.0)
 
     def spread(self) -> tuple[float, float]:
-        """(weighted variance of sizes, covariance of sizes and seconds), both 0.0 while the
-        sizes barely vary: what a slope pooled over several lines sums."""
+        """(weighted variance of sizes, covariance of sizes and seconds less the tiles' steps),
+        both 0.0 while the sizes barely vary: what a slope pooled over several lines sums."""
         w = self.weight
         if w <= 0.0:
             return 0.0, 0.0
@@ -117,7 +163,10 @@ class CostLine:
         var = self.sum_xx / w - mean_x * mean_x
         if var <= 1e-6 * max(1.0, mean_x * mean_x):
             return 0.0, 0.0
-        return var * w, (self.sum_xy / w - mean_x * self.sum_y / w) * w
+        cov = self.sum_xy / w - mean_x * self.sum_y / w
+        if self.jump:
+            cov -= self.jump * (self.sum_xz / w - mean_x * self.sum_z / w)
+        return var * w, cov * w
 
     def slope(self) -> float | None:
         """Seconds per unit, or None while the sizes barely vary."""
@@ -144,7 +193,12 @@ class CostLine:
         mean_x, mean_y = self.sum_x / w, self.sum_y / w
         slope = self.slope()
         slope = borrowed_slope if slope is None else slope
-        return lambda x: max(mean_y + slope * (x - mean_x), 1e-9)
+        if not self.jump:
+            return lambda x: max(mean_y + slope * (x - mean_x), 1e-9)
+        jump, mean_z = self.jump, self.sum_z / w
+        return lambda x: max(
+            mean_y + slope * (x - mean_x) + jump * (self.tiles_at(x) - mean_z), 1e-9
+        )
 
 
 def pooled_slope(lines: Sequence[CostLine]) -> float:
@@ -207,11 +261,13 @@ class SpecPolicy:
         free_drafts: bool,
         adaptive: bool = True,
         verifies_as_decode_rows: bool = False,
+        row_tiles: Callable[[int], int] | None = None,
     ) -> None:
         """`verifies_as_decode_rows`: a verification step runs as a decode step of as many rows
         (CPU, `torch_backend.token_rows`), so both kinds of step are fitted on one line, whose
         slope the two sizes they come in give; with one size seen, a draft row is priced at
-        nothing until a verification measures it."""
+        nothing until a verification measures it. `row_tiles`: there, the panel kernel's row
+        tiles per step size, whose steps the line then prices (`CostLine`)."""
         self.k = num_spec_tokens
         self.adaptive = adaptive
         self.base_probe_every = 1 if free_drafts else PROBE_EVERY
@@ -220,7 +276,7 @@ class SpecPolicy:
         self._next_probe = self.probe_every
         self.prior = [INITIAL_RATE] * num_spec_tokens
         self.requests: dict[int, _RequestAcceptance] = {}
-        self.plain_step = CostLine()  # one row per request
+        self.plain_step = CostLine(tiles=row_tiles if verifies_as_decode_rows else None)
         # one row per request plus drafts
         self.verify_step = self.plain_step if verifies_as_decode_rows else CostLine()
         self.prefill_step = CostLine()  # any step with a prompt chunk
@@ -370,15 +426,19 @@ class SpecPolicy:
         plain_rate = tokens / seconds(forced_drafts)
         best_rate, best_n = plain_rate, 0
         last_rate = plain_rate
+        tiles = drafted_line.tiles_at
         for n, (gain, _, _) in enumerate(gains, start=1):
             tokens += gain
+            rows = base_rows + forced_drafts + n
             rate = tokens / seconds(forced_drafts + n)
             if rate > best_rate:
                 best_rate, best_n = rate, n
-            # From the first draft on, each further draft adds no less time than the one before
-            # (every line is straight; the larger of two straight lines is convex) and no more
-            # tokens (sorted): once the rate falls it keeps falling, so no later prefix wins.
-            if n > 1 and rate < last_rate:
+            # From the first draft on, each further draft adds no less time than a draft inside
+            # a row tile (every line is straight; the larger of two straight lines is convex)
+            # and no more tokens (sorted): once the rate falls on such a draft it keeps
+            # falling, so no later prefix wins. A draft that opens a tile adds more time than
+            # the next one: the rate may fall there and rise again.
+            if n > 1 and rate < last_rate and tiles(rows) == tiles(rows - 1):
                 break
             last_rate = rate
         if among_many and best_rate < plain_rate * MIN_SPEEDUP:

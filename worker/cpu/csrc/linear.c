@@ -452,6 +452,22 @@ int64_t linear_amx_min_rows(void) {
 /* 1 where bfloat16 panels are widened to float32 (AVX2: float32's multiply rate, half its bytes). */
 int linear_widens_bf16(void) { return PAIRS_AS_FLOAT32; }
 
+/* The row tiles an input of `rows` rows by `k` makes: each is a pass over every panel, which a
+ * step pays beyond its rows' arithmetic (the first from memory, the rest from cache but not
+ * overlapped with the stream); 0 without the kernel. */
+int64_t linear_row_tiles(int64_t rows, int64_t k, int is_bf16) {
+#if defined(LINEAR_SIMD)
+#if defined(LINEAR_AMX)
+    if (amx_runs(rows, k, is_bf16)) return (rows + 15) / 16;
+#endif
+    (void)k, (void)is_bf16;
+    return (rows + MAX_TILE - 1) / MAX_TILE;
+#else
+    (void)rows, (void)k, (void)is_bf16;
+    return 0;
+#endif
+}
+
 /* Column `column` of float32 panels of depth k times one row x: the float32 tiles' sum for that
  * column bit for bit (one fused multiply-add a step, k in order, from zero), plus the tiles'
  * zero bias. Scalar intrinsics, so that no compiler reorders the sum. */
