@@ -329,7 +329,8 @@ class ModelRunner:
             # whether or not drafts are verified, and a line fed mostly those forgets the cost
             # of a draft), nor one that caught up rows put aside, paid either way (after a
             # back-off, a one-token EAGLE-3 probe at batch 1 took 4 ms, a draft ~2).
-            self.spec_policy.observe_drafting(num_drafted, time.perf_counter() - verified)
+            depth = max(len(d.tokens) for d in drafts.values())
+            self.spec_policy.observe_drafting(num_drafted, time.perf_counter() - verified, depth)
         for i, result in enumerate(results):
             proposed = drafts.get(result.handle)
             if proposed is None or not proposed.tokens:

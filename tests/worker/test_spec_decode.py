@@ -457,9 +457,9 @@ def test_rows_put_aside_give_the_drafter_the_same_context(
         policy = llm.engine.runner.spec_policy
         observe = policy.observe_drafting
 
-        def costing(num_tokens, seconds, observe=observe, spec=speculator, seen=costed):
+        def costing(num_tokens, seconds, depth, observe=observe, spec=speculator, seen=costed):
             seen.append((num_tokens, spec.backlog_rows_taken))
-            observe(num_tokens, seconds)
+            observe(num_tokens, seconds, depth)
 
         policy.observe_drafting = costing
         outs = llm.generate(batch, params)

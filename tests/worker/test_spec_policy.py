@@ -77,14 +77,14 @@ def test_cost_line_with_row_tiles_fits_their_step_and_keeps_it():
     for _ in range(3):
         for rows in (1, 4, 9, 16, 17, 20, 28, 33):
             line.observe(rows, 0.010 + 0.001 * rows + 0.004 * -(-rows // 16))
-    assert line.jump == pytest.approx(0.004)
+    assert line.z_slope == pytest.approx(0.004)
     assert line.slope() == pytest.approx(0.001)
     assert line.predict(16) == pytest.approx(0.030)
     assert line.predict(17) == pytest.approx(0.035)
     for _ in range(300):  # batch 16 decoding alone: the two-tile steps are forgotten
         for rows in (15, 16):
             line.observe(rows, 0.014 + 0.001 * rows)
-    assert line.jump == pytest.approx(0.004)
+    assert line.z_slope == pytest.approx(0.004)
     assert line.predict(17) == pytest.approx(0.035, rel=1e-6)
     plain = CostLine(decay=0.9)  # a straight line through the same steps spreads the jump
     for rows in (1, 4, 9, 16, 17, 20, 28, 33):
@@ -107,6 +107,46 @@ def test_a_draft_that_opens_another_row_tile_pays_for_its_pass(tile: int, verifi
     _set_rates(policy, 0, [0.9, 0.9, 0.9])
     plan = policy.plan([Candidate(0, [])], other_decodes=15)
     assert plan.verify.get(0, 0) == verified
+
+
+def _eagle3_drafting(tokens: int, depth: int) -> float:
+    """An EAGLE-3 drafting call on a 2-core CPU, as measured: ~1.7 ms, ~1 ms a position deep
+    and ~0.1 ms a token wide (K=3: 4.8 ms for 3 tokens at batch 1, 5.8 ms for 12 at batch 4)."""
+    return 0.0017 + 0.001 * depth + 0.0001 * tokens
+
+
+def test_drafting_line_fits_depth_and_width():
+    line = CostLine(depth=True)
+    for tokens, depth in ((1, 1), (3, 3), (4, 1), (12, 3), (2, 2)):
+        line.observe(tokens, _eagle3_drafting(tokens, depth), depth)
+    assert line.z_slope == pytest.approx(0.001)
+    assert line.slope() == pytest.approx(0.0001)
+    assert line.predict(12, z=3) == pytest.approx(_eagle3_drafting(12, 3))
+    assert line.predict(16, z=1) == pytest.approx(_eagle3_drafting(16, 1))
+
+
+@pytest.mark.parametrize("by_depth", [True, False])
+def test_a_wide_drafting_pass_is_priced_by_its_depth(by_depth: bool):
+    """Batch 4 (an 18 ms step, 1 ms a row), each request accepting half its first drafts:
+    a first draft for all four, one pass one position deep (3.1 ms), pays 1.076x (6 tokens in
+    25.1 ms against 4 in 18). Drafting was seen at batch 1 (1 and 3 tokens, as deep) and at
+    batch 4 three deep (12 tokens): against tokens alone that line prices the four at 4.3 ms,
+    1.027x, under the margin, and they are refused."""
+    policy = SpecPolicy(K, free_drafts=False, verifies_as_decode_rows=True)
+    if not by_depth:
+        policy.drafting = CostLine()  # seconds against draft tokens alone
+    for _ in range(5):
+        for rows in (1, 2, 4, 8, 16):
+            policy.observe_step(rows, 0, False, 0.014 + 0.001 * rows)
+        for tokens, depth in ((1, 1), (3, 3), (12, 3)):
+            policy.observe_drafting(tokens, _eagle3_drafting(tokens, depth), depth)
+    assert policy.drafting.predict(4, z=1) == pytest.approx(
+        _eagle3_drafting(4, 1) if by_depth else 0.00427, rel=1e-2
+    )
+    for h in range(4):
+        _set_rates(policy, h, [0.5, 0.4, 0.3])
+    verify = policy.plan([Candidate(h, []) for h in range(4)]).verify
+    assert verify == (dict.fromkeys(range(4), 1) if by_depth else {})
 
 
 def test_plain_steps_seen_at_batch_1_are_not_priced_in_proportion_at_batch_16():
@@ -314,7 +354,7 @@ def test_the_choice_is_the_best_of_every_possible_one_across_row_tiles(jump: flo
     for _ in range(5):
         for rows in range(1, 33):
             policy.observe_step(rows, 0, False, 0.008 + 0.0004 * rows + jump * -(-rows // 4))
-    assert policy.plain_step.jump == pytest.approx(jump)
+    assert policy.plain_step.z_slope == pytest.approx(jump)
     rates = {1: [0.95, 0.9, 0.9], 2: [0.9, 0.8, 0.5], 3: [0.6, 0.5, 0.5], 4: [0.3, 0.9, 0.9]}
     for handle, r in rates.items():
         _set_rates(policy, handle, r)

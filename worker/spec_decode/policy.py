@@ -26,8 +26,9 @@ second (down to none), from:
   and while backing off it probes one draft deep;
 - the measured cost of steps: seconds against rows, one line each for plain decode steps (every
   request one row), verification steps (decode rows and drafts) and steps with prompt chunks,
-  and one for drafting, seconds against draft tokens (its intercept paid by any step that drafts:
-  a DFlash pass drafts its whole block at once), all fitted online with forgetting so they
+  and one for drafting, seconds against draft tokens and the deepest draft of the call (its
+  intercept paid by any step that drafts: a DFlash pass drafts its whole block at once; an
+  EAGLE-3 call makes a pass per position deep), all fitted online with forgetting so they
   follow the machine's load. Each line is fitted only on its own kind of step: a prompt chunk's
   rows cost differently from a verification's, and a line through both mispredicts either.
   Where verification runs as decode rows (CPU), plain and verification steps are one kind and
@@ -92,22 +93,32 @@ class CostLine:
     and make every verification look cheap beside it. For verification and drafting it gives
     `per_unit()`, the proportional scale, which errs the other way.
 
-    With `tiles` (rows -> the CPU panel kernel's row tiles, `kernels.linear_row_tiles`) the
-    line is a + b rows + c tiles: each further tile is another pass over every weight, a step
-    up that a straight line spreads over all rows (16-row tiles on a Zen 4: a 17th row cost
-    +16% of the step, a row inside a tile 2-5%). The step `c` is fitted once steps of two
-    tile counts are in the window, and kept after they are forgotten (`jump`).
+    A line can have a second variable z, a + b x + c z, with `c` (`z_slope`) fitted once the
+    window holds two values of z apart from x, and kept after they are forgotten:
+
+    - `tiles` (rows -> the CPU panel kernel's row tiles, `kernels.linear_row_tiles`): each
+      further tile is another pass over every weight, a step up that a straight line spreads
+      over all rows (16-row tiles on a Zen 4: a 17th row cost +16% of the step, a row inside a
+      tile 2-5%);
+    - `depth` (drafting): z is the deepest draft of a drafting call, given with each
+      observation. An EAGLE-3 pass costs ~1 ms a position deep and ~0.1 ms a token wide (K=3:
+      4.8 ms for 3 tokens at batch 1, 5.8 for 12 at batch 4), which a line against tokens alone
+      prices 2.5x too high at batch 4 when fitted at batch 1.
     """
 
     def __init__(
-        self, decay: float = COST_DECAY, tiles: Callable[[int], int] | None = None
+        self,
+        decay: float = COST_DECAY,
+        tiles: Callable[[int], int] | None = None,
+        depth: bool = False,
     ) -> None:
         self.decay = decay
         self.weight = self.sum_x = self.sum_y = self.sum_xx = self.sum_xy = 0.0
         self.tiles = tiles
+        self.depth = depth
         self._tiles_of: dict[int, int] = {}
         self.sum_z = self.sum_zz = self.sum_xz = self.sum_zy = 0.0
-        self.jump = 0.0  # seconds a further tile costs (0.0 until two tile counts are seen)
+        self.z_slope = 0.0  # seconds a unit of z adds (0.0 until two values of z are seen)
 
     @property
     def known(self) -> bool:
@@ -123,24 +134,26 @@ class CostLine:
             tiles = self._tiles_of[rows] = self.tiles(rows)
         return tiles
 
-    def observe(self, x: float, seconds: float) -> None:
+    def observe(self, x: float, seconds: float, z: float = 0.0) -> None:
+        """A step of size `x` took `seconds`; `z`: its depth, for a `depth` line."""
         d = self.decay
         self.weight = self.weight * d + 1.0
         self.sum_x = self.sum_x * d + x
         self.sum_y = self.sum_y * d + seconds
         self.sum_xx = self.sum_xx * d + x * x
         self.sum_xy = self.sum_xy * d + x * seconds
-        if self.tiles is not None:
-            z = self.tiles_at(x)
+        if self.tiles is not None or self.depth:
+            if self.tiles is not None:
+                z = self.tiles_at(x)
             self.sum_z = self.sum_z * d + z
             self.sum_zz = self.sum_zz * d + z * z
             self.sum_xz = self.sum_xz * d + x * z
             self.sum_zy = self.sum_zy * d + z * seconds
-            self._fit_jump()
+            self._fit_z_slope()
 
-    def _fit_jump(self) -> None:
-        """Refit `jump` where the window holds steps of two tile counts or more, and rows vary
-        apart from them (else keep the last one)."""
+    def _fit_z_slope(self) -> None:
+        """Refit `z_slope` where the window holds two values of z or more, varying apart from
+        x (else keep the last one)."""
         w = self.weight
         mean_x, mean_z, mean_y = self.sum_x / w, self.sum_z / w, self.sum_y / w
         var_x = self.sum_xx / w - mean_x * mean_x
@@ -151,11 +164,11 @@ class CostLine:
         det = var_x * var_z - cov_xz * cov_xz
         if var_z <= 1e-6 or det <= 1e-6 * var_x * var_z:
             return
-        self.jump = max((cov_zy * var_x - cov_xy * cov_xz) / det, 0.0)
+        self.z_slope = max((cov_zy * var_x - cov_xy * cov_xz) / det, 0.0)
 
     def spread(self) -> tuple[float, float]:
-        """(weighted variance of sizes, covariance of sizes and seconds less the tiles' steps),
-        both 0.0 while the sizes barely vary: what a slope pooled over several lines sums."""
+        """(weighted variance of sizes, covariance of sizes and seconds less z's part), both
+        0.0 while the sizes barely vary: what a slope pooled over several lines sums."""
         w = self.weight
         if w <= 0.0:
             return 0.0, 0.0
@@ -164,8 +177,8 @@ class CostLine:
         if var <= 1e-6 * max(1.0, mean_x * mean_x):
             return 0.0, 0.0
         cov = self.sum_xy / w - mean_x * self.sum_y / w
-        if self.jump:
-            cov -= self.jump * (self.sum_xz / w - mean_x * self.sum_z / w)
+        if self.z_slope:
+            cov -= self.z_slope * (self.sum_xz / w - mean_x * self.sum_z / w)
         return var * w, cov * w
 
     def slope(self) -> float | None:
@@ -181,24 +194,31 @@ class CostLine:
             return slope
         return self.sum_y / self.sum_x if self.sum_x > 0 else 0.0
 
-    def predict(self, x: float, borrowed_slope: float = 0.0) -> float:
-        """Seconds at size `x`; `borrowed_slope` stands in for a slope this line lacks."""
-        return self.fitted(borrowed_slope)(x)
+    def predict(self, x: float, borrowed_slope: float = 0.0, z: float | None = None) -> float:
+        """Seconds at size `x` (and depth `z`, for a `depth` line: default its mean);
+        `borrowed_slope` stands in for a slope this line lacks."""
+        return self.fitted(borrowed_slope)(x, z)
 
-    def fitted(self, borrowed_slope: float = 0.0) -> Callable[[float], float]:
-        """`predict` with the fit done once, for many sizes."""
+    def fitted(self, borrowed_slope: float = 0.0) -> Callable[[float, float | None], float]:
+        """`predict` with the fit done once, for many sizes: f(x, z=None)."""
         w = self.weight
         if w <= 0.0:
-            return lambda x: 0.0
+            return lambda x, z=None: 0.0
         mean_x, mean_y = self.sum_x / w, self.sum_y / w
         slope = self.slope()
         slope = borrowed_slope if slope is None else slope
-        if not self.jump:
-            return lambda x: max(mean_y + slope * (x - mean_x), 1e-9)
-        jump, mean_z = self.jump, self.sum_z / w
-        return lambda x: max(
-            mean_y + slope * (x - mean_x) + jump * (self.tiles_at(x) - mean_z), 1e-9
-        )
+        if not self.z_slope:
+            return lambda x, z=None: max(mean_y + slope * (x - mean_x), 1e-9)
+        z_slope, mean_z, tiles = self.z_slope, self.sum_z / w, self.tiles is not None
+
+        def seconds(x: float, z: float | None = None) -> float:
+            if tiles:
+                z = self.tiles_at(x)
+            elif z is None:
+                z = mean_z
+            return max(mean_y + slope * (x - mean_x) + z_slope * (z - mean_z), 1e-9)
+
+        return seconds
 
 
 def pooled_slope(lines: Sequence[CostLine]) -> float:
@@ -280,7 +300,7 @@ class SpecPolicy:
         # one row per request plus drafts
         self.verify_step = self.plain_step if verifies_as_decode_rows else CostLine()
         self.prefill_step = CostLine()  # any step with a prompt chunk
-        self.drafting = CostLine()
+        self.drafting = CostLine(depth=True)
         self.stats = PolicyStats()
         self._steps = 0
         # Acceptance promised against acceptance seen, over the drafts the policy chose to verify
@@ -295,8 +315,9 @@ class SpecPolicy:
         line = self.prefill_step if prefill else self.verify_step if num_drafts else self.plain_step
         line.observe(rows, seconds)
 
-    def observe_drafting(self, num_tokens: int, seconds: float) -> None:
-        self.drafting.observe(num_tokens, seconds)
+    def observe_drafting(self, num_tokens: int, seconds: float, depth: int = 1) -> None:
+        """A drafting call drafted `num_tokens`, the most for one request `depth`."""
+        self.drafting.observe(num_tokens, seconds, depth)
 
     def observe_verified(self, handle: int, num_drafts: int, num_accepted: int) -> None:
         promised = self._promised.pop(handle, None)
@@ -412,7 +433,7 @@ class SpecPolicy:
                 base_rows, pooled_slope((self.plain_step, self.verify_step))
             )
 
-        def seconds(num_drafts: int) -> float:
+        def seconds(num_drafts: int, depth: int) -> float:
             step = drafted_step(base_rows + num_drafts)
             if plain is not None:
                 if num_drafts == 0:
@@ -421,24 +442,28 @@ class SpecPolicy:
                 # verification line fitted mostly on small batches can pass below the plain
                 # line measured at this batch size.
                 step = max(step, plain + per_row * num_drafts)
-            return step + (drafting(num_drafts) if num_drafts else 0.0)
+            return step + (drafting(num_drafts, depth) if num_drafts else 0.0)
 
-        plain_rate = tokens / seconds(forced_drafts)
+        depth = self.k if forced_drafts else 0
+        plain_rate = tokens / seconds(forced_drafts, depth)
         best_rate, best_n = plain_rate, 0
         last_rate = plain_rate
         tiles = drafted_line.tiles_at
-        for n, (gain, _, _) in enumerate(gains, start=1):
+        for n, (gain, j, _) in enumerate(gains, start=1):
             tokens += gain
             rows = base_rows + forced_drafts + n
-            rate = tokens / seconds(forced_drafts + n)
+            deeper = j > depth
+            depth = max(depth, j)
+            rate = tokens / seconds(forced_drafts + n, depth)
             if rate > best_rate:
                 best_rate, best_n = rate, n
             # From the first draft on, each further draft adds no less time than a draft inside
-            # a row tile (every line is straight; the larger of two straight lines is convex)
-            # and no more tokens (sorted): once the rate falls on such a draft it keeps
-            # falling, so no later prefix wins. A draft that opens a tile adds more time than
-            # the next one: the rate may fall there and rise again.
-            if n > 1 and rate < last_rate and tiles(rows) == tiles(rows - 1):
+            # a row tile and no deeper than the drafts before it (every line is straight; the
+            # larger of two straight lines is convex) and no more tokens (sorted): once the
+            # rate falls on such a draft it keeps falling, so no later prefix wins. A draft
+            # that opens a tile or a drafting position adds more time than the next one: the
+            # rate may fall there and rise again.
+            if n > 1 and rate < last_rate and not deeper and tiles(rows) == tiles(rows - 1):
                 break
             last_rate = rate
         if among_many and best_rate < plain_rate * MIN_SPEEDUP:
