@@ -382,10 +382,14 @@ class DecoderModel(nn.Module):
             return self.lm_head(hidden)
         return linear(hidden, self.embed_tokens.weight, None, self.tied_head_packed)
 
+    def _head_packed(self) -> PackedWeight | None:
+        """The LM head's packing: its own matrix's, or the tied embedding's."""
+        return self.lm_head.packed if self.lm_head is not None else self.tied_head_packed
+
     def greedy_screen(self) -> GreedyScreen | None:
         """The LM head's bfloat16 screen (`cpu.greedy_screen`), made for the head's current
         packing; None where the head is not a float32 one packed as panels."""
-        head = self.lm_head.packed if self.lm_head is not None else self.tied_head_packed
+        head = self._head_packed()
         if self._screen[0] is not head:
             self._screen = (head, GreedyScreen.of(head))
         return self._screen[1]
@@ -393,7 +397,7 @@ class DecoderModel(nn.Module):
     def row_tiles(self) -> Callable[[int], int] | None:
         """Row tiles per step size where the decode step's linears run as panels (the head's
         `PackedWeight.row_tiles`; every linear is packed alike), else None."""
-        head = self.lm_head.packed if self.lm_head is not None else self.tied_head_packed
+        head = self._head_packed()
         return head.row_tiles if head is not None and head.panels else None
 
     @torch.no_grad()
