@@ -323,14 +323,22 @@ class ModelRunner:
             )
         aux_hidden = torch.cat(aux, dim=-1) if aux else None
         drafts = self.speculator.propose(draft_inputs, aux_hidden)
+        seconds = time.perf_counter() - verified
         num_drafted = sum(len(d.tokens) for d in drafts.values())
-        if num_drafted and not self.speculator.backlog_rows_taken:
+        context = self.speculator.context_write
+        if context is not None:
+            self.spec_policy.observe_context_write(context.rows, context.seconds)
+        if num_drafted and (context is not None or not self.speculator.backlog_rows_taken):
             # What drafts cost: not a call that drafted nothing (putting rows aside is paid
             # whether or not drafts are verified, and a line fed mostly those forgets the cost
-            # of a draft), nor one that caught up rows put aside, paid either way (after a
-            # back-off, a one-token EAGLE-3 probe at batch 1 took 4 ms, a draft ~2).
+            # of a draft), and not the context K/V written for verified rows, paid either way:
+            # a prompt's rows (a batch-4 call after the prompts took 8.9 ms, 4.9 of them
+            # context) or rows put aside and caught up (after a back-off, a one-token EAGLE-3
+            # probe at batch 1 took 4 ms, a draft ~2). Where the context went through the
+            # drafting pass itself, a call that caught up rows is not timed at all.
             depth = max(len(d.tokens) for d in drafts.values())
-            self.spec_policy.observe_drafting(num_drafted, time.perf_counter() - verified, depth)
+            drafting = seconds - (context.seconds if context is not None else 0.0)
+            self.spec_policy.observe_drafting(num_drafted, drafting, depth)
         for i, result in enumerate(results):
             proposed = drafts.get(result.handle)
             if proposed is None or not proposed.tokens:

@@ -420,29 +420,53 @@ def test_fewer_drafts_are_a_prefix_of_k_drafts(qwen3_ckpt, tmp_path, method):
         assert varied[key] == full[key][: len(varied[key])], key
 
 
+class _CountingClock:
+    """`time` for the runner and the speculators: each reading one second after the last, so
+    an interval says how many readings it spans."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
 @pytest.mark.parametrize("method", ["eagle3", "dflash"])
 def test_rows_put_aside_give_the_drafter_the_same_context(
     qwen3_ckpt, tmp_path, method, monkeypatch
 ):
     """A request verifying no drafts has its rows put aside and given to the drafter with a later
-    step's: the drafts it then proposes are those of a drafter that took every step's rows."""
+    step's: the drafts it then proposes are those of a drafter that took every step's rows. The
+    context K/V pass reports every row it wrote, and a drafting call is timed less that pass,
+    whether or not it caught rows up."""
+    from specserve.worker import model_runner
     from specserve.worker.spec_decode import speculators
 
     drafter = _drafter(qwen3_ckpt, method, tmp_path)
     batch = prompts([10, 7, 13], seed=5)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    clock = _CountingClock()
+    monkeypatch.setattr(model_runner, "time", clock)
+    monkeypatch.setattr(speculators, "time", clock)
     runs = []
     for max_deferred in (64, 0):  # 0: nothing is put aside
         monkeypatch.setattr(speculators, "MAX_DEFERRED_ROWS", max_deferred)
         llm = LLM(str(qwen3_ckpt.path), spec_method=method, drafter=drafter, num_spec_tokens=K,
                   block_size=4, num_blocks=256, dtype="float64")  # fmt: skip
         speculator = llm.engine.runner.speculator
-        deferred_seen, taken_seen, costed = [], [], []
+        deferred_seen, taken_seen, written, costed = [], [], [], []
         recorded = _scripted_drafts(llm, lambda handle, step: K if step % 5 == 4 else 0)
         propose = speculator.propose
 
         def watching(
-            inputs, aux, propose=propose, seen=deferred_seen, spec=speculator, took=taken_seen
+            inputs,
+            aux,
+            propose=propose,
+            seen=deferred_seen,
+            spec=speculator,
+            took=taken_seen,
+            wrote=written,
         ):
             held = {h: d.num_rows for h, d in spec.deferred.items()}
             drafts = propose(inputs, aux)
@@ -451,6 +475,16 @@ def test_rows_put_aside_give_the_drafter_the_same_context(
             taken = sum(n for h, n in held.items() if h not in spec.deferred)
             assert spec.backlog_rows_taken == taken
             took.append(taken)
+            # the context it reports writing: those rows and this step's of every request whose
+            # rows were not put aside (an EAGLE-3 call whose only rows are the proposing ones
+            # runs them through the drafting pass: no context pass)
+            rows = taken + sum(i.num_valid for i in inputs if i.handle not in spec.deferred)
+            proposing = sum(1 for i in inputs if i.num_drafts)
+            if spec.context_write is None:
+                assert rows == (proposing if method == "eagle3" else 0)
+            else:
+                assert spec.context_write == speculators.ContextWrite(rows, 1.0)
+                wrote.append(rows)
             return drafts
 
         speculator.propose = watching
@@ -458,16 +492,19 @@ def test_rows_put_aside_give_the_drafter_the_same_context(
         observe = policy.observe_drafting
 
         def costing(num_tokens, seconds, depth, observe=observe, spec=speculator, seen=costed):
-            seen.append((num_tokens, spec.backlog_rows_taken))
+            seen.append((num_tokens, seconds, spec.backlog_rows_taken))
             observe(num_tokens, seconds, depth)
 
         policy.observe_drafting = costing
+        told: list[int] = []
+        policy.observe_context_write = lambda rows, seconds, told=told: told.append(rows)
         outs = llm.generate(batch, params)
         runs.append((recorded, [o.token_ids for o in outs], max(deferred_seen), taken_seen))
-        # a draft's cost is timed only on calls that drafted and caught up nothing (here, every
-        # drafting call catches up while rows are put aside)
-        assert all(n > 0 and not taken for n, taken in costed)
-        assert bool(costed) == (max_deferred == 0)
+        # every drafting call is timed, those that caught rows up too, each over the readings
+        # around the call less the context pass's: two
+        assert costed and all(n > 0 and seconds == 2.0 for n, seconds, _ in costed)
+        assert any(taken for *_, taken in costed) == (max_deferred > 0)
+        assert told == written and written  # the policy learns every context pass
     (aside, aside_out, most_aside, aside_taken), (every, every_out, none_aside, none_taken) = runs
     assert most_aside >= 3 * 4 and none_aside == 0  # 3 requests x 4 steps put aside
     assert sum(aside_taken) >= 3 * 4 and not any(none_taken)

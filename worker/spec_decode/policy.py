@@ -28,9 +28,12 @@ second (down to none), from:
   request one row), verification steps (decode rows and drafts) and steps with prompt chunks,
   and one for drafting, seconds against draft tokens and the deepest draft of the call (its
   intercept paid by any step that drafts: a DFlash pass drafts its whole block at once; an
-  EAGLE-3 call makes a pass per position deep), all fitted online with forgetting so they
-  follow the machine's load. Each line is fitted only on its own kind of step: a prompt chunk's
-  rows cost differently from a verification's, and a line through both mispredicts either.
+  EAGLE-3 call makes a pass per position deep; the K/V a drafter model writes for verified
+  rows in a pass of its own is taken off, since every verified row needs it, drafts or not,
+  and only that pass's fixed part, which rows put aside share, is priced as drafting's, from
+  a line of its own), all fitted online with forgetting so they follow the machine's load.
+  Each line is fitted only on its own kind of step: a prompt chunk's rows cost differently
+  from a verification's, and a line through both mispredicts either.
   Where verification runs as decode rows (CPU), plain and verification steps are one kind and
   share one line, which also steps up where the rows open another of the panel kernel's row
   tiles (a pass over every weight: drafts that take a step into a new tile pay for it). A
@@ -301,6 +304,9 @@ class SpecPolicy:
         self.verify_step = self.plain_step if verifies_as_decode_rows else CostLine()
         self.prefill_step = CostLine()  # any step with a prompt chunk
         self.drafting = CostLine(depth=True)
+        # seconds against rows of the drafter's context K/V pass (`ContextWrite`): its fixed
+        # part is a cost of drafting every step rather than putting rows aside
+        self.context_write = CostLine()
         self.stats = PolicyStats()
         self._steps = 0
         # Acceptance promised against acceptance seen, over the drafts the policy chose to verify
@@ -318,6 +324,11 @@ class SpecPolicy:
     def observe_drafting(self, num_tokens: int, seconds: float, depth: int = 1) -> None:
         """A drafting call drafted `num_tokens`, the most for one request `depth`."""
         self.drafting.observe(num_tokens, seconds, depth)
+
+    def observe_context_write(self, rows: int, seconds: float) -> None:
+        """The drafter wrote K/V for `rows` verified rows in a pass of its own (drafting time
+        observed without it)."""
+        self.context_write.observe(rows, seconds)
 
     def observe_verified(self, handle: int, num_drafts: int, num_accepted: int) -> None:
         promised = self._promised.pop(handle, None)
@@ -418,6 +429,12 @@ class SpecPolicy:
         # an EAGLE-3 pass has its metadata and catch-up): the line's own intercept, paid only
         # where something is drafted.
         drafting = self.drafting.fitted(self.drafting.per_unit())
+        # A step that drafts writes its verified rows' drafter K/V each step, where one that
+        # does not puts them aside: the context pass's fixed part (a line seen at one size
+        # has none) is paid for drafting.
+        context_pass = 0.0
+        if self.context_write.known:
+            context_pass = self.context_write.predict(0.0, self.context_write.per_unit())
         drafted_line = self.prefill_step if prefill_rows else self.verify_step
         if drafted_line is self.plain_step:
             # Verification runs as decode rows: one line, and while it has seen one size only
@@ -442,7 +459,7 @@ class SpecPolicy:
                 # verification line fitted mostly on small batches can pass below the plain
                 # line measured at this batch size.
                 step = max(step, plain + per_row * num_drafts)
-            return step + (drafting(num_drafts, depth) if num_drafts else 0.0)
+            return step + (drafting(num_drafts, depth) + context_pass if num_drafts else 0.0)
 
         depth = self.k if forced_drafts else 0
         plain_rate = tokens / seconds(forced_drafts, depth)

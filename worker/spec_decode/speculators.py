@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -126,6 +127,17 @@ def draft_slots(
     return slots
 
 
+@dataclass(frozen=True)
+class ContextWrite:
+    """Drafter K/V written for verified rows in a pass of its own: every verified row needs
+    it whether or not drafts are verified, so its time is not a draft's cost, except for the
+    pass's fixed part, which a step that drafts pays every step and one that puts its rows
+    aside once for many steps' rows."""
+
+    rows: int
+    seconds: float
+
+
 class Speculator(ABC):
     method: SpecMethod
     num_spec_tokens: int
@@ -135,6 +147,10 @@ class Speculator(ABC):
     # Rows put aside at earlier steps that the last `propose` caught up: their cost is no
     # draft's (the drafter writes them whether or not drafts are verified).
     backlog_rows_taken: int = 0
+    # The last `propose`'s context K/V pass, where it ran apart from the drafting (None where
+    # there was none, or the rows went through the drafting pass itself): what to take off
+    # the call's time to leave the drafts' cost, rows put aside included.
+    context_write: ContextWrite | None = None
 
     @functools.cached_property
     def window_extra(self) -> int:
@@ -257,6 +273,7 @@ class _DrafterSpeculator(Speculator, Generic[_D]):
         """
         contexts = []
         self.backlog_rows_taken = 0
+        self.context_write = None
         for inp in inputs:
             rows = aux_hidden[inp.row_start : inp.row_start + inp.num_valid]
             backlog = self.deferred.get(inp.handle)
@@ -324,12 +341,14 @@ class Eagle3Speculator(_DrafterSpeculator[Eagle3Drafter]):
                 proposing.append(inp)
         if not steps:
             return {}
+        started = time.perf_counter()
         hidden = drafter.combine_hidden_states(torch.cat([ctx.features for ctx in contexts]))
         if drafter.context_rows_are_kv and len(ids) > len(proposing):
             # Only the proposing rows' outputs are read: the rest need their K/V alone, and a
             # full pass runs on those rows only (one query each, over the K/V just written).
             ids_t, positions_t = self._tensor(ids), self._tensor(positions)
             drafter.write_context_kv(ids_t, hidden, positions_t, self._tensor(slots), self.kv_cache)
+            self.context_write = ContextWrite(len(ids), time.perf_counter() - started)
             if not proposing:
                 return {}
             last = self._tensor(last_rows)
@@ -426,12 +445,14 @@ class DFlashSpeculator(_DrafterSpeculator[DFlashDrafter]):
             positions.extend(span)
             slots.extend(draft_slots(ctx.inp.block_table, span, bs, ctx.inp.handle))
         if contexts:
+            started = time.perf_counter()
             drafter.write_context_kv(
                 drafter.combine_hidden_states(torch.cat([ctx.features for ctx in contexts])),
                 self._tensor(positions),
                 self._tensor(slots),
                 self.kv_cache,
             )
+            self.context_write = ContextWrite(len(positions), time.perf_counter() - started)
         proposing = [inp for inp in inputs if inp.num_drafts]
         if not proposing:
             return {}
