@@ -19,7 +19,13 @@
  * its pages once with a running (online) softmax, so no buffer grows with the context.
  *
  * Scores and accumulation are in float32 whatever the storage dtype (float32 or bfloat16), as
- * SDPA's CPU kernel does.
+ * SDPA's CPU kernel does. With AVX-512 and heads of 64, a page's 16 keys are scored as 16
+ * vectors of lane-wise products summed across lanes together (`score64`), the weighted values
+ * are summed in registers (`accumulate64`), and each page's next K page (and a span's V pages)
+ * are prefetched while it is scored: the keys of a 64-request step come from memory, scattered
+ * a page at a time. 30 layers' K/V of 64 requests x 100-300 keys, pages in random order
+ * (8.4 MB a layer in bfloat16), against the scalar loops and no prefetch: bfloat16 35.1 ->
+ * 32.8 ms, float32 47.7 -> 41.6 ms.
  */
 #include <math.h>
 #include <stdint.h>
@@ -60,6 +66,75 @@ static inline const float *page_rows(const char *page, int64_t t0, int64_t t1, i
     return buf;
 }
 
+#ifdef SPECSERVE_BF16X16
+/* Lane t of the result: the sum of v[t]'s 16 lanes, by a tree over a vector's lanes that is the
+ * same wherever it sits among the 16 (a key's score does not depend on the keys beside it). */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 w[8], x[4];
+    for (int i = 0; i < 8; i++)
+        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+        x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88),
+                                    _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+    const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88),
+                                    _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, 0x88), _mm512_shuffle_f32x4(y0, y1, 0xDD));
+}
+
+/* s[t] = q . k[t] for `rows` keys of 64 values, `stride` elements apart. */
+static inline void score64(float *restrict s, const float *restrict q, const float *restrict k,
+                           int64_t rows, int64_t stride) {
+    const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16),
+                 q2 = _mm512_loadu_ps(q + 32), q3 = _mm512_loadu_ps(q + 48);
+    for (int64_t t0 = 0; t0 < rows; t0 += 16) {
+        const int64_t n = rows - t0 < 16 ? rows - t0 : 16;
+        __m512 products[16];
+        for (int64_t t = 0; t < 16; t++) {
+            if (t < n) {
+                const float *restrict row = k + (t0 + t) * stride;
+                __m512 a = _mm512_mul_ps(q0, _mm512_loadu_ps(row));
+                a = _mm512_fmadd_ps(q1, _mm512_loadu_ps(row + 16), a);
+                a = _mm512_fmadd_ps(q2, _mm512_loadu_ps(row + 32), a);
+                products[t] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(row + 48), a);
+            } else {
+                products[t] = _mm512_setzero_ps();
+            }
+        }
+        _mm512_mask_storeu_ps(s + t0, (__mmask16)((1u << n) - 1), sum16(products));
+    }
+}
+
+/* o += s[t] v[t] over `rows` values of 64, `stride` elements apart, in key order (as the
+ * scalar loop below does it, lane by lane). */
+static inline void accumulate64(float *restrict o, const float *restrict s,
+                                const float *restrict v, int64_t rows, int64_t stride) {
+    __m512 o0 = _mm512_loadu_ps(o), o1 = _mm512_loadu_ps(o + 16), o2 = _mm512_loadu_ps(o + 32),
+           o3 = _mm512_loadu_ps(o + 48);
+    for (int64_t t = 0; t < rows; t++) {
+        const float *restrict row = v + t * stride;
+        const __m512 w = _mm512_set1_ps(s[t]);
+        o0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(row), o0);
+        o1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(row + 16), o1);
+        o2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(row + 32), o2);
+        o3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(row + 48), o3);
+    }
+    _mm512_storeu_ps(o, o0);
+    _mm512_storeu_ps(o + 16, o1);
+    _mm512_storeu_ps(o + 32, o2);
+    _mm512_storeu_ps(o + 48, o3);
+}
+#endif
+
+/* Ask for a page's rows of one item (`bytes` from `p`) ahead of their use. */
+static inline void prefetch_rows(const char *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
+
 /* Keys scored between two updates of the running softmax (whole pages, at least one): the
  * update rescales the output so far, so it is done once per span rather than per page. */
 #define SPAN_KEYS 64
@@ -95,6 +170,7 @@ static inline __attribute__((always_inline)) int attend(
     const int64_t token_stride = kv_heads * dim, width = nq / group * dim;
     const int64_t page_elems = block_size * token_stride, capacity = span_capacity(block_size);
     const size_t esize = is_bf16 ? 2 : 4;
+    const int64_t item_bytes = ((block_size - 1) * token_stride + width) * (int64_t)esize;
     float *restrict rows_buf = scratch;                     /* a page's rows of K or V */
     float *restrict probs = rows_buf + block_size * width; /* [nq][capacity] */
     float *restrict running_max = probs + nq * capacity, *restrict total = running_max + nq;
@@ -110,11 +186,20 @@ static inline __attribute__((always_inline)) int attend(
             if (span + (t1 - t0) > capacity) break;
             const char *k_page =
                 (const char *)cache + (pages[j] * page_elems + head_offset) * esize;
+            if (j + 1 < max_pages)
+                prefetch_rows(k_page + (pages[j + 1] - pages[j]) * page_elems * esize,
+                              item_bytes);
             const float *k =
                 page_rows(k_page, t0, t1, width, token_stride, rows_buf, is_bf16, &stride);
             for (int64_t i = 0; i < nq; i++) {
                 const float *restrict qi = q + i * dim, *restrict k_head = k + i / group * dim;
                 float *restrict s = probs + i * capacity + span;
+#ifdef SPECSERVE_BF16X16
+                if (dim == 64) {
+                    score64(s, qi, k_head, t1 - t0, stride);
+                    continue;
+                }
+#endif
                 for (int64_t t = 0; t < t1 - t0; t++) {
                     const float *restrict row = k_head + t * stride;
                     float acc = 0.0f;
@@ -124,6 +209,8 @@ static inline __attribute__((always_inline)) int attend(
             }
             span += t1 - t0;
         }
+        prefetch_rows((const char *)cache + ((pages[first_page] + 1) * page_elems + head_offset) * esize,
+                      item_bytes); /* the span's first V page */
         /* Running softmax: rescale what was summed under the old maximum. */
         for (int64_t i = 0; i < nq; i++) {
             float *restrict s = probs + i * capacity;
@@ -143,12 +230,21 @@ static inline __attribute__((always_inline)) int attend(
             if (t1 <= t0) continue;
             const char *v_page = (const char *)cache +
                                  ((pages[p] * page_elems + head_offset) + page_elems) * esize;
+            if (p + 1 < j)
+                prefetch_rows(v_page + (pages[p + 1] - pages[p]) * page_elems * esize,
+                              item_bytes);
             const float *v =
                 page_rows(v_page, t0, t1, width, token_stride, rows_buf, is_bf16, &stride);
             for (int64_t i = 0; i < nq; i++) {
                 float *restrict oi = out + i * dim;
                 const float *restrict v_head = v + i / group * dim;
                 const float *restrict s = probs + i * capacity + done;
+#ifdef SPECSERVE_BF16X16
+                if (dim == 64) {
+                    accumulate64(oi, s, v_head, t1 - t0, stride);
+                    continue;
+                }
+#endif
                 for (int64_t t = 0; t < t1 - t0; t++) {
                     const float *restrict row = v_head + t * stride;
                     for (int64_t d = 0; d < dim; d++) oi[d] = fmaf(s[t], row[d], oi[d]);
