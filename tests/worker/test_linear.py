@@ -113,7 +113,7 @@ def test_bfloat16_panels_run_on_amx_tiles_where_the_cpu_has_them() -> None:
     has_tiles = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     if not (has_tiles and torch.bfloat16 in kernels.linear_dtypes()):
         pytest.skip("no AMX tiles or no bfloat16 panel kernel on this CPU")
-    assert kernels.linear_amx_min_rows() == 4
+    assert kernels.linear_amx_min_rows() == 1  # every row: see the test above
 
 
 @pytest.mark.parametrize("dtype", PANEL_DTYPES)
@@ -296,12 +296,12 @@ def test_model_packs_every_linear_and_its_lm_head(request: pytest.FixtureRequest
 
 @pytest.mark.parametrize("dtype", PANEL_DTYPES)
 def test_row_tiles_are_the_kernels_passes(dtype: torch.dtype) -> None:
-    """Tiles of 28 rows with AVX-512, 6 with AVX2, 16 on AMX tiles (bfloat16 from 4 rows where
-    K is a multiple of 32)."""
+    """Tiles of 28 rows with AVX-512, 6 with AVX2, 16 on AMX tiles (bfloat16 where K is a
+    multiple of 32)."""
     size = 6 if kernels.linear_widens_bfloat16() else 28
     amx = dtype == torch.bfloat16 and kernels.linear_amx_min_rows() > 0
     for rows in (1, 2, 6, 7, 16, 17, 28, 29, 57, 100):
-        expected = -(-rows // (16 if amx and rows >= 4 else size))
+        expected = -(-rows // (16 if amx else size))
         assert kernels.linear_row_tiles(rows, 576, dtype) == expected, rows
     assert kernels.linear_row_tiles(29, 37, dtype) == -(-29 // size)  # K not on AMX tiles
 

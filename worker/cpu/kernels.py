@@ -14,7 +14,7 @@
   A step streams every weight of the model from memory; the kernel streams each panel once
   per 28 rows (6 with AVX2), at about the CPU's peak: 1.2-1.8x oneDNN's packed GEMM up to 16
   rows, on par beyond, on AVX-512 (`worker.linear`). On CPUs with AMX tiles bfloat16 inputs of
-  4 rows or more multiply on the tiles (`linear_amx_min_rows`).
+  any number of rows multiply on the tiles (`linear_amx_min_rows`).
 - `add_rms_norm`, `silu_mul` and `rope_write_kv` (q/k norms, RoPE and the K/V cache write): a
   decoder layer's element-wise glue, which PyTorch runs as 3-9 small ops each (a dispatch and
   a pass over memory apiece), in one call.

@@ -31,7 +31,8 @@
  * instead: a bfloat16 panel's [K2][16][2] layout is the tile layout of a B operand (16 pairs of
  * K per 64-byte row), so each 32-deep slice of a panel loads as one tile, and the inputs load
  * straight from their rows as the A operand (no repacking). The tiles accumulate the same
- * bfloat16 pair products in float32, K in the same order; bias and rounding are as above. The
+ * bfloat16 pair products in float32 (not always rounded as vdpbf16ps rounds them: hence every
+ * row on the tiles where there are tiles); bias and rounding are as above. The
  * process must be granted the tile state first (`linear_enable_amx`, called at load).
  */
 #define _DEFAULT_SOURCE 1 /* syscall() under -std=c11 (the AMX tile request) */
@@ -190,9 +191,12 @@ static void panel_rows(const void *packed, const void *panels, const void *bias,
 #include <sys/syscall.h>
 #include <unistd.h>
 
-/* From this many rows on, bfloat16 panels multiply on AMX tiles (below, the AVX512_BF16 tiles
- * stream a panel once per 16 rows at the memory's pace anyway). */
-#define AMX_MIN_ROWS 4
+/* From this many rows on, bfloat16 panels multiply on AMX tiles: every row, since the tiles'
+ * float32 sums are not always vdpbf16ps's bit for bit (one output of 7,000 a bfloat16 ulp apart
+ * on an Emerald Rapids VM), and a row's result must not depend on the rows beside it. One row
+ * on the tiles is also the faster there: SmolLM2's matmuls 10.4-10.7 ms a pass at 1-3 rows
+ * against 12.5-16.2 on the AVX512_BF16 panels (`bench/linear.py`). */
+#define AMX_MIN_ROWS 1
 #define AMX_DEPTH 16 /* bfloat16 pairs per tile row: a 32-deep slice of K */
 
 static int amx_granted = 0;
