@@ -48,13 +48,8 @@ def library_at(rev: str, tmp: Path) -> object:
             capture_output=True,
         ).stdout  # fmt: skip
         (src / name).write_bytes(blob)
-    usual = kernels.SOURCES
-    kernels.SOURCES = tuple(sorted(src.glob("*.c")))
-    try:
-        target = tmp / "specserve_kernels-against.so"
-        kernels._compile(kernels._compiler(), tmp, target)
-    finally:
-        kernels.SOURCES = usual
+    target = tmp / "specserve_kernels-against.so"
+    kernels._compile(kernels._compiler(), tmp, target, sources=sorted(src.glob("*.c")))
     return kernels.open_library(target)
 
 

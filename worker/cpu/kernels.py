@@ -246,13 +246,20 @@ def _scratch_dir(directory: Path) -> str:
         ) from None
 
 
-def _compile(compiler: str, tmp: Path, target: Path, flags: Sequence[str] = COMPILE_FLAGS) -> None:
+def _compile(
+    compiler: str,
+    tmp: Path,
+    target: Path,
+    flags: Sequence[str] = COMPILE_FLAGS,
+    sources: Sequence[Path] = SOURCES,
+) -> None:
     """Every source into `target`, objects in `tmp`. The tests pass other `flags` to build the
-    AVX2 bodies on an AVX-512 CPU."""
-    objects = [str(tmp / f"{src.stem}.o") for src in SOURCES]
+    AVX2 bodies on an AVX-512 CPU; `bench/decode_attention.py` other `sources` (another
+    revision's)."""
+    objects = [str(tmp / f"{src.stem}.o") for src in sources]
     commands = [
         [compiler, *flags, "-c", str(src), "-o", obj]
-        for src, obj in zip(SOURCES, objects, strict=True)
+        for src, obj in zip(sources, objects, strict=True)
     ]
     lib = tmp / target.name
     commands.append([compiler, *objects, *LINK_FLAGS, "-o", str(lib)])
