@@ -20,12 +20,14 @@
  *
  * Scores and accumulation are in float32 whatever the storage dtype (float32 or bfloat16), as
  * SDPA's CPU kernel does. With AVX-512 and heads of 64, a page's 16 keys are scored as 16
- * vectors of lane-wise products summed across lanes together (`score64`), the weighted values
- * are summed in registers (`accumulate64`), and each page's next K page (and a span's V pages)
- * are prefetched while it is scored: the keys of a 64-request step come from memory, scattered
- * a page at a time. `bench/decode_attention.py --against 2f4334f` (30 layers' K/V of 64
- * requests x 100-300 keys, pages in random order), against the scalar loops and no prefetch:
- * bfloat16 43.2 -> 37.9 ms, float32 40.5 -> 34.1 ms a round.
+ * vectors of lane-wise products summed across lanes together (`score64`) and the weighted
+ * values are summed in registers (`accumulate64`). The keys of a 64-request step come from
+ * memory, scattered a page at a time, so while a page is worked on the next page to be read is
+ * asked for, a part per query head (`prefetch_part`). `bench/decode_attention.py` (30 layers'
+ * K/V of 64 requests x 100-300 keys, pages in random order; docs/benchmarks.md): the scalar
+ * loops and one-page-ahead prefetch 43.2 -> 37.9 ms a round in bfloat16 and 40.5 -> 34.1 in
+ * float32 (an Emerald Rapids VM); the prefetch asked for in parts instead of at once, 32.1 ->
+ * 26.2 and 47.0 -> 40.7 ms (a Zen 4 VM).
  */
 #include <math.h>
 #include <stdint.h>
@@ -130,9 +132,15 @@ static inline void accumulate64(float *restrict o, const float *restrict s,
 }
 #endif
 
-/* Ask for a page's rows of one item (`bytes` from `p`) ahead of their use. */
-static inline void prefetch_rows(const char *p, int64_t bytes) {
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
+/* Part `part` of `parts` of the cache lines of `bytes` from `p` (nothing for NULL), asked for
+ * ahead of their use. A page is asked for in parts among the query heads' work on the page
+ * before it: asked for at once, its lines fill the core's queue of misses and the loop waits
+ * for them there instead of computing meanwhile. */
+static inline void prefetch_part(const char *p, int64_t bytes, int64_t part, int64_t parts) {
+    if (p == NULL) return;
+    const int64_t lines = (bytes + 63) / 64;
+    for (int64_t l = part * lines / parts; l < (part + 1) * lines / parts; l++)
+        __builtin_prefetch(p + l * 64, 0, 3);
 }
 
 /* Keys scored between two updates of the running softmax (whole pages, at least one): the
@@ -175,25 +183,32 @@ static inline __attribute__((always_inline)) int attend(
     float *restrict probs = rows_buf + block_size * width; /* [nq][capacity] */
     float *restrict running_max = probs + nq * capacity, *restrict total = running_max + nq;
     int64_t n = 0, j = 0, t0, t1, stride;
+#define PAGE(index) ((const char *)cache + ((index) * page_elems + head_offset) * esize)
     memset(out, 0, (size_t)(nq * dim) * sizeof(float));
     while (j < max_pages && n < hi - lo) {
-        /* Scores of a span of whole pages. */
-        const int64_t first_page = j;
-        int64_t span = 0;
-        for (; j < max_pages && n + span < hi - lo; j++) {
-            visible_rows(j, first_pos, lo, hi, block_size, &t0, &t1);
+        /* A span: the whole pages [j, end) with `span` visible keys, from page `first` on. */
+        int64_t end = j, span = 0, first = -1;
+        for (; end < max_pages && n + span < hi - lo; end++) {
+            visible_rows(end, first_pos, lo, hi, block_size, &t0, &t1);
             if (t1 <= t0) continue;
             if (span + (t1 - t0) > capacity) break;
-            const char *k_page =
-                (const char *)cache + (pages[j] * page_elems + head_offset) * esize;
-            if (j + 1 < max_pages)
-                prefetch_rows(k_page + (pages[j + 1] - pages[j]) * page_elems * esize,
-                              item_bytes);
+            if (first < 0) first = end;
+            span += t1 - t0;
+        }
+        if (first < 0) break; /* no visible key left in the pages: refused below */
+        const int last_span = n + span == hi - lo;
+        /* Scores, each K page asking for the next page read: the next K page, or the span's
+         * first V page. */
+        for (int64_t p = first, done = 0; p < end; p++) {
+            visible_rows(p, first_pos, lo, hi, block_size, &t0, &t1);
+            if (t1 <= t0) continue;
+            const char *ahead = p + 1 < end ? PAGE(pages[p + 1]) : PAGE(pages[first] + 1);
             const float *k =
-                page_rows(k_page, t0, t1, width, token_stride, rows_buf, is_bf16, &stride);
+                page_rows(PAGE(pages[p]), t0, t1, width, token_stride, rows_buf, is_bf16, &stride);
             for (int64_t i = 0; i < nq; i++) {
                 const float *restrict qi = q + i * dim, *restrict k_head = k + i / group * dim;
-                float *restrict s = probs + i * capacity + span;
+                float *restrict s = probs + i * capacity + done;
+                prefetch_part(ahead, item_bytes, i, nq);
 #ifdef SPECSERVE_BF16X16
                 if (dim == 64) {
                     score64(s, qi, k_head, t1 - t0, stride);
@@ -207,10 +222,8 @@ static inline __attribute__((always_inline)) int attend(
                     s[t] = acc;
                 }
             }
-            span += t1 - t0;
+            done += t1 - t0;
         }
-        prefetch_rows((const char *)cache + ((pages[first_page] + 1) * page_elems + head_offset) * esize,
-                      item_bytes); /* the span's first V page */
         /* Running softmax: rescale what was summed under the old maximum. */
         for (int64_t i = 0; i < nq; i++) {
             float *restrict s = probs + i * capacity;
@@ -224,21 +237,21 @@ static inline __attribute__((always_inline)) int attend(
             if (n > 0 && rescale != 1.0f)
                 for (int64_t d = 0; d < dim; d++) out[i * dim + d] *= rescale;
         }
-        /* The span's values, weighted. */
-        for (int64_t p = first_page, done = 0; p < j; p++) {
+        /* The span's values, weighted, each V page asking for the next page read: the next V
+         * page or the next span's first K page. */
+        for (int64_t p = first, done = 0; p < end; p++) {
             visible_rows(p, first_pos, lo, hi, block_size, &t0, &t1);
             if (t1 <= t0) continue;
-            const char *v_page = (const char *)cache +
-                                 ((pages[p] * page_elems + head_offset) + page_elems) * esize;
-            if (p + 1 < j)
-                prefetch_rows(v_page + (pages[p + 1] - pages[p]) * page_elems * esize,
-                              item_bytes);
-            const float *v =
-                page_rows(v_page, t0, t1, width, token_stride, rows_buf, is_bf16, &stride);
+            const char *ahead = p + 1 < end ? PAGE(pages[p + 1] + 1)
+                                : last_span || end == max_pages ? NULL
+                                                                : PAGE(pages[end]);
+            const float *v = page_rows(PAGE(pages[p] + 1), t0, t1, width, token_stride,
+                                       rows_buf, is_bf16, &stride);
             for (int64_t i = 0; i < nq; i++) {
                 float *restrict oi = out + i * dim;
                 const float *restrict v_head = v + i / group * dim;
                 const float *restrict s = probs + i * capacity + done;
+                prefetch_part(ahead, item_bytes, i, nq);
 #ifdef SPECSERVE_BF16X16
                 if (dim == 64) {
                     accumulate64(oi, s, v_head, t1 - t0, stride);
@@ -253,7 +266,9 @@ static inline __attribute__((always_inline)) int attend(
             done += t1 - t0;
         }
         n += span;
+        j = end;
     }
+#undef PAGE
     if (n != hi - lo) return 1; /* the pages do not cover the visible keys: refuse */
     for (int64_t i = 0; i < nq; i++) {
         const float inv = 1.0f / total[i];
