@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from specserve.worker.memory import zeros_in_huge_pages
 from specserve.worker.model_config import KVLayerGroup
 
 NULL_BLOCK = 0
@@ -87,8 +88,11 @@ class PagedKVCache:
             layer: g for g, group in enumerate(self.groups) for layer in group.layer_ids
         }
         shape = (num_blocks, 2, block_size, num_kv_heads, head_dim)
+        on_cpu = torch.device(device).type == "cpu"
         self.layers: dict[int, torch.Tensor] = {
-            layer: torch.zeros(shape, dtype=dtype, device=device)
+            layer: zeros_in_huge_pages(shape, dtype)
+            if on_cpu
+            else torch.zeros(shape, dtype=dtype, device=device)
             for layer in sorted(self.group_of_layer)
         }
 

@@ -3,6 +3,7 @@ the allocator keeping freed blocks for reuse."""
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
 import subprocess
@@ -10,10 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from specserve.llm import LLM
+from specserve.shared.config import AttentionType
 from specserve.worker import memory
-from specserve.worker.kv_cache import bytes_per_block
+from specserve.worker.kv_cache import PagedKVCache, bytes_per_block
+from specserve.worker.model_config import KVLayerGroup
 
 
 def fake_root(tmp_path: Path, available_kb: int, cgroup: tuple[str, str] | None) -> Path:
@@ -113,3 +117,59 @@ def test_large_freed_blocks_stay_in_the_heap_for_reuse():
 )
 def test_a_users_own_malloc_settings_are_left_alone(env):
     assert memory.keep_freed_memory(env) is False
+
+
+def _group(*layer_ids: int) -> KVLayerGroup:
+    return KVLayerGroup(AttentionType.FULL, None, layer_ids)
+
+
+def _mapping_of(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping holding `address`."""
+    fields: dict[str, str] = {}
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            if inside:
+                break
+            inside = lo <= address < hi
+        elif inside:
+            name, _, value = line.partition(":")
+            fields[name] = value.strip()
+    return fields
+
+
+def _huge_pages_on_request() -> bool:
+    try:
+        setting = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+    return "[never]" not in setting
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cpu_kv_cache_is_zeros_in_memory_advised_for_huge_pages(dtype):
+    """Each layer's cache is zeros of its shape in a mapping of its own that the kernel may back
+    with 2 MiB pages; the mapping lives as long as the tensor."""
+    cache = PagedKVCache([_group(0, 1)], 256, 16, 3, 64, dtype, "cpu")
+    layer = cache.layer(1)
+    assert layer.shape == (256, 2, 16, 3, 64) and layer.dtype == dtype
+    assert layer.is_contiguous() and not layer.any()
+    assert cache.layer(0).data_ptr() != layer.data_ptr()
+    gc.collect()
+    layer[255, 1, 15] = 2.0  # the last element is ours to write
+    assert layer.float().sum().item() == 2.0 * 3 * 64
+    if sys.platform == "linux":
+        mapping = _mapping_of(layer.data_ptr())
+        assert "hg" in mapping["VmFlags"].split() or not _huge_pages_on_request()
+        if _huge_pages_on_request():
+            assert mapping["THPeligible"] == "1"
+
+
+def test_a_gpu_kv_cache_is_not_placed_by_the_cpu_path(monkeypatch):
+    """Only CPU caches take the mapping path: a device cache is `torch.zeros` on the device."""
+    calls = []
+    monkeypatch.setattr("specserve.worker.kv_cache.zeros_in_huge_pages", lambda *a: calls.append(a))
+    cache = PagedKVCache([_group(0)], 4, 16, 3, 64, torch.float32, "meta")
+    assert cache.layer(0).device.type == "meta" and calls == []
