@@ -62,10 +62,11 @@ def zeros_in_huge_pages(shape: Sequence[int], dtype: torch.dtype) -> torch.Tenso
     (transparent huge pages, where the system grants them on request, as by default).
 
     A decode step reads every request's K/V pages (6-12 KB each, scattered over the cache) from
-    memory; in 4 KiB pages each costs the TLB misses of two or three pages, and reads of such
-    scattered blocks ran at 11-17 GB/s against 20-24 in 2 MiB pages on a 2-core Zen 4 machine
-    (`bench/decode_attention.py` 6-10% faster; docs/benchmarks.md). Its memory is committed
-    here, as `torch.zeros` commits it, so a cache too large for the machine fails at start."""
+    memory; in 4 KiB pages each costs the TLB misses of two or three pages. On a 2-core Zen 4
+    machine, reading 12-24 KB blocks in random order ran at 17-21 GB/s in 4 KiB pages and 20-24
+    in 2 MiB ones, and `bench/decode_attention.py` 6-10% faster (docs/benchmarks.md). Its
+    memory is committed here, as `torch.zeros` commits it, so a cache too large for the machine
+    fails at start."""
     numel = math.prod(shape)
     buffer = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
