@@ -8,7 +8,9 @@ KV heads of 64, 16-token blocks), one query per request, each request 100-300 ke
 pages in random order across the cache or one after another. Every layer's K/V is read once a
 round, so they come from memory as in a decode step, where the weights streamed between two
 layers push them out of the caches (timing one layer over and over measures the caches
-instead). Prints ms per round (all layers) and the K/V bytes read per second.
+instead); the caches are placed as the engine places its own (`zeros_in_huge_pages`: 2 MiB
+pages where the system grants them). Prints ms per round (all layers) and the K/V bytes read
+per second.
 
 `--against REV` also builds the kernel library from git revision REV's C sources and alternates
 the two round by round (the order reversed every other round), checking their outputs agree.
@@ -29,6 +31,7 @@ from attention import with_library
 from machine import cpu_model
 
 from specserve.worker.cpu import kernels
+from specserve.worker.memory import zeros_in_huge_pages
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -69,7 +72,9 @@ def main() -> None:
     num_blocks = args.batch * pages_per_request
     layers = []
     for _ in range(args.layers):
-        cache = torch.randn(num_blocks, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        shape = (num_blocks, 2, BLOCK, KV_HEADS, HEAD_DIM)
+        cache = zeros_in_huge_pages(shape, dtype)  # as the engine places its caches
+        cache.copy_(torch.randn(shape, generator=gen))
         blocks = torch.randperm(num_blocks, generator=gen)
         if args.order == "sequential":
             blocks = torch.arange(num_blocks)
