@@ -126,6 +126,7 @@ class ModelRunner:
                 adaptive_spec,
                 as_rows,
                 row_tiles=model.row_tiles() if as_rows else None,
+                context_rows_in_pass=speculator.context_rows_in_pass,
             )
         self.recorder: HiddenStateRecorder | None = None  # set for drafter training only
         self.requests: dict[int, RequestState] = {}

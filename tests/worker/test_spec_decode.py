@@ -432,17 +432,23 @@ class _CountingClock:
         return self.now
 
 
-@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+@pytest.mark.parametrize(
+    ("method", "rows_ride"), [("eagle3", False), ("eagle3", True), ("dflash", False)]
+)
 def test_rows_put_aside_give_the_drafter_the_same_context(
-    qwen3_ckpt, tmp_path, method, monkeypatch
+    qwen3_ckpt, tmp_path, method, rows_ride, monkeypatch
 ):
     """A request verifying no drafts has its rows put aside and given to the drafter with a later
     step's: the drafts it then proposes are those of a drafter that took every step's rows. The
     context K/V pass reports every row it wrote, and a drafting call is timed less that pass,
-    whether or not it caught rows up."""
+    whether or not it caught rows up. Where the rows ride in the drafting pass (EAGLE-3, up to
+    `CONTEXT_ROWS_IN_PASS` of them) there is no context pass, and a call that caught rows up
+    is not timed."""
     from specserve.worker import model_runner
     from specserve.worker.spec_decode import speculators
 
+    if not rows_ride:
+        monkeypatch.setattr(speculators, "CONTEXT_ROWS_IN_PASS", 0)
     drafter = _drafter(qwen3_ckpt, method, tmp_path)
     batch = prompts([10, 7, 13], seed=5)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -455,7 +461,7 @@ def test_rows_put_aside_give_the_drafter_the_same_context(
         llm = LLM(str(qwen3_ckpt.path), spec_method=method, drafter=drafter, num_spec_tokens=K,
                   block_size=4, num_blocks=256, dtype="float64")  # fmt: skip
         speculator = llm.engine.runner.speculator
-        deferred_seen, taken_seen, written, costed = [], [], [], []
+        deferred_seen, taken_seen, written, costed, rode = [], [], [], [], []
         recorded = _scripted_drafts(llm, lambda handle, step: K if step % 5 == 4 else 0)
         propose = speculator.propose
 
@@ -467,6 +473,7 @@ def test_rows_put_aside_give_the_drafter_the_same_context(
             spec=speculator,
             took=taken_seen,
             wrote=written,
+            rode=rode,
         ):
             held = {h: d.num_rows for h, d in spec.deferred.items()}
             drafts = propose(inputs, aux)
@@ -481,8 +488,13 @@ def test_rows_put_aside_give_the_drafter_the_same_context(
             rows = taken + sum(i.num_valid for i in inputs if i.handle not in spec.deferred)
             proposing = sum(1 for i in inputs if i.num_drafts)
             if spec.context_write is None:
-                assert rows == (proposing if method == "eagle3" else 0)
+                if rows_ride:
+                    assert rows - proposing <= speculators.CONTEXT_ROWS_IN_PASS
+                    rode.append(rows - proposing)
+                else:
+                    assert rows == (proposing if method == "eagle3" else 0)
             else:
+                assert not rows_ride or rows - proposing > speculators.CONTEXT_ROWS_IN_PASS
                 assert spec.context_write == speculators.ContextWrite(rows, 1.0)
                 wrote.append(rows)
             return drafts
@@ -492,7 +504,7 @@ def test_rows_put_aside_give_the_drafter_the_same_context(
         observe = policy.observe_drafting
 
         def costing(num_tokens, seconds, depth, observe=observe, spec=speculator, seen=costed):
-            seen.append((num_tokens, seconds, spec.backlog_rows_taken))
+            seen.append((num_tokens, seconds, spec.backlog_rows_taken, spec.context_write))
             observe(num_tokens, seconds, depth)
 
         policy.observe_drafting = costing
@@ -500,11 +512,13 @@ def test_rows_put_aside_give_the_drafter_the_same_context(
         policy.observe_context_write = lambda rows, seconds, told=told: told.append(rows)
         outs = llm.generate(batch, params)
         runs.append((recorded, [o.token_ids for o in outs], max(deferred_seen), taken_seen))
-        # every drafting call is timed, those that caught rows up too, each over the readings
-        # around the call less the context pass's: two
-        assert costed and all(n > 0 and seconds == 2.0 for n, seconds, _ in costed)
-        assert any(taken for *_, taken in costed) == (max_deferred > 0)
+        # every drafting call is timed, those that caught rows up in a context pass too, each
+        # over the readings around the call less the context pass's: two
+        assert costed and all(n > 0 and seconds == 2.0 for n, seconds, *_ in costed)
+        assert all(context is not None for *_, taken, context in costed if taken)
+        assert any(taken for *_, taken, _ in costed) == (max_deferred > 0)
         assert told == written and written  # the policy learns every context pass
+        assert any(rode) == rows_ride  # rows beyond the proposing ones rode in the pass
     (aside, aside_out, most_aside, aside_taken), (every, every_out, none_aside, none_taken) = runs
     assert most_aside >= 3 * 4 and none_aside == 0  # 3 requests x 4 steps put aside
     assert sum(aside_taken) >= 3 * 4 and not any(none_taken)

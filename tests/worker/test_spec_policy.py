@@ -149,14 +149,22 @@ def test_a_wide_drafting_pass_is_priced_by_its_depth(by_depth: bool):
     assert verify == (dict.fromkeys(range(4), 1) if by_depth else {})
 
 
-@pytest.mark.parametrize("context_pass", [False, True])
-def test_the_drafters_context_pass_prices_its_fixed_part_into_drafting(context_pass: bool):
+@pytest.mark.parametrize(
+    ("context_pass", "rows_in_pass"), [(False, 0), (True, 0), (True, 3), (True, 4)]
+)
+def test_the_drafters_context_pass_prices_its_fixed_part_into_drafting(
+    context_pass: bool, rows_in_pass: int
+):
     """The batch-4 case above, where the drafter also writes its verified rows' K/V in a pass
     of its own, 0.8 ms plus 0.02 ms a row: a step that drafts pays that 0.8 ms every step, one
     that does not puts its rows aside for a later pass. The first draft for all four, 1.076x
     without it, is 1.042x with it (6 tokens in 25.9 ms against 4 in 18), under the margin.
-    Seen at one size only, the pass has no fixed part to price."""
-    policy = SpecPolicy(K, free_drafts=False, verifies_as_decode_rows=True)
+    Seen at one size only, the pass has no fixed part to price. Where up to 4 rows ride in the
+    drafting pass (`context_rows_in_pass`), 4 drafts (at most 4 accepted rows) pay no context
+    pass, and are verified again; up to 3, they would not ride."""
+    policy = SpecPolicy(
+        K, free_drafts=False, verifies_as_decode_rows=True, context_rows_in_pass=rows_in_pass
+    )
     for _ in range(5):
         for rows in (1, 2, 4, 8, 16):
             policy.observe_step(rows, 0, False, 0.014 + 0.001 * rows)
@@ -167,7 +175,8 @@ def test_the_drafters_context_pass_prices_its_fixed_part_into_drafting(context_p
     for h in range(4):
         _set_rates(policy, h, [0.5, 0.4, 0.3])
     verify = policy.plan([Candidate(h, []) for h in range(4)]).verify
-    assert verify == ({} if context_pass else dict.fromkeys(range(4), 1))
+    priced = context_pass and rows_in_pass < 4
+    assert verify == ({} if priced else dict.fromkeys(range(4), 1))
 
 
 def test_plain_steps_seen_at_batch_1_are_not_priced_in_proportion_at_batch_16():

@@ -285,13 +285,16 @@ class SpecPolicy:
         adaptive: bool = True,
         verifies_as_decode_rows: bool = False,
         row_tiles: Callable[[int], int] | None = None,
+        context_rows_in_pass: int = 0,
     ) -> None:
         """`verifies_as_decode_rows`: a verification step runs as a decode step of as many rows
         (CPU, `torch_backend.token_rows`), so both kinds of step are fitted on one line, whose
         slope the two sizes they come in give; with one size seen, a draft row is priced at
         nothing until a verification measures it. `row_tiles`: there, the panel kernel's row
-        tiles per step size, whose steps the line then prices (`CostLine`)."""
+        tiles per step size, whose steps the line then prices (`CostLine`).
+        `context_rows_in_pass`: the speculator's (`Speculator.context_rows_in_pass`)."""
         self.k = num_spec_tokens
+        self.context_rows_in_pass = context_rows_in_pass
         self.adaptive = adaptive
         self.base_probe_every = 1 if free_drafts else PROBE_EVERY
         self.max_probe_every = 1 if free_drafts else MAX_PROBE_EVERY
@@ -431,7 +434,8 @@ class SpecPolicy:
         drafting = self.drafting.fitted(self.drafting.per_unit())
         # A step that drafts writes its verified rows' drafter K/V each step, where one that
         # does not puts them aside: the context pass's fixed part (a line seen at one size
-        # has none) is paid for drafting.
+        # has none) is paid for drafting, unless the rows ride in the drafting pass (at most
+        # `context_rows_in_pass` of them; a step's accepted drafts are at most its drafts).
         context_pass = 0.0
         if self.context_write.known:
             context_pass = self.context_write.predict(0.0, self.context_write.per_unit())
@@ -459,7 +463,10 @@ class SpecPolicy:
                 # verification line fitted mostly on small batches can pass below the plain
                 # line measured at this batch size.
                 step = max(step, plain + per_row * num_drafts)
-            return step + (drafting(num_drafts, depth) + context_pass if num_drafts else 0.0)
+            if not num_drafts:
+                return step
+            rides = num_drafts <= self.context_rows_in_pass
+            return step + drafting(num_drafts, depth) + (0.0 if rides else context_pass)
 
         depth = self.k if forced_drafts else 0
         plain_rate = tokens / seconds(forced_drafts, depth)
