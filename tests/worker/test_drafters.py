@@ -236,14 +236,14 @@ def test_eagle3_one_token_steps_run_in_one_kernel_call_bit_for_bit(
     case: str, request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A draft step of one token a request runs the drafter's layers in one call to the
-    kernels (`fused_decode.run_layers`, the first layer reading `[norm(embeddings),
+    kernels (`fused_decode.LayerStack`, the first layer reading `[norm(embeddings),
     norm(hidden)]`), and gives the layer-by-layer path's outputs and K/V bit for bit."""
     drafter, _, _ = _eagle3_case(case, request, tmp_path, seed=5)
     fused_calls: list[bool] = []
-    run_layers = fused_decode.run_layers
+    run = fused_decode.LayerStack.run
 
     def spy(*args, **kwargs):
-        out = run_layers(*args, **kwargs)
+        out = run(*args, **kwargs)
         fused_calls.append(out is not None)
         return out
 
@@ -274,18 +274,71 @@ def test_eagle3_one_token_steps_run_in_one_kernel_call_bit_for_bit(
     torch.set_num_threads(3)  # the kernel's team, split unevenly
     try:
         with monkeypatch.context() as patch:
-            patch.setattr(fused_decode, "run_layers", spy)
+            patch.setattr(fused_decode.LayerStack, "run", spy)
             fused, fused_cache = three_steps()
         # the prompts too: short causal blocks run as one decode row a token
         assert fused_calls == [True] * 4
         with monkeypatch.context() as patch:
-            patch.setattr(fused_decode, "run_layers", lambda *args, **kwargs: None)
+            patch.setattr(fused_decode.LayerStack, "of", lambda *args, **kwargs: None)
             layered, layered_cache = three_steps()
     finally:
         torch.set_num_threads(threads)
     for got, want in zip(fused, layered, strict=True):
         assert torch.equal(got, want)
     for got, want in zip(fused_cache.layers.values(), layered_cache.layers.values(), strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(
+    torch.float32 not in kernels.linear_dtypes(), reason="no float32 panel kernel on this CPU"
+)
+@pytest.mark.parametrize("case", list(EAGLE_CASES))
+def test_eagle3_greedy_chain_is_the_depth_by_depth_drafts_bit_for_bit(
+    case: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """`greedy_chain` drafts three more depths for two requests with the metadata, RoPE
+    tables and layer table made once: each depth's drafts and the K/V it leaves are those of
+    `forward` then `greedy_drafts` depth by depth, bit for bit. Steps that do not fit the
+    kernel (two tokens a request) get None and leave the cache as it was."""
+    drafter, _, _ = _eagle3_case(case, request, tmp_path, seed=7)
+    lens = [7, 5]
+
+    def first_pass() -> tuple[torch.Tensor, torch.Tensor, PagedKVCache]:
+        gen = torch.Generator().manual_seed(8)
+        cache = drafter.make_kv_cache(NUM_BLOCKS, BLOCK)
+        meta = drafter.build_attn_metadata(
+            [_step(n, n, r) for r, n in enumerate(lens)], BLOCK, "cpu"
+        )
+        hidden = drafter.combine_hidden_states(torch.randn(sum(lens), 3 * 64, generator=gen))
+        ids = torch.randint(0, 256, (sum(lens),), generator=gen)
+        positions = torch.cat([torch.arange(n) for n in lens])
+        normed, prenorm = drafter(ids, hidden, positions, meta, cache)
+        last = torch.tensor([lens[0] - 1, sum(lens) - 1])
+        return drafter.greedy_drafts(normed[last]), prenorm[last], cache
+
+    tokens, feed, stepped_cache = first_pass()
+    stepped = []
+    for depth in range(1, 4):
+        pos = torch.tensor([n - 1 + depth for n in lens])
+        meta = drafter.build_attn_metadata(
+            [_step(1, int(p) + 1, r) for r, p in enumerate(pos)], BLOCK, "cpu"
+        )
+        normed, feed = drafter(tokens, feed, pos, meta, stepped_cache)
+        tokens = drafter.greedy_drafts(normed)
+        stepped.append(tokens)
+
+    tokens, feed, chained_cache = first_pass()
+    untouched = [t.clone() for t in chained_cache.layers.values()]
+    two_each = [_step(2, n + 2, r) for r, n in enumerate(lens)]
+    assert drafter.greedy_chain(tokens, feed, two_each, chained_cache) is None
+    for got, want in zip(chained_cache.layers.values(), untouched, strict=True):
+        assert torch.equal(got, want)
+    steps = [_step(1, n + depth, r) for depth in range(1, 4) for r, n in enumerate(lens)]
+    chained = drafter.greedy_chain(tokens, feed, steps, chained_cache)
+    assert chained is not None and len(chained) == 3
+    for got, want in zip(chained, stepped, strict=True):
+        assert torch.equal(got, want)
+    for got, want in zip(chained_cache.layers.values(), stepped_cache.layers.values(), strict=True):
         assert torch.equal(got, want)
 
 

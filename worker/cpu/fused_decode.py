@@ -17,9 +17,10 @@ attention backend's metadata. Verification blocks and short prompt chunks come a
 per token (`torch_backend.token_rows`). Anything else (longer prompt chunks, DFlash's
 non-causal blocks, FlashInfer, float64, a layer of another dtype) keeps the layer-by-layer path.
 
-The table of weight addresses is read from the modules afresh every step (~0.2 ms), with each
-tensor's dtype and size checked, so a weight that was moved, cast, reloaded or replaced is
-always the one used, and the C code never reads past a tensor. Its rows are built by column
+The table of weight addresses (`LayerStack`) is read from the modules afresh every step (~0.2
+ms), or once for an EAGLE-3 draft chain's depths, with each tensor's dtype and size checked, so a
+weight that was moved, cast, reloaded or replaced is always the one used, and the C code never
+reads past a tensor. Its rows are built by column
 name (`kernels.DecodeLayer`, `DecodeGroup`, `DecodeDims`), whose order the library is checked
 against when it loads.
 """
@@ -27,6 +28,7 @@ against when it loads.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -80,81 +82,164 @@ def run_layers(
     `norm`: the normed output and the captures of `aux_layers`; None where the step or a
     layer does not fit the kernel. `attn_input`: what the first layer's q/k/v read instead of
     its input norm of `x` (an EAGLE-3 drafter's `[norm(embeddings), norm(hidden)]`)."""
-    batches = _decode_batches(metadata)
-    if batches is None or not _inputs_fit(layers, norm, config, x, cos, sin, kv_cache, batches):
+    if _decode_batches(metadata) is None or len(metadata.groups) != len(config.kv_groups):
         return None
-    rows = x.shape[0]
-    qkv_in = config.hidden_size
-    if attn_input is not None:
-        if not _given_input_fits(attn_input, x):
+    assert metadata.num_tokens == x.shape[0]
+    qkv_in = config.hidden_size if attn_input is None else attn_input.shape[-1]
+    stack = LayerStack.of(layers, norm, config, x.dtype, x.shape[0], kv_cache, qkv_in)
+    if stack is None or not stack.takes(x, cos, sin, attn_input):
+        return None
+    return stack.run(x, cos, sin, group_tables(metadata, kv_cache, 1)[0], aux_layers, attn_input)
+
+
+@dataclass(frozen=True, eq=False)
+class LayerStack:
+    """A stack of layers checked for the kernel at one row count, with its table of weight
+    addresses: what `run_layers` makes for each step, and an EAGLE-3 draft chain once for all
+    its depths (steps of the same rows, each with its own KV rows, `group_tables`)."""
+
+    layers: Sequence[DecoderLayer]
+    norm: RMSNorm
+    config: ModelConfig
+    dtype: torch.dtype
+    rows: int
+    qkv_in: int  # the first layer's q/k/v input width
+    table: torch.Tensor  # [layers, DecodeLayer]
+    caches: torch.Tensor  # each layer's KV cache address
+    kv_cache: PagedKVCache
+
+    @classmethod
+    def of(
+        cls,
+        layers: Sequence[DecoderLayer],
+        norm: RMSNorm,
+        config: ModelConfig,
+        dtype: torch.dtype,
+        rows: int,
+        kv_cache: PagedKVCache,
+        qkv_in: int,
+    ) -> LayerStack | None:
+        """The stack for steps of `rows` rows of `dtype`, or None where a layer, the norm or the
+        cache does not fit the kernel."""
+        if not _stack_fits(layers, norm, config, dtype, kv_cache):
             return None
-        qkv_in = attn_input.shape[1]
-    table = [
-        _layer_row(layer, config, x.dtype, rows, qkv_in if i == 0 else config.hidden_size)
-        for i, layer in enumerate(layers)
-    ]
-    if any(row is None for row in table):
-        return None
-    layer_ids = [layer.attn.layer_id for layer in layers]
-    captures = {i: torch.empty_like(x) for i in aux_layers}
-    capture_table = torch.zeros(len(layer_ids), dtype=torch.int64)
-    for i, capture in captures.items():
-        capture_table[i] = capture.data_ptr()
-    groups = torch.tensor(
-        [
-            _group_row(group, batch, kv_cache, rows)
-            for group, batch in zip(metadata.groups, batches, strict=True)
-        ],
-        dtype=torch.int64,
-    )
-    dims = torch.tensor(
-        DecodeDims(
-            rows=rows,
-            hidden=config.hidden_size,
-            heads=config.num_heads,
-            kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            inter=config.intermediate_size,
-            block_size=kv_cache.block_size,
-            num_blocks=kv_cache.num_blocks,
-            is_bf16=int(x.dtype == torch.bfloat16),
-            attn_input=0 if attn_input is None else attn_input.data_ptr(),
-            attn_in=qkv_in,
-        ),
-        dtype=torch.int64,
-    )
-    table_t = torch.tensor(table, dtype=torch.int64)
-    caches = torch.tensor([kv_cache.layers[i].data_ptr() for i in layer_ids], dtype=torch.int64)
-    out = torch.empty_like(x)
-    errors = torch.zeros(2, dtype=torch.int64)
-    lib = kernels.load()
-    assert lib is not None  # _inputs_fit checked
-    status = lib.decode_layers(
-        table_t.data_ptr(),
-        len(layer_ids),
-        caches.data_ptr(),
-        capture_table.data_ptr(),
-        groups.data_ptr(),
-        dims.data_ptr(),
-        x.data_ptr(),
-        out.data_ptr(),
-        norm.weight.data_ptr(),
-        cos.data_ptr(),
-        sin.data_ptr(),
-        config.rms_norm_eps,
-        config.head_dim**-0.5,
-        errors.data_ptr(),
-    )
-    bad_rows, failed = errors.tolist()
-    if bad_rows:
-        raise IndexError(kernels.kv_rows_error(bad_rows, kv_cache.num_blocks))
-    if failed:
-        raise RuntimeError(kernels.attention_error(failed))
-    if status == 1:
-        raise MemoryError("decode_layers: no memory for the step's intermediates")
-    if status:
-        raise RuntimeError(f"decode_layers failed with status {status}")
-    return out, [captures[i] for i in aux_layers]
+        table = [
+            _layer_row(layer, config, dtype, rows, qkv_in if i == 0 else config.hidden_size)
+            for i, layer in enumerate(layers)
+        ]
+        if any(row is None for row in table):
+            return None
+        layer_ids = [layer.attn.layer_id for layer in layers]
+        caches = torch.tensor([kv_cache.layers[i].data_ptr() for i in layer_ids], dtype=torch.int64)
+        table_t = torch.tensor(table, dtype=torch.int64)
+        return cls(layers, norm, config, dtype, rows, qkv_in, table_t, caches, kv_cache)
+
+    def takes(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_input: torch.Tensor | None
+    ) -> bool:
+        """Whether a step's residual stream, RoPE tables and first-layer input fit the stack."""
+        shape = (self.rows, 1, self.config.head_dim)
+        return (
+            x.device.type == "cpu"
+            and x.dim() == 2
+            and x.shape == (self.rows, self.config.hidden_size)
+            and x.is_contiguous()
+            and x.dtype == self.dtype
+            and all(
+                t.dtype == self.dtype and t.is_contiguous() and t.shape == shape for t in (cos, sin)
+            )
+            and (
+                self.qkv_in == self.config.hidden_size
+                if attn_input is None
+                else _given_input_fits(attn_input, x, self.qkv_in)
+            )
+        )
+
+    def run(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        groups: torch.Tensor,
+        aux_layers: Sequence[int] = (),
+        attn_input: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One step (inputs that `takes` accepts; `groups`: a `group_tables` row): the normed
+        output and the captures of `aux_layers`, `x` left holding the residual stream."""
+        config, rows = self.config, self.rows
+        captures = {i: torch.empty_like(x) for i in aux_layers}
+        capture_table = torch.zeros(len(self.layers), dtype=torch.int64)
+        for i, capture in captures.items():
+            capture_table[i] = capture.data_ptr()
+        dims = torch.tensor(
+            DecodeDims(
+                rows=rows,
+                hidden=config.hidden_size,
+                heads=config.num_heads,
+                kv_heads=config.num_kv_heads,
+                head_dim=config.head_dim,
+                inter=config.intermediate_size,
+                block_size=self.kv_cache.block_size,
+                num_blocks=self.kv_cache.num_blocks,
+                is_bf16=int(self.dtype == torch.bfloat16),
+                attn_input=0 if attn_input is None else attn_input.data_ptr(),
+                attn_in=self.qkv_in,
+            ),
+            dtype=torch.int64,
+        )
+        assert groups.dtype == torch.int64 and groups.is_contiguous()
+        assert groups.shape == (len(config.kv_groups), len(DecodeGroup._fields))
+        out = torch.empty_like(x)
+        errors = torch.zeros(2, dtype=torch.int64)
+        lib = kernels.load()
+        assert lib is not None  # LayerStack.of checked
+        status = lib.decode_layers(
+            self.table.data_ptr(),
+            len(self.layers),
+            self.caches.data_ptr(),
+            capture_table.data_ptr(),
+            groups.data_ptr(),
+            dims.data_ptr(),
+            x.data_ptr(),
+            out.data_ptr(),
+            self.norm.weight.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            config.rms_norm_eps,
+            config.head_dim**-0.5,
+            errors.data_ptr(),
+        )
+        bad_rows, failed = errors.tolist()
+        if bad_rows:
+            raise IndexError(kernels.kv_rows_error(bad_rows, self.kv_cache.num_blocks))
+        if failed:
+            raise RuntimeError(kernels.attention_error(failed))
+        if status == 1:
+            raise MemoryError("decode_layers: no memory for the step's intermediates")
+        if status:
+            raise RuntimeError(f"decode_layers failed with status {status}")
+        return out, [captures[i] for i in aux_layers]
+
+
+def group_tables(metadata: AttentionMetadata, kv_cache: PagedKVCache, parts: int) -> torch.Tensor:
+    """`[parts, groups, DecodeGroup]`: the KV group table of each of `parts` equal runs of a
+    decode step's rows (an EAGLE-3 draft chain's depths, built as one step, depth by depth),
+    each pointing into the step's own metadata tensors (which the caller keeps)."""
+    batches = _decode_batches(metadata)
+    assert batches is not None  # decode steps only
+    rows = metadata.num_tokens
+    assert rows % parts == 0
+    part_rows = rows // parts
+    tables = []
+    for part in range(parts):
+        first = part * part_rows
+        tables.append(
+            [
+                _group_row(group, batch, kv_cache, rows, first, part_rows)
+                for group, batch in zip(metadata.groups, batches, strict=True)
+            ]
+        )
+    return torch.tensor(tables, dtype=torch.int64)
 
 
 def _decode_batches(metadata: AttentionMetadata) -> list[PaddedBatch] | None:
@@ -172,63 +257,59 @@ def _decode_batches(metadata: AttentionMetadata) -> list[PaddedBatch] | None:
 
 
 def _group_row(
-    group: TorchGroupMetadata, batch: PaddedBatch, kv_cache: PagedKVCache, rows: int
+    group: TorchGroupMetadata,
+    batch: PaddedBatch,
+    kv_cache: PagedKVCache,
+    rows: int,
+    first: int,
+    part_rows: int,
 ) -> DecodeGroup:
+    """Rows `first .. first + part_rows - 1` of a step of `rows` decode rows."""
     k_rows, _ = group.kv_write_rows(kv_cache.block_size)
     for t in (k_rows, batch.k_pages, batch.first_key_pos, batch.seq_lens):
         assert t.dtype == torch.int64 and t.is_contiguous()  # built so by torch_backend
     assert k_rows.numel() == batch.seq_lens.numel() == rows
+    max_pages = batch.k_pages.numel() // rows
+    step = torch.int64.itemsize
     return DecodeGroup(
-        k_rows=k_rows.data_ptr(),
-        pages=batch.k_pages.data_ptr(),
-        max_pages=batch.k_pages.numel() // rows,
-        first_pos=batch.first_key_pos.data_ptr(),
-        seq_lens=batch.seq_lens.data_ptr(),
+        k_rows=k_rows.data_ptr() + first * step,
+        pages=batch.k_pages.data_ptr() + first * max_pages * step,
+        max_pages=max_pages,
+        first_pos=batch.first_key_pos.data_ptr() + first * step,
+        seq_lens=batch.seq_lens.data_ptr() + first * step,
         window=group.sliding_window or 0,
     )
 
 
-def _inputs_fit(
+def _stack_fits(
     layers: Sequence[DecoderLayer],
     norm: RMSNorm,
     config: ModelConfig,
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    dtype: torch.dtype,
     kv_cache: PagedKVCache,
-    batches: Sequence[PaddedBatch],
 ) -> bool:
     dim = config.head_dim
     cache_shape = (kv_cache.num_blocks, 2, kv_cache.block_size, config.num_kv_heads, dim)
     return (
-        x.device.type == "cpu"
-        and x.dim() == 2
-        and x.shape[1] == config.hidden_size
-        and x.is_contiguous()
-        and x.dtype in kernels.linear_dtypes()
+        dtype in kernels.linear_dtypes()
         and len(layers) > 0
         and dim % 2 == 0
         and config.num_heads % config.num_kv_heads == 0
-        and len(batches) == len(config.kv_groups)
+        and _fits(norm.weight, dtype, config.hidden_size)
         and all(
-            t.dtype == x.dtype and t.is_contiguous() and t.shape == (x.shape[0], 1, dim)
-            for t in (cos, sin)
-        )
-        and _fits(norm.weight, x.dtype, config.hidden_size)
-        and all(
-            t.dtype == x.dtype and t.is_contiguous() and t.shape == cache_shape
+            t.dtype == dtype and t.is_contiguous() and t.shape == cache_shape
             for t in kv_cache.layers.values()
         )
         and all(layer.attn.layer_id in kv_cache.layers for layer in layers)
     )
 
 
-def _given_input_fits(attn_input: torch.Tensor, x: torch.Tensor) -> bool:
+def _given_input_fits(attn_input: torch.Tensor, x: torch.Tensor, width: int) -> bool:
     return (
         attn_input.dtype == x.dtype
         and attn_input.device.type == "cpu"
         and attn_input.dim() == 2
-        and attn_input.shape[0] == x.shape[0]
+        and attn_input.shape == (x.shape[0], width)
         and attn_input.is_contiguous()
     )
 

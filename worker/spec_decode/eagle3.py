@@ -331,17 +331,93 @@ class Eagle3Drafter(HiddenStateDrafter[Eagle3Config]):
             or not fused_decode.takes_step(metas[0])  # e.g. a prompt chunk: the layer path
         ):
             return None
+        stack = self._stack(embeds.shape[0], kv_cache)
+        if stack is None:
+            return None
+        groups = fused_decode.group_tables(metas[0], kv_cache, 1)[0]
+        return self._stack_step(stack, embeds, hidden, cos, sin, groups)
+
+    def _stack(self, rows: int, kv_cache: PagedKVCache) -> fused_decode.LayerStack | None:
+        """The layers for the CPU kernels at `rows` rows, the first reading `attention_input`."""
+        config = self.config.layer
+        return fused_decode.LayerStack.of(
+            self.layers, self.norm, config, self.dtype, rows, kv_cache, 2 * config.hidden_size
+        )
+
+    def _stack_step(
+        self,
+        stack: fused_decode.LayerStack,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        groups: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(normed, prenorm)` of one step through `stack` (None where its inputs do not fit)."""
         first = self.layers[0]
         attn_input, normed_hidden = first.attention_input(embeds, hidden)
         # The kernel adds each layer's output into the residual stream in place.
         x = (normed_hidden if first.norm_before_residual else hidden).clone(
             memory_format=torch.contiguous_format
         )
-        fused = fused_decode.run_layers(
-            self.layers, self.norm, self.config.layer, x, cos, sin, metas[0], kv_cache,
-            attn_input=attn_input,
-        )  # fmt: skip
-        return None if fused is None else (fused[0], x)
+        if not stack.takes(x, cos, sin, attn_input):
+            return None
+        normed, _ = stack.run(x, cos, sin, groups, attn_input=attn_input)
+        return normed, x
+
+    @torch.no_grad()
+    def greedy_chain(
+        self,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        steps: Sequence[SequenceStep],
+        kv_cache: PagedKVCache,
+    ) -> list[torch.Tensor] | None:
+        """Greedy drafts of the next depths for `rows = tokens.shape[0]` requests, given each
+        one's last draft (`tokens`) and the pre-norm state that drafted it (`hidden`):
+        `steps` are the depths' one-token steps, depth by depth (`len(steps) // rows` of them,
+        each request's rows in `tokens`' order). Each depth is `forward` then `greedy_drafts`,
+        bit for bit, in one kernel call; the metadata, the RoPE tables and the layer table are
+        made once for the chain. None where the chain does not fit the CPU kernels (nothing
+        written): the caller steps depth by depth."""
+        rows = tokens.shape[0]
+        if (
+            hidden.device.type != "cpu"
+            or not rows
+            or len(steps) % rows
+            or any(step.query_len != 1 for step in steps)
+        ):
+            return None
+        metadata = self.build_attn_metadata(steps, kv_cache.block_size, hidden.device)
+        meta = metadata.per_layer[0]
+        if any(m is not meta for m in metadata.per_layer) or not fused_decode.takes_step(meta):
+            return None
+        stack = self._stack(rows, kv_cache)
+        if stack is None:
+            return None
+        depths = len(steps) // rows
+        groups = fused_decode.group_tables(meta, kv_cache, depths)
+        positions = torch.tensor([step.seq_len - 1 for step in steps])
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
+        drafts = []
+        for depth in range(depths):
+            part = slice(depth * rows, (depth + 1) * rows)
+            step = self._stack_step(
+                stack,
+                self.embed(tokens),
+                hidden.to(self.dtype),
+                cos[part],
+                sin[part],
+                groups[depth],
+            )
+            if step is None:
+                if depth:
+                    raise RuntimeError("EAGLE-3 draft chain: a depth's inputs no longer fit")
+                return None
+            normed, hidden = step
+            tokens = self.greedy_drafts(normed)
+            drafts.append(tokens)
+        return drafts
 
     @torch.no_grad()
     def greedy_drafts(self, normed: torch.Tensor) -> torch.Tensor:

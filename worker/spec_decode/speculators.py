@@ -388,6 +388,12 @@ class Eagle3Speculator(_DrafterSpeculator[Eagle3Drafter]):
         active = proposing  # requests still drafting; each stops at its own num_drafts
         pos = [inp.start + inp.num_valid - 1 for inp in proposing]
         deepest = max(inp.num_drafts for inp in proposing)
+        chained = self._greedy_chain(proposing, tokens, hidden, pos, deepest, probs is None)
+        if chained is not None:
+            for depth_tokens in [tokens, *chained]:
+                for inp, token in zip(proposing, depth_tokens.tolist(), strict=True):
+                    drafts[inp.handle].add(token, None)
+            return {handle: rows.draft() for handle, rows in drafts.items()}
         for depth in range(1, deepest + 1):
             for i, (inp, token) in enumerate(zip(active, tokens.tolist(), strict=True)):
                 drafts[inp.handle].add(token, None if probs is None else probs[i])
@@ -415,6 +421,29 @@ class Eagle3Speculator(_DrafterSpeculator[Eagle3Drafter]):
             )
             tokens, probs = self._drafts(normed, active)
         return {handle: rows.draft() for handle, rows in drafts.items()}
+
+    def _greedy_chain(
+        self,
+        proposing: Sequence[DraftInput],
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        pos: Sequence[int],
+        deepest: int,
+        greedy: bool,
+    ) -> list[torch.Tensor] | None:
+        """Depths 2..deepest in one `Eagle3Drafter.greedy_chain` where every request drafts
+        that deep, greedily (else None: the depth-by-depth loop, which drops each request at
+        its own depth and samples drafts). Every position is checked against the block
+        tables first."""
+        if not greedy or deepest < 2 or any(inp.num_drafts != deepest for inp in proposing):
+            return None
+        bs = self.kv_cache.block_size
+        steps = []
+        for depth in range(1, deepest):
+            for inp, p in zip(proposing, pos, strict=True):
+                draft_slots(inp.block_table, [p + depth], bs, inp.handle)
+                steps.append(SequenceStep(1, p + depth + 1, [inp.block_table]))
+        return self.drafter.greedy_chain(tokens, hidden, steps, self.kv_cache)
 
     def _context_pass_alone(self, steps: Sequence[SequenceStep], context_rows: int) -> bool:
         """Whether `context_rows` rows that need only their drafter K/V get a pass of their own
