@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.shared.paths import cache_root
-from specserve.worker.cpu import kernels
+from specserve.worker.cpu import kernels, q4_panels
 
 log = structlog.get_logger(__name__)
 
@@ -110,13 +110,14 @@ class PackedWeight:
     large_rows_onednn: bool = False
     onednn_rows: int = PANEL_MAX_ROWS
     onednn: torch.Tensor | None = None
+    q4: torch.Tensor | None = None  # 4-bit panels of a float32 weight made of 4-bit blocks
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not self.panels:
             return _onednn_linear(x, self.tensor, bias)
         rows = x.numel() // x.shape[-1]
         if self.runs_panels(rows):
-            return kernels.panel_linear(x, self.tensor, bias, self.weight.shape[0])
+            return kernels.panel_linear(x, self.tensor, bias, self.weight.shape[0], self.q4)
         if self.onednn is not None:
             return _onednn_linear(x, self.onednn, bias)
         if x.dtype == torch.bfloat16:
@@ -185,8 +186,9 @@ def pack_weight(weight: torch.Tensor, min_rows: int = 1) -> PackedWeight | None:
     used."""
     if _panel_kernel_runs(weight):
         panels = kernels.pack_panels(weight)
+        q4 = q4_panels.pack(weight) if kernels.linear_q4_max_rows() else None
         return PackedWeight(
-            panels, weight, min_rows, panels=True, large_rows_onednn=_onednn_runs(weight)
+            panels, weight, min_rows, panels=True, large_rows_onednn=_onednn_runs(weight), q4=q4
         )
     if not _onednn_runs(weight):
         return None

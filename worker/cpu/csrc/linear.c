@@ -144,12 +144,70 @@ TILES(tile_bf16, TILES_BF16, uint32_t, uint16_t, uint16_t, 2 * PANEL,
       __m512i w_k = _mm512_loadu_si512(w_d);, DOT_BF16, STORE_BF16)
 #endif
 
-/* The next tile's rows when `left` rows remain: the rows split evenly over the fewest tiles
- * (25 rows as 13 and 12, not 24 and 1: a short tile is a whole pass over the panel). */
-static inline int64_t tile_rows(int64_t left) {
-    const int64_t tiles = (left + MAX_TILE - 1) / MAX_TILE;
+/* 4-bit panels (float32 rows only): a float32 weight whose every 32-deep block of a column is
+ * exactly d q + m (d and m float16, q integers 0..15, as a GGUF Q4_1 block dequantizes) is
+ * kept as those blocks, a sixth of its float32 bytes, and each step's 16 weights are made
+ * again in registers (q widened, then one fused multiply-add: d q is exact in float32, so the
+ * value is the float32 weight's bit for bit). The products and their order are the float32
+ * tiles', so are the sums. Layout (worker/cpu/q4_panels.py): per panel of 16 columns, per
+ * 32-deep block, Q4_BLOCK_BYTES bytes: d[16] and m[16] as float16, then 16 bytes a pair of
+ * steps, byte c = q(2j, c) | q(2j + 1, c) << 4. Tiles of up to Q4_MAX_TILE rows (the
+ * expansion's registers beside the accumulators); from Q4_MAX_ROWS rows the float32 panels run
+ * (the expansion is repeated for every tile, and more rows wait on arithmetic, not bytes). */
+#define Q4_DEPTH 32
+#define Q4_BLOCK_BYTES (2 * 2 * PANEL + Q4_DEPTH / 2 * PANEL)
+#define Q4_MAX_TILE 16
+#define Q4_MAX_ROWS 16
+
+#define FMA_Q4_EVEN(i) acc##i = _mm512_fmadd_ps(_mm512_set1_ps(a[(2 * j) * R + i]), w0, acc##i);
+#define FMA_Q4_ODD(i)                                                                        \
+    acc##i = _mm512_fmadd_ps(_mm512_set1_ps(a[(2 * j + 1) * R + i]), w1, acc##i);
+#define TILE_Q4(ROWS)                                                                        \
+    static void tile_q4_##ROWS(const float *ap, const uint8_t *panel, int64_t blocks,        \
+                               __m512 b, float *y, int64_t y_stride, __mmask16 mask) {       \
+        enum { R = ROWS };                                                                   \
+        REP##ROWS(ZERO)                                                                      \
+        const __m512i low = _mm512_set1_epi32(15);                                           \
+        for (int64_t blk = 0; blk < blocks; blk++) {                                         \
+            const uint8_t *block = panel + blk * Q4_BLOCK_BYTES;                             \
+            for (int line = 0; line < Q4_BLOCK_BYTES; line += 64)                            \
+                _mm_prefetch((const char *)block + PREFETCH + line, _MM_HINT_T0);            \
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)block));    \
+            const __m512 m =                                                                 \
+                _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 2 * PANEL)));   \
+            const uint8_t *codes = block + 4 * PANEL;                                        \
+            const float *a = ap + blk * Q4_DEPTH * R;                                        \
+            for (int j = 0; j < Q4_DEPTH / 2; j++) {                                         \
+                const __m512i q = _mm512_cvtepu8_epi32(                                      \
+                    _mm_loadu_si128((const __m128i *)(codes + j * PANEL)));                  \
+                const __m512 w0 =                                                            \
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d, m);     \
+                const __m512 w1 =                                                            \
+                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m);      \
+                REP##ROWS(FMA_Q4_EVEN)                                                       \
+                REP##ROWS(FMA_Q4_ODD)                                                        \
+            }                                                                                \
+        }                                                                                    \
+        REP##ROWS(STORE_F32)                                                                 \
+    }
+TILE_Q4(1) TILE_Q4(2) TILE_Q4(3) TILE_Q4(4) TILE_Q4(5) TILE_Q4(6) TILE_Q4(7) TILE_Q4(8)
+TILE_Q4(9) TILE_Q4(10) TILE_Q4(11) TILE_Q4(12) TILE_Q4(13) TILE_Q4(14) TILE_Q4(15) TILE_Q4(16)
+static void (*const TILES_Q4[Q4_MAX_TILE + 1])(const float *, const uint8_t *, int64_t, __m512,
+                                               float *, int64_t, __mmask16) = {
+    NULL, tile_q4_1, tile_q4_2, tile_q4_3, tile_q4_4, tile_q4_5, tile_q4_6, tile_q4_7,
+    tile_q4_8, tile_q4_9, tile_q4_10, tile_q4_11, tile_q4_12, tile_q4_13, tile_q4_14,
+    tile_q4_15, tile_q4_16};
+#define LINEAR_Q4 1
+
+/* The next tile's rows when `left` rows remain, tiles of at most `max_tile`: the rows split
+ * evenly over the fewest tiles (25 rows as 13 and 12, not 24 and 1: a short tile is a whole
+ * pass over the panel). */
+static inline int64_t tile_rows_of(int64_t left, int64_t max_tile) {
+    const int64_t tiles = (left + max_tile - 1) / max_tile;
     return (left + tiles - 1) / tiles;
 }
+
+static inline int64_t tile_rows(int64_t left) { return tile_rows_of(left, MAX_TILE); }
 
 static inline __mmask16 column_mask(int64_t n, int64_t p) {
     int64_t valid = n - p * PANEL;
@@ -183,6 +241,20 @@ static void panel_rows(const void *packed, const void *panels, const void *bias,
                             (const float *)panels + p * panel_elems, depth, b,
                             (float *)y + r0 * n + p * PANEL, n, mask);
         }
+    }
+}
+
+/* Panel p of y for every row from 4-bit panels (`q4`, depth k a multiple of Q4_DEPTH): the
+ * packed inputs as for float32, in tiles of up to Q4_MAX_TILE rows. */
+static void q4_rows(const float *packed, const uint8_t *q4, const void *bias, float *y,
+                    int64_t rows, int64_t n, int64_t k, int64_t p) {
+    const int64_t blocks = k / Q4_DEPTH;
+    const __mmask16 mask = column_mask(n, p);
+    const __m512 b = bias_f32(bias, p, mask, 0);
+    for (int64_t r0 = 0, tile; r0 < rows; r0 += tile) {
+        tile = tile_rows_of(rows - r0, Q4_MAX_TILE);
+        TILES_Q4[tile](packed + r0 * k, q4 + p * blocks * Q4_BLOCK_BYTES, blocks, b,
+                       y + r0 * n + p * PANEL, n, mask);
     }
 }
 
@@ -374,7 +446,11 @@ static void (*const TILES_BF16[MAX_TILE + 1])(const float *, const uint16_t *, i
                                               __m256, uint16_t *, int64_t, int64_t) = {
     NULL, tile_bf16_1, tile_bf16_2, tile_bf16_3, tile_bf16_4, tile_bf16_5, tile_bf16_6};
 
-static inline int64_t tile_rows(int64_t left) { return left < MAX_TILE ? left : MAX_TILE; }
+static inline int64_t tile_rows_of(int64_t left, int64_t max_tile) {
+    return left < max_tile ? left : max_tile;
+}
+
+static inline int64_t tile_rows(int64_t left) { return tile_rows_of(left, MAX_TILE); }
 
 /* All-ones in the lanes below `valid` (of 8). */
 static inline __m256i lanes_below(int64_t valid) {
@@ -497,10 +573,18 @@ int64_t linear_packed_bytes(int64_t rows, int64_t k, int is_bf16) {
  * threads of the calling team first repack the inputs into `packed` (tile by tile,
  * [depth][tile rows]: each step of the inner loop then reads one contiguous run of 4-byte
  * values, a float32 or a pair of bfloat16, to broadcast), then split the panels. */
-void panel_linear_team(const void *x, int64_t x_stride, const void *panels, const void *bias,
-                       void *y, int64_t rows, int64_t n, int64_t k, int is_bf16, void *packed) {
+void panel_linear_team(const void *x, int64_t x_stride, const void *panels, const void *q4,
+                       const void *bias, void *y, int64_t rows, int64_t n, int64_t k,
+                       int is_bf16, void *packed) {
 #if defined(LINEAR_SIMD)
     const int64_t depth = is_bf16 ? (k + 1) / 2 : k; /* K, or K2 bfloat16 pairs */
+#if defined(LINEAR_Q4)
+    const int on_q4 = q4 != NULL && !is_bf16 && rows <= Q4_MAX_ROWS && k % Q4_DEPTH == 0;
+    const int64_t max_tile = on_q4 ? Q4_MAX_TILE : MAX_TILE;
+#else
+    (void)q4;
+    const int64_t max_tile = MAX_TILE;
+#endif
 #if defined(LINEAR_AMX)
     if (amx_runs(rows, k, is_bf16)) { /* every thread decides alike: no barrier is skipped */
         amx_configure(rows % 16);
@@ -513,7 +597,7 @@ void panel_linear_team(const void *x, int64_t x_stride, const void *panels, cons
     }
 #endif
     for (int64_t r0 = 0, tile; r0 < rows; r0 += tile) {
-        tile = tile_rows(rows - r0);
+        tile = tile_rows_of(rows - r0, max_tile);
 #pragma omp for schedule(static) nowait
         for (int64_t d = 0; d < depth; d++) {
             for (int64_t r = 0; r < tile; r++) {
@@ -538,23 +622,40 @@ void panel_linear_team(const void *x, int64_t x_stride, const void *panels, cons
     }
 #pragma omp barrier
 #pragma omp for schedule(static)
-    for (int64_t p = 0; p < (n + PANEL - 1) / PANEL; p++)
+    for (int64_t p = 0; p < (n + PANEL - 1) / PANEL; p++) {
+#if defined(LINEAR_Q4)
+        if (on_q4) {
+            q4_rows(packed, q4, bias, y, rows, n, k, p);
+            continue;
+        }
+#endif
         panel_rows(packed, panels, bias, y, rows, n, depth, p, is_bf16);
+    }
 #else
-    (void)x, (void)x_stride, (void)panels, (void)bias, (void)y, (void)rows, (void)n, (void)k;
-    (void)is_bf16, (void)packed;
+    (void)x, (void)x_stride, (void)panels, (void)q4, (void)bias, (void)y, (void)rows, (void)n;
+    (void)k, (void)is_bf16, (void)packed;
+#endif
+}
+
+/* The most rows 4-bit panels run (fewer than the float32 panels' tiles); 0 where there are none
+ * (AVX2 CPUs: float32 panels only). */
+int64_t linear_q4_max_rows(void) {
+#if defined(LINEAR_Q4)
+    return Q4_MAX_ROWS;
+#else
+    return 0;
 #endif
 }
 
 /* The standalone call: returns 0, 1 when the packed-input buffer cannot be allocated, 2 for an
  * unsupported dtype. */
-int panel_linear(const void *x, int64_t x_stride, const void *panels, const void *bias, void *y,
-                 int64_t rows, int64_t n, int64_t k, int is_bf16) {
+int panel_linear(const void *x, int64_t x_stride, const void *panels, const void *q4,
+                 const void *bias, void *y, int64_t rows, int64_t n, int64_t k, int is_bf16) {
     if (!(linear_kernel_dtypes() & (is_bf16 ? 2 : 1))) return 2;
     void *packed = malloc((size_t)linear_packed_bytes(rows, k, is_bf16));
     if (packed == NULL) return 1;
 #pragma omp parallel
-    panel_linear_team(x, x_stride, panels, bias, y, rows, n, k, is_bf16, packed);
+    panel_linear_team(x, x_stride, panels, q4, bias, y, rows, n, k, is_bf16, packed);
     free(packed);
     return 0;
 }

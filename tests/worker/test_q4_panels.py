@@ -1,0 +1,177 @@
+"""4-bit panels (`worker/cpu/q4_panels.py`, `csrc/linear.c`): a float32 weight made of exact 4-bit
+blocks (`d q + m`, as a GGUF Q4_1 tensor dequantizes) is found, laid out, and multiplied with the
+float32 panels' sums bit for bit, alone and inside the fused decode step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_reference import prompts
+from paged_driver import PagedDriver
+
+from specserve.shared.gguf_metadata import find_bundled_gguf
+from specserve.worker.cpu import fused_decode, kernels, q4_panels
+from specserve.worker.cpu.linear import Linear
+from specserve.worker.gguf_loader import load_gguf
+from specserve.worker.loader import load_model
+from specserve.worker.models import DecoderModel
+
+pytestmark = pytest.mark.skipif(
+    not kernels.linear_q4_max_rows(), reason="no 4-bit panels on this CPU (AVX-512 only)"
+)
+
+
+def _blocks(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random (d, m) float16 `[n, k/32]` and q `[n, k]` with 0 and 15 in every block (as a
+    Q4_1 quantizer writes them: the least value at q = 0, the greatest at 15)."""
+    gen = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, generator=gen) * 0.01 + 0.001).half()
+    m = (-torch.rand(n, k // 32, generator=gen) * 0.08).half()
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=gen, dtype=torch.uint8)
+    q[..., 3], q[..., 17] = 0, 15
+    return d, m, q.view(n, k)
+
+
+def _dequantized(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The float32 weight, as GGUF's Q4_1 dequantizes: (d q) + m in float32."""
+    return d.float().repeat_interleave(32, 1) * q.float() + m.float().repeat_interleave(32, 1)
+
+
+def _as_4bit_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` quantized to Q4_1 blocks (as a GGUF writer does) and dequantized again."""
+    n, k = weight.shape
+    w = weight.reshape(n, k // 32, 32)
+    low, high = w.amin(-1), w.amax(-1)
+    d = ((high - low) / 15).half()
+    m = low.half()
+    scale = torch.where(d.float() > 0, d.float(), 1.0)
+    q = ((w - m.float()[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return _dequantized(d, m, q.view(n, k))
+
+
+def test_the_layout_is_the_kernels() -> None:
+    """17 rows (a padded second panel) of depth 64: per panel and block, d and m as float16,
+    then byte c of pair j = q(2j, c) | q(2j + 1, c) << 4; padded rows all zeros."""
+    d, m, q = _blocks(17, 64, seed=1)
+    packed = q4_panels.pack(_dequantized(d, m, q))
+    assert packed is not None and packed.dtype == torch.uint8
+    assert packed.numel() == kernels.q4_panels_bytes(17, 64) == 2 * 2 * 320
+    expected: list[int] = []
+    for panel in range(2):
+        for block in range(2):
+            rows = [panel * 16 + c for c in range(16)]
+            for table in (d, m):
+                values = [float(table[r, block]) if r < 17 else 0.0 for r in rows]
+                expected += torch.tensor(values, dtype=torch.float16).view(torch.uint8).tolist()
+            for j in range(16):
+                for r in rows:
+                    lo = int(q[r, block * 32 + 2 * j]) if r < 17 else 0
+                    hi = int(q[r, block * 32 + 2 * j + 1]) if r < 17 else 0
+                    expected.append(lo | hi << 4)
+    assert packed.tolist() == expected
+
+
+@pytest.mark.parametrize(("n", "k"), [(40, 64), (33, 96), (960, 576), (64, 1536)])
+def test_4bit_panels_give_the_float32_panels_sums_bit_for_bit(n: int, k: int) -> None:
+    """Every row count the 4-bit tiles take (1-16, tiles split evenly) and beyond them (the
+    float32 panels then run), with a bias and a column count that pads the last panel."""
+    weight = _dequantized(*_blocks(n, k, seed=n + k))
+    q4 = q4_panels.pack(weight)
+    assert q4 is not None
+    panels = kernels.pack_panels(weight)
+    gen = torch.Generator().manual_seed(2)
+    bias = torch.randn(n, generator=gen)
+    for rows in [*range(1, kernels.linear_q4_max_rows() + 1), 17, 33]:
+        x = torch.randn(rows, k, generator=gen)
+        want = kernels.panel_linear(x, panels, bias, n)
+        assert torch.equal(kernels.panel_linear(x, panels, bias, n, q4), want), rows
+
+
+def test_weights_not_made_of_4bit_blocks_get_none() -> None:
+    d, m, q = _blocks(32, 64, seed=3)
+    exact = _dequantized(d, m, q)
+    assert q4_panels.pack(exact) is not None
+    nudged = exact.clone()
+    nudged[20, 40] = torch.nextafter(nudged[20, 40], torch.tensor(1.0))  # past the probe rows
+    assert q4_panels.pack(nudged) is None
+    assert q4_panels.pack(torch.randn(32, 64)) is None
+    assert q4_panels.pack(exact[:, :48]) is None  # not whole blocks
+    assert q4_panels.pack(exact.to(torch.bfloat16)) is None
+    with_nan = exact.clone()
+    with_nan[0, 0] = float("nan")
+    assert q4_panels.pack(with_nan) is None
+    constant = torch.full((16, 32), 0.25)  # d = 0: every value m
+    assert q4_panels.pack(constant) is not None
+
+
+def test_panel_linear_refuses_4bit_panels_that_do_not_fit() -> None:
+    weight = _dequantized(*_blocks(32, 64, seed=4))
+    q4, panels = q4_panels.pack(weight), kernels.pack_panels(weight)
+    assert q4 is not None
+    with pytest.raises(ValueError, match="4-bit panels"):
+        kernels.panel_linear(torch.randn(2, 64), panels, None, 32, q4[:-1])
+    with pytest.raises(ValueError, match="4-bit panels"):
+        bf16 = kernels.pack_panels(weight.to(torch.bfloat16))
+        kernels.panel_linear(torch.randn(2, 64).to(torch.bfloat16), bf16, None, 32, q4)
+
+
+def test_the_bundled_models_layers_are_found_as_4bit_blocks() -> None:
+    """SmolLM2-135M's GGUF holds its layers as Q4_1 (the embedding as Q8_0): every linear
+    weight of a layer, dequantized as the loader does, is found whole."""
+    _, state = load_gguf(find_bundled_gguf())
+    layer = {name: w for name, w in state.items() if name.startswith("model.layers.0.")}
+    linears = [w for name, w in layer.items() if name.endswith("proj.weight")]
+    assert len(linears) == 7
+    assert all(q4_panels.pack(w) is not None for w in linears)
+    assert q4_panels.pack(state["model.embed_tokens.weight"][:64]) is None
+
+
+def _decode_run(model: DecoderModel, steps: int = 6) -> list[torch.Tensor]:
+    driver = PagedDriver(model, block_size=4)
+    seqs = [driver.new_seq(p) for p in prompts([3, 11, 1, 17, 8], seed=5)]
+    driver.prefill(seqs)
+    logits = []
+    for _ in range(steps):
+        step_logits = driver.step([(s, 1) for s in seqs])
+        logits.append(step_logits)
+        for seq, row in zip(seqs, step_logits, strict=True):
+            driver._append(seq, int(row.argmax()))
+    return logits
+
+
+def test_decode_steps_on_4bit_panels_equal_the_float32_panels(
+    llama_ckpt, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model whose linear weights are 4-bit blocks: its fused decode steps read the 4-bit
+    panels and give the logits the float32 panels give, bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)  # a team, split unevenly
+    try:
+        model = load_model(llama_ckpt.path, torch.float32)
+        blocks = {
+            name: _as_4bit_blocks(value) if name.endswith("proj.weight") else value
+            for name, value in model.state_dict().items()
+        }
+        model.load_state_dict(blocks)  # packs the linear weights again
+        linears = [m for m in model.layers.modules() if isinstance(m, Linear)]
+        assert linears and all(m.packed.q4 is not None for m in linears)
+        tables = []
+        layer_row = fused_decode._layer_row
+
+        def spy(*args, **kwargs):
+            row = layer_row(*args, **kwargs)
+            tables.append(row)
+            return row
+
+        with monkeypatch.context() as patch:
+            patch.setattr(fused_decode, "_layer_row", spy)
+            on_4bit = _decode_run(model)
+        assert tables and all(row.qkv_q4 and row.o_q4 and row.down_q4 for row in tables)
+        monkeypatch.setattr(kernels, "linear_q4_max_rows", lambda: 0)
+        model.load_state_dict(blocks)  # packed again, without 4-bit panels
+        assert all(m.packed.q4 is None for m in linears)
+        on_float32 = _decode_run(model)
+    finally:
+        torch.set_num_threads(threads)
+    for step, (got, want) in enumerate(zip(on_4bit, on_float32, strict=True)):
+        assert torch.equal(got, want), f"decode step {step} differs"
