@@ -73,15 +73,17 @@ def test_the_layout_is_the_kernels() -> None:
 
 @pytest.mark.parametrize(("n", "k"), [(40, 64), (33, 96), (960, 576), (64, 1536)])
 def test_4bit_panels_give_the_float32_panels_sums_bit_for_bit(n: int, k: int) -> None:
-    """Every row count the 4-bit tiles take (1-16, tiles split evenly) and beyond them (the
-    float32 panels then run), with a bias and a column count that pads the last panel."""
+    """Row counts of one 4-bit tile (1-16), of several (split evenly), the most the 4-bit
+    panels take and one more (the float32 panels then run), with a bias and a column count
+    that pads the last panel."""
     weight = _dequantized(*_blocks(n, k, seed=n + k))
     q4 = q4_panels.pack(weight)
     assert q4 is not None
     panels = kernels.pack_panels(weight)
     gen = torch.Generator().manual_seed(2)
     bias = torch.randn(n, generator=gen)
-    for rows in [*range(1, kernels.linear_q4_max_rows() + 1), 17, 33]:
+    most = kernels.linear_q4_max_rows()
+    for rows in [*range(1, 18), 28, 33, most, most + 1]:
         x = torch.randn(rows, k, generator=gen)
         want = kernels.panel_linear(x, panels, bias, n)
         assert torch.equal(kernels.panel_linear(x, panels, bias, n, q4), want), rows
