@@ -395,10 +395,11 @@ class DecoderModel(nn.Module):
         return self._screen[1]
 
     def row_tiles(self) -> Callable[[int], int] | None:
-        """Row tiles per step size where the decode step's linears run as panels (the head's
-        `PackedWeight.row_tiles`; every linear is packed alike), else None."""
-        head = self._head_packed()
-        return head.row_tiles if head is not None and head.panels else None
+        """Row tiles per step size where the decode step's linears run as panels (the layers'
+        `PackedWeight.row_tiles`, whose bytes are most of a step's; they are packed alike,
+        4-bit panels or not), else None."""
+        packed = self.layers[0].mlp.gate_up_proj.packed if self.layers else None
+        return packed.row_tiles if packed is not None and packed.panels else None
 
     @torch.no_grad()
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -73,7 +73,7 @@ def test_the_layout_is_the_kernels() -> None:
 
 @pytest.mark.parametrize(("n", "k"), [(40, 64), (33, 96), (960, 576), (64, 1536)])
 def test_4bit_panels_give_the_float32_panels_sums_bit_for_bit(n: int, k: int) -> None:
-    """Row counts of one 4-bit tile (1-16), of several (split evenly), the most the 4-bit
+    """Row counts of one 4-bit tile (1-24), of several (split evenly), the most the 4-bit
     panels take and one more (the float32 panels then run), with a bias and a column count
     that pads the last panel."""
     weight = _dequantized(*_blocks(n, k, seed=n + k))
@@ -83,10 +83,21 @@ def test_4bit_panels_give_the_float32_panels_sums_bit_for_bit(n: int, k: int) ->
     gen = torch.Generator().manual_seed(2)
     bias = torch.randn(n, generator=gen)
     most = kernels.linear_q4_max_rows()
-    for rows in [*range(1, 18), 28, 33, most, most + 1]:
+    for rows in [*range(1, 26), 33, 49, most, most + 1]:
         x = torch.randn(rows, k, generator=gen)
         want = kernels.panel_linear(x, panels, bias, n)
         assert torch.equal(kernels.panel_linear(x, panels, bias, n, q4), want), rows
+
+
+def test_4bit_row_tiles_are_the_kernels_passes() -> None:
+    """Tiles of 24 rows on 4-bit panels up to the most rows they take, the float32 panels'
+    28 beyond, and where K is not whole blocks (the speculation policy prices them)."""
+    most = kernels.linear_q4_max_rows()
+    for rows in (1, 24, 25, 48, 49, most):
+        assert kernels.linear_row_tiles(rows, 576, torch.float32, q4=True) == -(-rows // 24)
+    for rows in (most + 1, 100):
+        assert kernels.linear_row_tiles(rows, 576, torch.float32, q4=True) == -(-rows // 28)
+    assert kernels.linear_row_tiles(17, 48, torch.float32, q4=True) == 1
 
 
 def test_weights_not_made_of_4bit_blocks_get_none() -> None:
@@ -169,6 +180,7 @@ def test_decode_steps_on_4bit_panels_equal_the_float32_panels(
             patch.setattr(fused_decode, "_layer_row", spy)
             on_4bit = _decode_run(model)
         assert tables and all(row.qkv_q4 and row.o_q4 and row.down_q4 for row in tables)
+        assert [model.row_tiles()(rows) for rows in (24, 25, 29)] == [1, 2, 2]
         monkeypatch.setattr(kernels, "linear_q4_max_rows", lambda: 0)
         model.load_state_dict(blocks)  # packed again, without 4-bit panels
         assert all(m.packed.q4 is None for m in linears)

@@ -329,7 +329,7 @@ def open_library(path: Path) -> ctypes.CDLL:
         "linear_enable_amx": (ctypes.c_int, []),
         "linear_amx_min_rows": (i64, []),
         "linear_widens_bf16": (ctypes.c_int, []),
-        "linear_row_tiles": (i64, [i64, i64, flag]),
+        "linear_row_tiles": (i64, [i64, i64, flag, flag]),
         "panel_linear": (ctypes.c_int, [_PTR, i64, _PTR, _PTR, _PTR, _PTR, i64, i64, i64, flag]),
         "linear_q4_max_rows": (i64, []),
         "int8_panel_linear": (None, [_PTR, i64, _PTR, _PTR, _PTR, i64, i64, i64]),
@@ -761,12 +761,15 @@ def linear_amx_min_rows() -> int:
     return lib.linear_amx_min_rows() if lib is not None else 0
 
 
-def linear_row_tiles(rows: int, k: int, dtype: torch.dtype) -> int:
-    """How many row tiles `panel_linear` makes of `rows` rows of depth `k`: each is a pass over
-    every panel, so a step's cost rises by a pass where its rows cross into another tile (up to
-    28 rows a tile with AVX-512, 6 with AVX2, 16 on AMX tiles); 0 without the kernel."""
+def linear_row_tiles(rows: int, k: int, dtype: torch.dtype, q4: bool = False) -> int:
+    """How many row tiles `panel_linear` makes of `rows` rows of depth `k` (`q4`: with 4-bit
+    panels): each is a pass over every panel, so a step's cost rises by a pass where its rows
+    cross into another tile (up to 28 rows a tile with AVX-512, 24 on 4-bit panels, 6 with AVX2,
+    16 on AMX tiles); 0 without the kernel."""
     lib = load()
-    return lib.linear_row_tiles(rows, k, int(dtype == torch.bfloat16)) if lib is not None else 0
+    if lib is None:
+        return 0
+    return lib.linear_row_tiles(rows, k, int(dtype == torch.bfloat16), int(q4))
 
 
 Q4_DEPTH = 32  # a 4-bit block's depth (csrc/linear.c)

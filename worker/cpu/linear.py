@@ -138,7 +138,8 @@ class PackedWeight:
         over the weights a step of that many rows makes; 1 where another GEMM runs it."""
         if not self.runs_panels(rows):
             return 1
-        return kernels.linear_row_tiles(rows, self.weight.shape[1], self.weight.dtype)
+        k, dtype = self.weight.shape[1], self.weight.dtype
+        return kernels.linear_row_tiles(rows, k, dtype, self.q4 is not None)
 
     def hand_over(self, rows: int) -> None:
         """Panels hand `rows` rows and more to oneDNN; below `PANEL_MAX_ROWS` through a

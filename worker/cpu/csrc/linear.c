@@ -151,16 +151,18 @@ TILES(tile_bf16, TILES_BF16, uint32_t, uint16_t, uint16_t, 2 * PANEL,
  * value is the float32 weight's bit for bit). The products and their order are the float32
  * tiles', so are the sums. Layout (worker/cpu/q4_panels.py): per panel of 16 columns, per
  * 32-deep block, Q4_BLOCK_BYTES bytes: d[16] and m[16] as float16, then 16 bytes a pair of
- * steps, byte c = q(2j, c) | q(2j + 1, c) << 4. Tiles of up to Q4_MAX_TILE rows (the
- * expansion's registers beside the accumulators), each expanding the panel again; beyond
- * Q4_MAX_ROWS rows the float32 panels run. SmolLM2's 120 layer matmuls on a 2-core Zen 5,
- * float32 panels against 4-bit ones (ms): 1 row 8.4 / 4.7, 8 rows 11.5 / 6.3, 16 rows 15.8 /
- * 9.6, 28 rows 21.8 / 16.3, 64 rows 39.9 / 34.3, 128 rows 69.9 / 66.2, 256 rows 142 / 137: the
- * bytes saved outweigh the expansion at every size there; 64 keeps to where the gain is clear
- * (a CPU that runs 512-bit operations in two halves pays the expansion twice). */
+ * steps, byte c = q(2j, c) | q(2j + 1, c) << 4. Tiles of up to Q4_MAX_TILE rows (24
+ * accumulators and the expansion's 6 registers), each expanding the panel again: with tiles of
+ * 16, a 17th row (batch 16 verifying one draft) cost a second expansion, +20% of the matmuls.
+ * Beyond Q4_MAX_ROWS rows the float32 panels run. SmolLM2's 120 layer matmuls on a 2-core Zen
+ * 5, float32 panels against 4-bit ones (ms, 24-row tiles): 1 row 10.7 / 4.2, 8 rows 12.7 / 5.9,
+ * 16 rows 14.6 / 8.9, 24 rows 18.6 / 12.9, 32 rows 22.3 / 16.6, 64 rows 36.5 / 31.8; with
+ * 16-row tiles 128 rows 69.9 / 66.2, 256 rows 142 / 137: the bytes saved outweigh the
+ * expansion at every size there; 64 keeps to where the gain is clear (a CPU that runs 512-bit
+ * operations in two halves pays the expansion twice). */
 #define Q4_DEPTH 32
 #define Q4_BLOCK_BYTES (2 * 2 * PANEL + Q4_DEPTH / 2 * PANEL)
-#define Q4_MAX_TILE 16
+#define Q4_MAX_TILE 24
 #define Q4_MAX_ROWS 64
 
 #define FMA_Q4_EVEN(i) acc##i = _mm512_fmadd_ps(_mm512_set1_ps(a[(2 * j) * R + i]), w0, acc##i);
@@ -196,11 +198,14 @@ TILES(tile_bf16, TILES_BF16, uint32_t, uint16_t, uint16_t, 2 * PANEL,
     }
 TILE_Q4(1) TILE_Q4(2) TILE_Q4(3) TILE_Q4(4) TILE_Q4(5) TILE_Q4(6) TILE_Q4(7) TILE_Q4(8)
 TILE_Q4(9) TILE_Q4(10) TILE_Q4(11) TILE_Q4(12) TILE_Q4(13) TILE_Q4(14) TILE_Q4(15) TILE_Q4(16)
+TILE_Q4(17) TILE_Q4(18) TILE_Q4(19) TILE_Q4(20) TILE_Q4(21) TILE_Q4(22) TILE_Q4(23)
+TILE_Q4(24)
 static void (*const TILES_Q4[Q4_MAX_TILE + 1])(const float *, const uint8_t *, int64_t, __m512,
                                                float *, int64_t, __mmask16) = {
-    NULL, tile_q4_1, tile_q4_2, tile_q4_3, tile_q4_4, tile_q4_5, tile_q4_6, tile_q4_7,
-    tile_q4_8, tile_q4_9, tile_q4_10, tile_q4_11, tile_q4_12, tile_q4_13, tile_q4_14,
-    tile_q4_15, tile_q4_16};
+    NULL,       tile_q4_1,  tile_q4_2,  tile_q4_3,  tile_q4_4,  tile_q4_5,  tile_q4_6,
+    tile_q4_7,  tile_q4_8,  tile_q4_9,  tile_q4_10, tile_q4_11, tile_q4_12, tile_q4_13,
+    tile_q4_14, tile_q4_15, tile_q4_16, tile_q4_17, tile_q4_18, tile_q4_19, tile_q4_20,
+    tile_q4_21, tile_q4_22, tile_q4_23, tile_q4_24};
 #define LINEAR_Q4 1
 
 /* The next tile's rows when `left` rows remain, tiles of at most `max_tile`: the rows split
@@ -536,18 +541,23 @@ int64_t linear_amx_min_rows(void) {
 /* 1 where bfloat16 panels are widened to float32 (AVX2: float32's multiply rate, half its bytes). */
 int linear_widens_bf16(void) { return PAIRS_AS_FLOAT32; }
 
-/* The row tiles an input of `rows` rows by `k` makes: each is a pass over every panel, which a
- * step pays beyond its rows' arithmetic (the first from memory, the rest from cache but not
- * overlapped with the stream); 0 without the kernel. */
-int64_t linear_row_tiles(int64_t rows, int64_t k, int is_bf16) {
+/* The row tiles an input of `rows` rows by `k` makes (`q4`: of a weight with 4-bit panels):
+ * each is a pass over every panel, which a step pays beyond its rows' arithmetic (the first
+ * from memory, the rest from cache but not overlapped with the stream; a 4-bit pass also
+ * expands the panel again); 0 without the kernel. */
+int64_t linear_row_tiles(int64_t rows, int64_t k, int is_bf16, int q4) {
 #if defined(LINEAR_SIMD)
 #if defined(LINEAR_AMX)
     if (amx_runs(rows, k, is_bf16)) return (rows + 15) / 16;
 #endif
-    (void)k, (void)is_bf16;
+#if defined(LINEAR_Q4)
+    if (q4 && !is_bf16 && rows <= Q4_MAX_ROWS && k % Q4_DEPTH == 0)
+        return (rows + Q4_MAX_TILE - 1) / Q4_MAX_TILE;
+#endif
+    (void)k, (void)is_bf16, (void)q4;
     return (rows + MAX_TILE - 1) / MAX_TILE;
 #else
-    (void)rows, (void)k, (void)is_bf16;
+    (void)rows, (void)k, (void)is_bf16, (void)q4;
     return 0;
 #endif
 }
