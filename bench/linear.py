@@ -1,13 +1,15 @@
 """The matmuls of a SmolLM2 decode step on CPU: the panel kernel beside oneDNN's packed GEMM and
-`F.linear` on the plain weight.
+`F.linear` on the plain weight, and in float32 the 4-bit panels.
 
 One pass over all 121 weights (four per layer and the LM head, as `worker/models.py` fuses
 them), the way a decode step streams them from memory, at several row counts:
     .venv/bin/python bench/linear.py [--rows 1,16,64] [--repeats 5]
 
-The three are timed in alternation; the best pass of each is printed with its ratio to the
-panels' time (`worker/cpu/linear.py` makes the same comparison at load to decide from how many
-rows on panels hand over to oneDNN).
+The layers' weights are 4-bit blocks, as the bundled model's are (`q4_panels.round_to_blocks`),
+the head's are not. They are timed in alternation; the best pass of each is printed with its
+ratio to the panels' time (`worker/cpu/linear.py` makes the same comparison at load to decide
+from how many rows on panels hand over to oneDNN); in float32 the 4-bit panels' column is the
+same pass reading the layers' 4-bit panels where the kernel takes them (`q4_panels`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from functools import partial
 import torch
 from machine import cpu_model
 
-from specserve.worker.cpu import kernels
+from specserve.worker.cpu import kernels, q4_panels
 
 HIDDEN, INTER, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30
 SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)] * LAYERS + [
@@ -42,10 +44,13 @@ def _best(passes: dict[str, Callable[[], None]], repeats: int) -> dict[str, floa
 
 
 def panels_pass(
-    weights: list[torch.Tensor], panels: list[torch.Tensor], inputs: dict[int, torch.Tensor]
+    weights: list[torch.Tensor],
+    panels: list[torch.Tensor],
+    inputs: dict[int, torch.Tensor],
+    q4: list[torch.Tensor | None] | None = None,
 ) -> None:
-    for w, p in zip(weights, panels, strict=True):
-        kernels.panel_linear(inputs[w.shape[1]], p, None, w.shape[0])
+    for i, (w, p) in enumerate(zip(weights, panels, strict=True)):
+        kernels.panel_linear(inputs[w.shape[1]], p, None, w.shape[0], q4[i] if q4 else None)
 
 
 def onednn_pass(
@@ -71,15 +76,18 @@ def main() -> None:
           f"with {torch.get_num_threads()} threads")  # fmt: skip
     print(
         f"{'dtype':<9} {'rows':>5} {'panels ms':>10} {'oneDNN ms':>10} {'ratio':>7} "
-        f"{'F.linear ms':>12} {'ratio':>7}"
+        f"{'F.linear ms':>12} {'ratio':>7} {'4-bit ms':>9} {'ratio':>7}"
     )
     for dtype in (torch.float32, torch.bfloat16):
         if dtype not in kernels.linear_dtypes():
             print(f"{dtype!s:<9} the panel kernel does not run this dtype on this CPU")
             continue
         g = torch.Generator().manual_seed(0)
-        weights = [(torch.randn(n, k, generator=g) / k**0.5).to(dtype) for n, k in SHAPES]
+        weights = [torch.randn(n, k, generator=g) / k**0.5 for n, k in SHAPES]
+        weights = [q4_panels.round_to_blocks(w) for w in weights[:-1]] + weights[-1:]
+        weights = [w.to(dtype) for w in weights]
         panels = [kernels.pack_panels(w) for w in weights]
+        q4 = [q4_panels.pack(w) for w in weights] if kernels.linear_q4_max_rows() else None
         onednn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
         for rows in rows_list:
             inputs = {k: torch.randn(rows, k, generator=g).to(dtype) for k in (HIDDEN, INTER)}
@@ -89,11 +97,18 @@ def main() -> None:
                 "onednn": partial(onednn_pass, weights, onednn, inputs),
                 "plain": partial(plain_pass, weights, inputs),
             }
+            if q4 and dtype == torch.float32:
+                passes["q4"] = partial(panels_pass, weights, panels, inputs, q4)
             best = _best(passes, args.repeats)
+            four_bit = (
+                f"{best['q4'] * 1e3:>9.2f} {best['panels'] / best['q4']:>6.2f}x"
+                if "q4" in best
+                else f"{'-':>9} {'-':>7}"
+            )
             print(
                 f"{str(dtype).removeprefix('torch.'):<9} {rows:>5} {best['panels'] * 1e3:>10.2f} "
                 f"{best['onednn'] * 1e3:>10.2f} {best['onednn'] / best['panels']:>6.2f}x "
-                f"{best['plain'] * 1e3:>12.2f} {best['plain'] / best['panels']:>6.2f}x"
+                f"{best['plain'] * 1e3:>12.2f} {best['plain'] / best['panels']:>6.2f}x {four_bit}"
             )
 
 

@@ -37,18 +37,6 @@ def _dequantized(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> torch.Ten
     return d.float().repeat_interleave(32, 1) * q.float() + m.float().repeat_interleave(32, 1)
 
 
-def _as_4bit_blocks(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` quantized to Q4_1 blocks (as a GGUF writer does) and dequantized again."""
-    n, k = weight.shape
-    w = weight.reshape(n, k // 32, 32)
-    low, high = w.amin(-1), w.amax(-1)
-    d = ((high - low) / 15).half()
-    m = low.half()
-    scale = torch.where(d.float() > 0, d.float(), 1.0)
-    q = ((w - m.float()[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
-    return _dequantized(d, m, q.view(n, k))
-
-
 def test_the_layout_is_the_kernels() -> None:
     """17 rows (a padded second panel) of depth 64: per panel and block, d and m as float16,
     then byte c of pair j = q(2j, c) | q(2j + 1, c) << 4; padded rows all zeros."""
@@ -162,7 +150,7 @@ def test_decode_steps_on_4bit_panels_equal_the_float32_panels(
     try:
         model = load_model(llama_ckpt.path, torch.float32)
         blocks = {
-            name: _as_4bit_blocks(value) if name.endswith("proj.weight") else value
+            name: q4_panels.round_to_blocks(value) if name.endswith("proj.weight") else value
             for name, value in model.state_dict().items()
         }
         model.load_state_dict(blocks)  # packs the linear weights again

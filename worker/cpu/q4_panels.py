@@ -39,6 +39,18 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     return None if blocks is None else _layout(*blocks)
 
 
+def round_to_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 `[N, K]` weight (K a multiple of 32) as a Q4_1 writer quantizes it, dequantized
+    again: per 32-deep block m = its least value and d = (max - m) / 15 as float16, q rounded
+    to 0..15. Weights like the bundled model's, for tests and benchmarks."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // Q4_DEPTH, Q4_DEPTH)
+    low = w.amin(-1)
+    d, m = ((w.amax(-1) - low) / 15).half().float(), low.half().float()
+    q = ((w - m[..., None]) / torch.where(d > 0, d, 1.0)[..., None]).round().clamp(0, 15)
+    return (d[..., None] * q + m[..., None]).reshape(n, k)
+
+
 def _blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(d, m) float16 `[N, K/32]` and q uint8 `[N, K]` with weight == d q + m exactly in
     float32, value for value; None where no such blocks exist."""
