@@ -140,3 +140,23 @@ class PagedDriver:
             first_visible = max(0, seq.num_computed - group.sliding_window + 1)
             for b in range(first_visible // self.block_size):
                 table[b] = NULL_BLOCK
+
+
+def greedy_decode_logits(
+    model: DecoderModel, lengths: list[int], steps: int, seed: int, block_size: int = 4
+) -> list[torch.Tensor]:
+    """Prefill random prompts of `lengths` tokens, then decode them together greedily for
+    `steps` steps: the logits of every decode step (a hybrid's out-of-window blocks dropped)."""
+    from hf_reference import prompts
+
+    hybrid = len(model.config.kv_groups) > 1
+    driver = PagedDriver(model, block_size=block_size, drop_out_of_window=hybrid)
+    seqs = [driver.new_seq(p) for p in prompts(lengths, seed=seed)]
+    driver.prefill(seqs)
+    logits = []
+    for _ in range(steps):
+        step_logits = driver.step([(s, 1) for s in seqs])
+        logits.append(step_logits)
+        for seq, row in zip(seqs, step_logits, strict=True):
+            driver._append(seq, int(row.argmax()))
+    return logits

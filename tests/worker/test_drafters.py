@@ -228,6 +228,20 @@ def test_eagle3_context_kv_alone_then_one_query_per_request(
     torch.testing.assert_close(prenorm_last, prenorm[last], atol=ATOL, rtol=0)
 
 
+def _prompts_pass(
+    drafter: Eagle3Drafter, lens: list[int], gen: torch.Generator, cache: PagedKVCache
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A drafter pass over random prompts of `lens` tokens (requests 0, 1, ... of `TABLES`):
+    `(normed, prenorm)` of each request's last row."""
+    meta = drafter.build_attn_metadata([_step(n, n, r) for r, n in enumerate(lens)], BLOCK, "cpu")
+    hidden = drafter.combine_hidden_states(torch.randn(sum(lens), 3 * 64, generator=gen))
+    ids = torch.randint(0, 256, (sum(lens),), generator=gen)
+    positions = torch.cat([torch.arange(n) for n in lens])
+    normed, prenorm = drafter(ids, hidden, positions, meta, cache)
+    last = torch.tensor(lens).cumsum(0) - 1
+    return normed[last], prenorm[last]
+
+
 @pytest.mark.skipif(
     torch.float32 not in kernels.linear_dtypes(), reason="no float32 panel kernel on this CPU"
 )
@@ -251,14 +265,8 @@ def test_eagle3_one_token_steps_run_in_one_kernel_call_bit_for_bit(
         gen = torch.Generator().manual_seed(6)
         lens = [7, 5]
         cache = drafter.make_kv_cache(NUM_BLOCKS, BLOCK)
-        meta = drafter.build_attn_metadata(
-            [_step(n, n, r) for r, n in enumerate(lens)], BLOCK, "cpu"
-        )
-        hidden = drafter.combine_hidden_states(torch.randn(sum(lens), 3 * 64, generator=gen))
-        ids = torch.randint(0, 256, (sum(lens),), generator=gen)
-        positions = torch.cat([torch.arange(n) for n in lens])
-        _, prenorm = drafter(ids, hidden, positions, meta, cache)
-        feed, outputs = prenorm[torch.tensor([lens[0] - 1, sum(lens) - 1])], []
+        _, prenorm = _prompts_pass(drafter, lens, gen, cache)
+        feed, outputs = prenorm, []
         for depth in range(3):
             pos = torch.tensor([n + depth for n in lens])
             meta = drafter.build_attn_metadata(
@@ -304,17 +312,9 @@ def test_eagle3_greedy_chain_is_the_depth_by_depth_drafts_bit_for_bit(
     lens = [7, 5]
 
     def first_pass() -> tuple[torch.Tensor, torch.Tensor, PagedKVCache]:
-        gen = torch.Generator().manual_seed(8)
         cache = drafter.make_kv_cache(NUM_BLOCKS, BLOCK)
-        meta = drafter.build_attn_metadata(
-            [_step(n, n, r) for r, n in enumerate(lens)], BLOCK, "cpu"
-        )
-        hidden = drafter.combine_hidden_states(torch.randn(sum(lens), 3 * 64, generator=gen))
-        ids = torch.randint(0, 256, (sum(lens),), generator=gen)
-        positions = torch.cat([torch.arange(n) for n in lens])
-        normed, prenorm = drafter(ids, hidden, positions, meta, cache)
-        last = torch.tensor([lens[0] - 1, sum(lens) - 1])
-        return drafter.greedy_drafts(normed[last]), prenorm[last], cache
+        normed, prenorm = _prompts_pass(drafter, lens, torch.Generator().manual_seed(8), cache)
+        return drafter.greedy_drafts(normed), prenorm, cache
 
     tokens, feed, stepped_cache = first_pass()
     stepped = []

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_reference import prompts
-from paged_driver import PagedDriver
+from paged_driver import PagedDriver, greedy_decode_logits
 
 from specserve.worker.attention.base import SequenceStep
 from specserve.worker.cpu import fused_decode, kernels, linear
@@ -78,17 +78,7 @@ def _decode_run(
     model: DecoderModel, steps: int = DECODE_STEPS, lengths: list[int] = PROMPT_LENGTHS
 ) -> list[torch.Tensor]:
     """Prefill the prompts, then decode them together; the logits of every decode step."""
-    hybrid = len(model.config.kv_groups) > 1
-    driver = PagedDriver(model, block_size=4, drop_out_of_window=hybrid)
-    seqs = [driver.new_seq(p) for p in prompts(lengths, seed=3)]
-    driver.prefill(seqs)
-    logits = []
-    for _ in range(steps):
-        step_logits = driver.step([(s, 1) for s in seqs])
-        logits.append(step_logits)
-        for seq, row in zip(seqs, step_logits, strict=True):
-            driver._append(seq, int(row.argmax()))
-    return logits
+    return greedy_decode_logits(model, lengths, steps, seed=3)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))

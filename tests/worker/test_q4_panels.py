@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import prompts
-from paged_driver import PagedDriver
+from paged_driver import greedy_decode_logits
 
 from specserve.shared.gguf_metadata import find_bundled_gguf
 from specserve.worker.cpu import fused_decode, kernels, q4_panels
 from specserve.worker.cpu.linear import Linear
 from specserve.worker.gguf_loader import load_gguf
 from specserve.worker.loader import load_model
-from specserve.worker.models import DecoderModel
 
 pytestmark = pytest.mark.skipif(
     not kernels.linear_q4_max_rows(), reason="no 4-bit panels on this CPU (AVX-512 only)"
@@ -127,19 +125,6 @@ def test_the_bundled_models_layers_are_found_as_4bit_blocks() -> None:
     assert q4_panels.pack(state["model.embed_tokens.weight"][:64]) is None
 
 
-def _decode_run(model: DecoderModel, steps: int = 6) -> list[torch.Tensor]:
-    driver = PagedDriver(model, block_size=4)
-    seqs = [driver.new_seq(p) for p in prompts([3, 11, 1, 17, 8], seed=5)]
-    driver.prefill(seqs)
-    logits = []
-    for _ in range(steps):
-        step_logits = driver.step([(s, 1) for s in seqs])
-        logits.append(step_logits)
-        for seq, row in zip(seqs, step_logits, strict=True):
-            driver._append(seq, int(row.argmax()))
-    return logits
-
-
 def test_decode_steps_on_4bit_panels_equal_the_float32_panels(
     llama_ckpt, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -166,13 +151,13 @@ def test_decode_steps_on_4bit_panels_equal_the_float32_panels(
 
         with monkeypatch.context() as patch:
             patch.setattr(fused_decode, "_layer_row", spy)
-            on_4bit = _decode_run(model)
+            on_4bit = greedy_decode_logits(model, [3, 11, 1, 17, 8], steps=6, seed=5)
         assert tables and all(row.qkv_q4 and row.o_q4 and row.down_q4 for row in tables)
         assert [model.row_tiles()(rows) for rows in (24, 25, 29)] == [1, 2, 2]
         monkeypatch.setattr(kernels, "linear_q4_max_rows", lambda: 0)
         model.load_state_dict(blocks)  # packed again, without 4-bit panels
         assert all(m.packed.q4 is None for m in linears)
-        on_float32 = _decode_run(model)
+        on_float32 = greedy_decode_logits(model, [3, 11, 1, 17, 8], steps=6, seed=5)
     finally:
         torch.set_num_threads(threads)
     for step, (got, want) in enumerate(zip(on_4bit, on_float32, strict=True)):
