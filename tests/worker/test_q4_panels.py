@@ -83,7 +83,7 @@ def test_4bit_row_tiles_are_the_kernels_passes() -> None:
         assert kernels.linear_row_tiles(rows, 576, torch.float32, q4=True) == -(-rows // 24)
     for rows in (most + 1, 100):
         assert kernels.linear_row_tiles(rows, 576, torch.float32, q4=True) == -(-rows // 28)
-    assert kernels.linear_row_tiles(17, 48, torch.float32, q4=True) == 1
+    assert kernels.linear_row_tiles(25, 48, torch.float32, q4=True) == 1  # float32 tiles
 
 
 def test_weights_not_made_of_4bit_blocks_get_none() -> None:
@@ -152,7 +152,8 @@ def test_decode_steps_on_4bit_panels_equal_the_float32_panels(
         with monkeypatch.context() as patch:
             patch.setattr(fused_decode, "_layer_row", spy)
             on_4bit = greedy_decode_logits(model, [3, 11, 1, 17, 8], steps=6, seed=5)
-        assert tables and all(row.qkv_q4 and row.o_q4 and row.down_q4 for row in tables)
+        columns = ("qkv_q4", "o_q4", "gate_up_q4", "down_q4")
+        assert tables and all(getattr(row, c) for row in tables for c in columns)
         assert [model.row_tiles()(rows) for rows in (24, 25, 29)] == [1, 2, 2]
         monkeypatch.setattr(kernels, "linear_q4_max_rows", lambda: 0)
         model.load_state_dict(blocks)  # packed again, without 4-bit panels

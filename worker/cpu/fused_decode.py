@@ -187,8 +187,15 @@ class LayerStack:
             ),
             dtype=torch.int64,
         )
-        assert groups.dtype == torch.int64 and groups.is_contiguous()
-        assert groups.shape == (len(config.kv_groups), len(DecodeGroup._fields))
+        if not (
+            groups.dtype == torch.int64
+            and groups.is_contiguous()
+            and groups.shape == (len(config.kv_groups), len(DecodeGroup._fields))
+        ):
+            raise ValueError(
+                f"decode_layers: a KV group table {tuple(groups.shape)} {groups.dtype} for "
+                f"{len(config.kv_groups)} groups"
+            )
         out = torch.empty_like(x)
         errors = torch.zeros(2, dtype=torch.int64)
         lib = kernels.load()

@@ -70,7 +70,8 @@ def _blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     for candidate in (guess, (step + 1).view(torch.half), (step - 1).view(torch.half)):
         scale = candidate.float()[..., None]
         codes = ((w - low[..., None]) / scale).round().nan_to_num(0.0).clamp(0, 15)
-        exact = (scale * codes + low[..., None] == w).all(-1) & ~found
+        remade = scale * codes + low[..., None]  # the bits compared: -0.0 is not +0.0
+        exact = (remade.view(torch.int32) == w.view(torch.int32)).all(-1) & ~found
         d[exact] = candidate[exact]
         q[exact] = codes[exact].to(torch.uint8)
         found |= exact

@@ -435,7 +435,8 @@ class SpecPolicy:
         # A step that drafts writes its verified rows' drafter K/V each step, where one that
         # does not puts them aside: the context pass's fixed part (a line seen at one size
         # has none) is paid for drafting, unless the rows ride in the drafting pass (at most
-        # `context_rows_in_pass` of them; a step's accepted drafts are at most its drafts).
+        # `context_rows_in_pass` of them; a step's accepted drafts are at most its drafts, and
+        # a step with prompt rows brings those too).
         context_pass = 0.0
         if self.context_write.known:
             context_pass = self.context_write.predict(0.0, self.context_write.per_unit())
@@ -465,7 +466,7 @@ class SpecPolicy:
                 step = max(step, plain + per_row * num_drafts)
             if not num_drafts:
                 return step
-            rides = num_drafts <= self.context_rows_in_pass
+            rides = not prefill_rows and num_drafts <= self.context_rows_in_pass
             return step + drafting(num_drafts, depth) + (0.0 if rides else context_pass)
 
         depth = self.k if forced_drafts else 0

@@ -323,7 +323,8 @@ class Eagle3Speculator(_DrafterSpeculator[Eagle3Drafter]):
         super().__init__(
             drafter, kv_cache, num_spec_tokens, aux_layer_ids, max_model_len, device, sample_drafts
         )
-        if drafter.context_rows_are_kv and verifies_as_decode_rows(drafter.backend, device, 1):
+        block = num_spec_tokens + 1  # a request's verified rows after a round: at most K + 1
+        if drafter.context_rows_are_kv and verifies_as_decode_rows(drafter.backend, device, block):
             self.context_rows_in_pass = CONTEXT_ROWS_IN_PASS
 
     def propose(
