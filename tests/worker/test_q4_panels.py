@@ -10,7 +10,7 @@ from paged_driver import greedy_decode_logits
 
 from specserve.shared.gguf_metadata import find_bundled_gguf
 from specserve.worker.cpu import fused_decode, kernels, q4_panels
-from specserve.worker.cpu.linear import Linear
+from specserve.worker.cpu.linear import Linear, _calibration_key, pack_weight
 from specserve.worker.gguf_loader import load_gguf
 from specserve.worker.loader import load_model
 
@@ -163,3 +163,15 @@ def test_decode_steps_on_4bit_panels_equal_the_float32_panels(
         torch.set_num_threads(threads)
     for step, (got, want) in enumerate(zip(on_4bit, on_float32, strict=True)):
         assert torch.equal(got, want), f"decode step {step} differs"
+
+
+def test_a_calibration_tells_4bit_weights_from_float32_ones() -> None:
+    """The hand-over's cached calibration is keyed by whether weights have 4-bit panels (the
+    panels it times read them): two models of the same shapes, one of 4-bit blocks, do not
+    share an entry."""
+    gen = torch.Generator().manual_seed(6)
+    four_bit = pack_weight(q4_panels.round_to_blocks(torch.randn(64, 64, generator=gen)))
+    plain = pack_weight(torch.randn(64, 64, generator=gen))
+    assert four_bit is not None and plain is not None
+    assert four_bit.q4 is not None and plain.q4 is None
+    assert _calibration_key([four_bit])[0] != _calibration_key([plain])[0]

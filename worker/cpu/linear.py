@@ -325,7 +325,8 @@ def _cached_calibration(packed: Sequence[PackedWeight], megabytes: int) -> tuple
 
 def _calibration_key(packed: Sequence[PackedWeight]) -> tuple[str, dict[str, Any]]:
     """What a calibration holds for: the CPU model, the thread count, the kernel library (or
-    none), torch's version and the packed weights' shapes; hashed, and the readable part."""
+    none), torch's version and the packed weights' shapes and kinds (panels, 4-bit panels);
+    hashed, and the readable part."""
     described = {
         "cpu": kernels.cpu_model(),
         "threads": torch.get_num_threads(),
@@ -333,7 +334,8 @@ def _calibration_key(packed: Sequence[PackedWeight]) -> tuple[str, dict[str, Any
         "torch": torch.__version__,
     }
     weights = [
-        [*p.weight.shape, str(p.weight.dtype).removeprefix("torch."), p.panels] for p in packed
+        [*p.weight.shape, str(p.weight.dtype).removeprefix("torch."), p.panels, p.q4 is not None]
+        for p in packed
     ]
     rules = [CALIBRATION_ROWS, ONEDNN_CALIBRATION_ROWS, ONEDNN_MARGIN]
     identity = json.dumps([described, weights, rules]).encode()
@@ -430,7 +432,7 @@ def calibrate_onednn_rows(
         inputs = _constant_inputs(panels, rows)
         return {
             "panels": [
-                partial(kernels.panel_linear, x, p.tensor, None, p.weight.shape[0])
+                partial(kernels.panel_linear, x, p.tensor, None, p.weight.shape[0], p.q4)
                 for p, x in zip(panels, inputs, strict=True)
             ],
             "onednn": [partial(_onednn_linear, x, b) for x, b in zip(inputs, blocked, strict=True)],
