@@ -82,14 +82,15 @@ def run_layers(
     `norm`: the normed output and the captures of `aux_layers`; None where the step or a
     layer does not fit the kernel. `attn_input`: what the first layer's q/k/v read instead of
     its input norm of `x` (an EAGLE-3 drafter's `[norm(embeddings), norm(hidden)]`)."""
-    if _decode_batches(metadata) is None or len(metadata.groups) != len(config.kv_groups):
+    groups = group_tables(metadata, kv_cache, 1)
+    if groups is None or len(metadata.groups) != len(config.kv_groups):
         return None
     assert metadata.num_tokens == x.shape[0]
     qkv_in = config.hidden_size if attn_input is None else attn_input.shape[-1]
     stack = LayerStack.of(layers, norm, config, x.dtype, x.shape[0], kv_cache, qkv_in)
     if stack is None or not stack.takes(x, cos, sin, attn_input):
         return None
-    return stack.run(x, cos, sin, group_tables(metadata, kv_cache, 1)[0], aux_layers, attn_input)
+    return stack.run(x, cos, sin, groups[0], aux_layers, attn_input)
 
 
 @dataclass(frozen=True, eq=False)
@@ -228,12 +229,16 @@ class LayerStack:
         return out, [captures[i] for i in aux_layers]
 
 
-def group_tables(metadata: AttentionMetadata, kv_cache: PagedKVCache, parts: int) -> torch.Tensor:
+def group_tables(
+    metadata: AttentionMetadata, kv_cache: PagedKVCache, parts: int
+) -> torch.Tensor | None:
     """`[parts, groups, DecodeGroup]`: the KV group table of each of `parts` equal runs of a
     decode step's rows (an EAGLE-3 draft chain's depths, built as one step, depth by depth),
-    each pointing into the step's own metadata tensors (which the caller keeps)."""
+    each pointing into the step's own metadata tensors (which the caller keeps); None where
+    the step is not decodes only (`takes_step`)."""
     batches = _decode_batches(metadata)
-    assert batches is not None  # decode steps only
+    if batches is None:
+        return None
     rows = metadata.num_tokens
     assert rows % parts == 0
     part_rows = rows // parts
@@ -242,7 +247,7 @@ def group_tables(metadata: AttentionMetadata, kv_cache: PagedKVCache, parts: int
         first = part * part_rows
         tables.append(
             [
-                _group_row(group, batch, kv_cache, rows, first, part_rows)
+                _group_row(group, batch, kv_cache, rows, first)
                 for group, batch in zip(metadata.groups, batches, strict=True)
             ]
         )
@@ -269,9 +274,8 @@ def _group_row(
     kv_cache: PagedKVCache,
     rows: int,
     first: int,
-    part_rows: int,
 ) -> DecodeGroup:
-    """Rows `first .. first + part_rows - 1` of a step of `rows` decode rows."""
+    """The group's table row from row `first` on of a step of `rows` decode rows."""
     k_rows, _ = group.kv_write_rows(kv_cache.block_size)
     for t in (k_rows, batch.k_pages, batch.first_key_pos, batch.seq_lens):
         assert t.dtype == torch.int64 and t.is_contiguous()  # built so by torch_backend

@@ -325,17 +325,15 @@ class Eagle3Drafter(HiddenStateDrafter[Eagle3Config]):
         query a row, as a one-token draft step; panel weights): the same results bit for bit,
         without a dispatch, an allocation and a thread wake-up for each of a layer's ~12 small
         ops (about half of an EAGLE-3 draft step's time at batch 1 went to them)."""
-        if (
-            hidden.device.type != "cpu"
-            or any(meta is not metas[0] for meta in metas)
-            or not fused_decode.takes_step(metas[0])  # e.g. a prompt chunk: the layer path
-        ):
+        if hidden.device.type != "cpu" or any(meta is not metas[0] for meta in metas):
+            return None
+        groups = fused_decode.group_tables(metas[0], kv_cache, 1)  # None: e.g. a prompt chunk
+        if groups is None:
             return None
         stack = self._stack(embeds.shape[0], kv_cache)
         if stack is None:
             return None
-        groups = fused_decode.group_tables(metas[0], kv_cache, 1)[0]
-        return self._stack_step(stack, embeds, hidden, cos, sin, groups)
+        return self._stack_step(stack, embeds, hidden, cos, sin, groups[0])
 
     def _stack(self, rows: int, kv_cache: PagedKVCache) -> fused_decode.LayerStack | None:
         """The layers for the CPU kernels at `rows` rows, the first reading `attention_input`."""
@@ -390,13 +388,15 @@ class Eagle3Drafter(HiddenStateDrafter[Eagle3Config]):
             return None
         metadata = self.build_attn_metadata(steps, kv_cache.block_size, hidden.device)
         meta = metadata.per_layer[0]
-        if any(m is not meta for m in metadata.per_layer) or not fused_decode.takes_step(meta):
+        if any(m is not meta for m in metadata.per_layer):
+            return None
+        depths = len(steps) // rows
+        groups = fused_decode.group_tables(meta, kv_cache, depths)
+        if groups is None:
             return None
         stack = self._stack(rows, kv_cache)
         if stack is None:
             return None
-        depths = len(steps) // rows
-        groups = fused_decode.group_tables(meta, kv_cache, depths)
         positions = torch.tensor([step.seq_len - 1 for step in steps])
         cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
         drafts = []
