@@ -21,7 +21,7 @@ from structlog.testing import CapturedCall
 from test_linear import _assert_panel_result, _reference
 from test_worker_attention import LONG_MIXED, MIXED, _run_case
 
-from specserve.worker.cpu import kernels, ops
+from specserve.worker.cpu import kernels, ops, q4_panels
 from specserve.worker.models import RMSNorm
 
 pytestmark = pytest.mark.skipif(
@@ -166,7 +166,8 @@ def _native_bf16_sums() -> dict[int, torch.Tensor]:
 def test_avx2_bodies_match_the_references(avx2_library, monkeypatch, prefill_calls) -> None:
     """The AVX2 multi-row attention (float32 and bfloat16) against the dense reference, and
     the AVX2 panel kernel against float64: float32, and bfloat16 widened to float32 (bit for
-    bit the AVX512_BF16 body's sums where this CPU has one)."""
+    bit the AVX512_BF16 body's sums where this CPU has one); its 4-bit panels against its
+    float32 ones."""
     native_bf16 = _native_bf16_sums()
     monkeypatch.setattr(kernels, "load", lambda: avx2_library)
     assert kernels.prefill_available()
@@ -190,6 +191,16 @@ def test_avx2_bodies_match_the_references(avx2_library, monkeypatch, prefill_cal
         _assert_panel_result(got, _reference(x, w, b), torch.bfloat16)
         if i in native_bf16:
             assert torch.equal(got, native_bf16[i])
+    # 4-bit panels (whole tiles up to 4 rows, half-panel tiles beyond, float32 panels beyond 16
+    # rows): the float32 panels' sums bit for bit.
+    g = torch.Generator().manual_seed(9)
+    weight, bias = q4_panels.round_to_blocks(torch.randn(40, 96, generator=g)), torch.randn(40)
+    q4, panels = q4_panels.pack(weight), kernels.pack_panels(weight)
+    assert q4 is not None and kernels.linear_q4_max_rows() == 16
+    for rows in (1, 3, 4, 5, 8, 9, 13, 16, 17):
+        x = torch.randn(rows, 96, generator=g)
+        want = kernels.panel_linear(x, panels, bias, 40)
+        assert torch.equal(kernels.panel_linear(x, panels, bias, 40, q4), want), rows
 
 
 @needs_multi_row_kernel

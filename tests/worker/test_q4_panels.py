@@ -15,8 +15,21 @@ from specserve.worker.gguf_loader import load_gguf
 from specserve.worker.loader import load_model
 
 pytestmark = pytest.mark.skipif(
-    not kernels.linear_q4_max_rows(), reason="no 4-bit panels on this CPU (AVX-512 only)"
+    not kernels.linear_q4_max_rows(), reason="no 4-bit panels on this CPU (AVX-512, AVX2)"
 )
+
+
+def _float32_tile_rows() -> int:
+    """Rows a float32 tile holds: 28 with AVX-512, 6 with AVX2 (which widens bfloat16)."""
+    return 6 if kernels.linear_widens_bfloat16() else 28
+
+
+def _4bit_tiles(rows: int) -> int:
+    """The 4-bit panels' tiles: of up to 24 rows with AVX-512; with AVX2 one whole tile up to 4
+    rows, else half-panel tiles of up to 8."""
+    if not kernels.linear_widens_bfloat16():
+        return -(-rows // 24)
+    return 1 if rows <= 4 else -(-rows // 8)
 
 
 def _blocks(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -59,9 +72,9 @@ def test_the_layout_is_the_kernels() -> None:
 
 @pytest.mark.parametrize(("n", "k"), [(40, 64), (33, 96), (960, 576), (64, 1536)])
 def test_4bit_panels_give_the_float32_panels_sums_bit_for_bit(n: int, k: int) -> None:
-    """Row counts of one 4-bit tile (1-24), of several (split evenly), the most the 4-bit
-    panels take and one more (the float32 panels then run), with a bias and a column count
-    that pads the last panel."""
+    """Row counts of one 4-bit tile (1-24 with AVX-512; with AVX2 whole tiles of 1-4 rows and
+    half tiles of 5-8), of several, the most the 4-bit panels take and one more (the float32
+    panels then run), with a bias and a column count that pads the last panel."""
     weight = _dequantized(*_blocks(n, k, seed=n + k))
     q4 = q4_panels.pack(weight)
     assert q4 is not None
@@ -76,14 +89,13 @@ def test_4bit_panels_give_the_float32_panels_sums_bit_for_bit(n: int, k: int) ->
 
 
 def test_4bit_row_tiles_are_the_kernels_passes() -> None:
-    """Tiles of 24 rows on 4-bit panels up to the most rows they take, the float32 panels'
-    28 beyond, and where K is not whole blocks (the speculation policy prices them)."""
-    most = kernels.linear_q4_max_rows()
-    for rows in (1, 24, 25, 48, 49, most):
-        assert kernels.linear_row_tiles(rows, 576, torch.float32, q4=True) == -(-rows // 24)
-    for rows in (most + 1, 100):
-        assert kernels.linear_row_tiles(rows, 576, torch.float32, q4=True) == -(-rows // 28)
-    assert kernels.linear_row_tiles(25, 48, torch.float32, q4=True) == 1  # float32 tiles
+    """The 4-bit tiles up to the most rows the 4-bit panels take, the float32 panels' tiles
+    beyond, and where K is not whole blocks (the speculation policy prices them)."""
+    most, f32_tile = kernels.linear_q4_max_rows(), _float32_tile_rows()
+    for rows in (1, 4, 5, 8, 9, 16, 17, 24, 25, 48, 49, 64):
+        want = _4bit_tiles(rows) if rows <= most else -(-rows // f32_tile)
+        assert kernels.linear_row_tiles(rows, 576, torch.float32, q4=True) == want, rows
+    assert kernels.linear_row_tiles(25, 48, torch.float32, q4=True) == -(-25 // f32_tile)
 
 
 def test_weights_not_made_of_4bit_blocks_get_none() -> None:
@@ -154,7 +166,9 @@ def test_decode_steps_on_4bit_panels_equal_the_float32_panels(
             on_4bit = greedy_decode_logits(model, [3, 11, 1, 17, 8], steps=6, seed=5)
         columns = ("qkv_q4", "o_q4", "gate_up_q4", "down_q4")
         assert tables and all(getattr(row, c) for row in tables for c in columns)
-        assert [model.row_tiles()(rows) for rows in (24, 25, 29)] == [1, 2, 2]
+        assert [model.row_tiles()(rows) for rows in (1, 8, 9, 16)] == [
+            _4bit_tiles(rows) for rows in (1, 8, 9, 16)
+        ]
         monkeypatch.setattr(kernels, "linear_q4_max_rows", lambda: 0)
         model.load_state_dict(blocks)  # packed again, without 4-bit panels
         assert all(m.packed.q4 is None for m in linears)

@@ -765,7 +765,8 @@ def linear_row_tiles(rows: int, k: int, dtype: torch.dtype, q4: bool = False) ->
     """How many row tiles `panel_linear` makes of `rows` rows of depth `k` (`q4`: with 4-bit
     panels): each is a pass over every panel, so a step's cost rises by a pass where its rows
     cross into another tile (up to 28 rows a tile with AVX-512, 24 on 4-bit panels, 6 with AVX2,
-    16 on AMX tiles); 0 without the kernel."""
+    on AVX2's 4-bit panels one tile up to 4 rows and 8 beyond, 16 on AMX tiles); 0 without the
+    kernel."""
     lib = load()
     if lib is None:
         return 0
