@@ -27,7 +27,7 @@ from drafter_reference import Dims, Weights, borrowed_head_logits, dflash_dense,
 from safetensors.torch import load_file, save_file
 
 from specserve.worker.attention.base import SequenceStep
-from specserve.worker.cpu import fused_decode, kernels
+from specserve.worker.cpu import fused_decode, greedy_screen, kernels
 from specserve.worker.kv_cache import PagedKVCache
 from specserve.worker.loader import load_model
 from specserve.worker.models import DecoderModel
@@ -391,6 +391,37 @@ def test_eagle3_greedy_drafts_are_the_full_rows_argmax_first_index_on_ties(
     drafts = drafter.greedy_drafts(normed)
     assert torch.equal(drafts, full.argmax(-1))
     assert int(drafts[0]) == int(drafter.draft_to_target.min())  # all tied: the first target id
+
+
+def test_eagle3_greedy_drafts_read_the_draft_heads_screen(
+    llama_target: Target, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A float32 draft head packed as panels has a screen (`cpu.greedy_screen`: an int8 or
+    bfloat16 copy), and greedy drafts read it: the head's own argmax, near-ties included."""
+    path = write_random_eagle3(
+        tmp_path, llama_target.config, "eagle3", 100, seed=7, aux_layer_ids=[1, 2, 4]
+    )
+    drafter = load_eagle3(path, llama_target.model, torch.float32)
+    screen = drafter.head_screen()
+    if greedy_screen.default_copy() is None:
+        assert screen is None
+        pytest.skip("no bfloat16 panels on this CPU: no screen")
+    assert screen is not None and screen.head is drafter.lm_head.packed
+    calls: list[int] = []
+    argmax = screen.argmax
+    monkeypatch.setattr(screen, "argmax", lambda rows: calls.append(len(rows)) or argmax(rows))
+    head = drafter.lm_head.weight.detach()
+    g = torch.Generator().manual_seed(3)
+    normed = torch.randn(6, 64, generator=g)
+    # Rows along the sum of two columns and orthogonal to their difference: the two logits
+    # tie but for float32 rounding.
+    for row, (a, b) in enumerate([(3, 7), (10, 11), (40, 90)]):
+        along, apart = (head[a] + head[b]).double() * 4, (head[a] - head[b]).double()
+        normed[row] = (along - (along @ apart) / (apart @ apart) * apart).float()
+    drafts = drafter.greedy_drafts(normed)
+    assert calls == [6]
+    want = drafter.draft_to_target[drafter.lm_head(normed).argmax(-1)]
+    assert torch.equal(drafts, want)
 
 
 def test_eagle3_config_formats(llama_target: Target, tmp_path: Path) -> None:
