@@ -34,7 +34,8 @@ multiplies bfloat16 (AVX512_BF16), int8 where it would widen bfloat16 to float32
 there both copies multiply at float32's rate, so the screen answers steps of up to
 `WIDENED_MAX_ROWS` rows, which wait on the head's bytes. Drafters read the screen's logits as
 they are (`logits`; on AVX2 up to `WIDENED_MAX_LOGIT_ROWS` rows): a draft needs no exact
-logits, since the target verifies it.
+logits, since the target verifies it. An EAGLE-3 drafter's own float32 draft head has a screen
+of its own, whose `argmax` gives its greedy drafts (`Eagle3Drafter.greedy_drafts`).
 """
 
 from __future__ import annotations
