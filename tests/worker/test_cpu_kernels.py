@@ -193,14 +193,19 @@ def test_avx2_bodies_match_the_references(avx2_library, monkeypatch, prefill_cal
             assert torch.equal(got, native_bf16[i])
     # 4-bit panels (whole tiles up to 4 rows, half-panel tiles beyond, float32 panels beyond 16
     # rows): the float32 panels' sums bit for bit.
+    # A last panel of 13 columns (both halves partial) with a bias, one of 5 without; the
+    # float32 panels zeroed under the 4-bit ones where those run, so they must be what is read.
     g = torch.Generator().manual_seed(9)
-    weight, bias = q4_panels.round_to_blocks(torch.randn(40, 96, generator=g)), torch.randn(40)
-    q4, panels = q4_panels.pack(weight), kernels.pack_panels(weight)
-    assert q4 is not None and kernels.linear_q4_max_rows() == 16
-    for rows in (1, 3, 4, 5, 8, 9, 13, 16, 17):
-        x = torch.randn(rows, 96, generator=g)
-        want = kernels.panel_linear(x, panels, bias, 40)
-        assert torch.equal(kernels.panel_linear(x, panels, bias, 40, q4), want), rows
+    assert kernels.linear_q4_max_rows() == 16
+    for n, bias in [(45, torch.randn(45, generator=g)), (37, None)]:
+        weight = q4_panels.round_to_blocks(torch.randn(n, 96, generator=g))
+        q4, panels = q4_panels.pack(weight), kernels.pack_panels(weight)
+        assert q4 is not None
+        for rows in (1, 3, 4, 5, 8, 9, 13, 16, 17):
+            x = torch.randn(rows, 96, generator=g)
+            want = kernels.panel_linear(x, panels, bias, n)
+            read = torch.zeros_like(panels) if rows <= 16 else panels
+            assert torch.equal(kernels.panel_linear(x, read, bias, n, q4), want), (n, rows)
 
 
 @needs_multi_row_kernel

@@ -407,21 +407,35 @@ def test_eagle3_greedy_drafts_read_the_draft_heads_screen(
         assert screen is None
         pytest.skip("no bfloat16 panels on this CPU: no screen")
     assert screen is not None and screen.head is drafter.lm_head.packed
-    calls: list[int] = []
+    answers: list[torch.Tensor | None] = []
     argmax = screen.argmax
-    monkeypatch.setattr(screen, "argmax", lambda rows: calls.append(len(rows)) or argmax(rows))
+
+    def spy(rows: torch.Tensor) -> torch.Tensor | None:
+        answers.append(argmax(rows))
+        return answers[-1]
+
+    monkeypatch.setattr(screen, "argmax", spy)
     head = drafter.lm_head.weight.detach()
     g = torch.Generator().manual_seed(3)
     normed = torch.randn(6, 64, generator=g)
     # Rows along the sum of two columns and orthogonal to their difference: the two logits
     # tie but for float32 rounding.
-    for row, (a, b) in enumerate([(3, 7), (10, 11), (40, 90)]):
+    pairs = [(3, 7), (10, 11), (40, 90)]
+    for row, (a, b) in enumerate(pairs):
         along, apart = (head[a] + head[b]).double() * 4, (head[a] - head[b]).double()
         normed[row] = (along - (along @ apart) / (apart @ apart) * apart).float()
+    best = drafter.lm_head(normed).argmax(-1)
+    assert all(int(best[row]) in pair for row, pair in enumerate(pairs))  # ties but for rounding
     drafts = drafter.greedy_drafts(normed)
-    assert calls == [6]
-    want = drafter.draft_to_target[drafter.lm_head(normed).argmax(-1)]
-    assert torch.equal(drafts, want)
+    assert len(answers) == 1 and answers[0] is not None  # the screen answered every row
+    assert torch.equal(answers[0], best)
+    assert torch.equal(drafts, drafter.draft_to_target[best])
+    # A cast packs the head again: no screen for a bfloat16 head, a new one back in float32.
+    drafter.to(torch.bfloat16)
+    assert drafter.head_screen() is None
+    drafter.to(torch.float32)
+    again = drafter.head_screen()
+    assert again is not None and again is not screen and again.head is drafter.lm_head.packed
 
 
 def test_eagle3_config_formats(llama_target: Target, tmp_path: Path) -> None:

@@ -166,8 +166,11 @@ def test_decode_steps_on_4bit_panels_equal_the_float32_panels(
             on_4bit = greedy_decode_logits(model, [3, 11, 1, 17, 8], steps=6, seed=5)
         columns = ("qkv_q4", "o_q4", "gate_up_q4", "down_q4")
         assert tables and all(getattr(row, c) for row in tables for c in columns)
-        assert [model.row_tiles()(rows) for rows in (1, 8, 9, 16)] == [
-            _4bit_tiles(rows) for rows in (1, 8, 9, 16)
+        sizes = (1, 4, 5, 8, 9, 16, 24, 25)
+        most = kernels.linear_q4_max_rows()
+        assert [model.row_tiles()(rows) for rows in sizes] == [
+            _4bit_tiles(rows) if rows <= most else -(-rows // _float32_tile_rows())
+            for rows in sizes
         ]
         monkeypatch.setattr(kernels, "linear_q4_max_rows", lambda: 0)
         model.load_state_dict(blocks)  # packed again, without 4-bit panels

@@ -467,10 +467,11 @@ static void (*const TILES_BF16[MAX_TILE + 1])(const float *, const uint16_t *, i
 /* 4-bit panels (the layout and the sums of the AVX-512 body above, bit for bit). AVX2 has 16
  * registers, and each column's sum is one chain of fused multiply-adds (4 cycles each), so the
  * tiles come in two kinds. Up to Q4_WHOLE_ROWS rows: one tile over the whole panel, two
- * accumulators a row (a 1-row tile runs two chains; the expansion's d and m per half, the
- * codes and the step's weights take the other registers). More rows: tiles of up to
- * Q4_MAX_TILE rows over each half of the panel in turn (the second half from cache), one
- * accumulator a row, so each expansion feeds more rows. Beyond Q4_MAX_ROWS the float32 panels
+ * accumulators a row (a 1-row tile runs two chains; from 2 rows the expansion's d and m per
+ * half no longer all fit beside the accumulators and are reloaded from the stack, which costs
+ * less than a second pass). More rows: tiles of up to Q4_MAX_TILE rows over each half of the
+ * panel in turn (the second half from cache), one accumulator a row, so each expansion feeds
+ * more rows (6-8 rows spill a few registers too). Beyond Q4_MAX_ROWS the float32 panels
  * run. SmolLM2's 120 layer matmuls on a 2-core Zen 3, float32 panels against 4-bit ones (ms):
  * 1 row 26.1 / 8.3, 4 rows 27.4 / 10.5, 8 rows 41.8 / 20.1, 16 rows 52.4 / 44.2, 24 rows 61.7
  * / 71.4, 48 rows 85.1 / 97.6: beyond 16 rows the expansion outweighs the bytes saved. */
@@ -657,6 +658,12 @@ static void q4_rows(const float *packed, const uint8_t *q4, const void *bias, fl
 static inline int q4_runs(int has_q4, int64_t rows, int64_t k, int is_bf16) {
     return has_q4 && !is_bf16 && rows <= Q4_MAX_ROWS && k % Q4_DEPTH == 0;
 }
+#elif defined(LINEAR_SIMD)
+/* No 4-bit panels (AVX2 without F16C): the packing's tiles are the float32 ones. */
+static inline int64_t q4_tile_rows(int64_t rows, int64_t left) {
+    (void)rows;
+    return tile_rows(left);
+}
 #endif
 
 /* Bit 0: float32 is supported (AVX-512, or AVX2 with FMA); bit 1: bfloat16 (AVX512_BF16, or
@@ -809,8 +816,8 @@ void panel_linear_team(const void *x, int64_t x_stride, const void *panels, cons
 #endif
 }
 
-/* The most rows 4-bit panels run (fewer than the float32 panels' tiles); 0 where there are none
- * (a build with neither AVX-512 nor AVX2 with F16C). */
+/* The most rows 4-bit panels run (AVX-512: 64, AVX2: 16); 0 where there are none (a build with
+ * neither AVX-512 nor AVX2 with F16C). */
 int64_t linear_q4_max_rows(void) {
 #if defined(LINEAR_Q4)
     return Q4_MAX_ROWS;
