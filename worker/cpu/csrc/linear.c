@@ -81,6 +81,10 @@
 /* A 4-bit panel's 32-deep block (below): d[16] and m[16] float16, 16 pairs of steps' codes. */
 #define Q4_DEPTH 32
 #define Q4_BLOCK_BYTES (2 * 2 * PANEL + Q4_DEPTH / 2 * PANEL)
+/* The lines of the 4-bit block PREFETCH bytes past `block`, asked for ahead of use. */
+#define PREFETCH_Q4_BLOCK(block)                                                             \
+    for (int line = 0; line < Q4_BLOCK_BYTES; line += 64)                                    \
+        _mm_prefetch((const char *)(block) + PREFETCH + line, _MM_HINT_T0);
 
 #if defined(__AVX512F__)
 #define LINEAR_SIMD 512
@@ -178,8 +182,7 @@ TILES(tile_bf16, TILES_BF16, uint32_t, uint16_t, uint16_t, 2 * PANEL,
         const __m512i low = _mm512_set1_epi32(15);                                           \
         for (int64_t blk = 0; blk < blocks; blk++) {                                         \
             const uint8_t *block = panel + blk * Q4_BLOCK_BYTES;                             \
-            for (int line = 0; line < Q4_BLOCK_BYTES; line += 64)                            \
-                _mm_prefetch((const char *)block + PREFETCH + line, _MM_HINT_T0);            \
+            PREFETCH_Q4_BLOCK(block)                                                         \
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)block));    \
             const __m512 m =                                                                 \
                 _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(block + 2 * PANEL)));   \
@@ -506,8 +509,7 @@ static void (*const TILES_BF16[MAX_TILE + 1])(const float *, const uint16_t *, i
         const __m256i low = _mm256_set1_epi32(15);                                           \
         for (int64_t blk = 0; blk < blocks; blk++) {                                         \
             const uint8_t *block = panel + blk * Q4_BLOCK_BYTES;                             \
-            for (int line = 0; line < Q4_BLOCK_BYTES; line += 64)                            \
-                _mm_prefetch((const char *)block + PREFETCH + line, _MM_HINT_T0);            \
+            PREFETCH_Q4_BLOCK(block)                                                         \
             const __m256 d_lo = HALF8(block), d_hi = HALF8(block + 16);                      \
             const __m256 m_lo = HALF8(block + 2 * PANEL), m_hi = HALF8(block + 2 * PANEL + 16); \
             const uint8_t *codes = block + 4 * PANEL;                                        \
@@ -549,9 +551,8 @@ static void (*const TILES_Q4_WHOLE[Q4_WHOLE_ROWS + 1])(const float *, const uint
         const __m256i low = _mm256_set1_epi32(15);                                           \
         for (int64_t blk = 0; blk < blocks; blk++) {                                         \
             const uint8_t *block = panel + blk * Q4_BLOCK_BYTES;                             \
-            if (half == 0)                                                                   \
-                for (int line = 0; line < Q4_BLOCK_BYTES; line += 64)                        \
-                    _mm_prefetch((const char *)block + PREFETCH + line, _MM_HINT_T0);        \
+            if (half == 0) /* the second half reads the block from cache */                  \
+                PREFETCH_Q4_BLOCK(block)                                                     \
             const __m256 d = HALF8(block + 16 * half), m = HALF8(block + 2 * PANEL + 16 * half); \
             const uint8_t *codes = block + 4 * PANEL + 8 * half;                             \
             const float *a = ap + blk * Q4_DEPTH * R;                                        \
