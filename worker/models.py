@@ -22,7 +22,7 @@ from torch import nn
 
 from specserve.worker.attention.base import AttentionBackend, AttentionMetadata
 from specserve.worker.cpu import ops as cpu_ops
-from specserve.worker.cpu.greedy_screen import GreedyScreen
+from specserve.worker.cpu.greedy_screen import GreedyScreen, ScreenCache
 from specserve.worker.cpu.linear import Linear, PackedWeight, linear, pack_again, pack_weight
 from specserve.worker.kv_cache import PagedKVCache
 from specserve.worker.model_config import ModelConfig, RopeScaling
@@ -313,7 +313,7 @@ class DecoderModel(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, False, device, dtype)
         self.tied_head_packed: PackedWeight | None = None  # the embedding, packed as LM head
-        self._screen: tuple[PackedWeight | None, GreedyScreen | None] = (None, None)
+        self._screen = ScreenCache()
         # Not a buffer: the model may be built on the meta device and loaded with `assign=True`.
         self.inv_freq = rope_inv_freq(config)
 
@@ -389,10 +389,7 @@ class DecoderModel(nn.Module):
     def greedy_screen(self) -> GreedyScreen | None:
         """The LM head's bfloat16 screen (`cpu.greedy_screen`), made for the head's current
         packing; None where the head is not a float32 one packed as panels."""
-        head = self._head_packed()
-        if self._screen[0] is not head:
-            self._screen = (head, GreedyScreen.of(head))
-        return self._screen[1]
+        return self._screen.get(self._head_packed())
 
     def row_tiles(self) -> Callable[[int], int] | None:
         """Row tiles per step size where the decode step's linears run as panels (the layers'

@@ -192,3 +192,19 @@ class GreedyScreen:
             self.head.tensor,
             MAX_CANDIDATES,
         )
+
+
+@dataclass(eq=False)
+class ScreenCache:
+    """A head's screen, kept for the head's packing it was made for and made again when the
+    head is packed anew (a cast, a move, new weights): what `greedy_tokens` and a drafter's
+    greedy drafts read."""
+
+    head: PackedWeight | None = None
+    screen: GreedyScreen | None = None
+
+    def get(self, head: PackedWeight | None) -> GreedyScreen | None:
+        """The screen of `head` (None where it is not a float32 head packed as panels)."""
+        if head is not self.head:
+            self.head, self.screen = head, GreedyScreen.of(head)
+        return self.screen

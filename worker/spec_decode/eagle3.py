@@ -47,8 +47,8 @@ from torch import nn
 
 from specserve.worker.attention.base import AttentionBackend, AttentionMetadata, SequenceStep
 from specserve.worker.cpu import fused_decode
-from specserve.worker.cpu.greedy_screen import GreedyScreen
-from specserve.worker.cpu.linear import Linear, PackedWeight
+from specserve.worker.cpu.greedy_screen import GreedyScreen, ScreenCache
+from specserve.worker.cpu.linear import Linear
 from specserve.worker.kv_cache import PagedKVCache, kv_write_rows
 from specserve.worker.loader import assign_weights, map_decoder_layer
 from specserve.worker.model_config import ModelConfig
@@ -232,8 +232,7 @@ class Eagle3Drafter(HiddenStateDrafter[Eagle3Config]):
         self.inv_freq = rope_inv_freq(layer)
         self.draft_to_target: torch.Tensor | None = None  # [draft_vocab] target ids
         self._draft_ids_rise = False  # draft_to_target is increasing (see `greedy_drafts`)
-        # The draft head's screen, made for its current packing (`greedy_drafts`).
-        self._head_screen: tuple[PackedWeight | None, GreedyScreen | None] = (None, None)
+        self._head_screen = ScreenCache()  # the draft head's (`greedy_drafts`)
 
     def aux_layer_ids(self, num_target_layers: int | None = None) -> list[int]:
         """Target layers to capture (output of layer i); see `Eagle3Config.aux_layer_ids`."""
@@ -440,10 +439,7 @@ class Eagle3Drafter(HiddenStateDrafter[Eagle3Config]):
     def head_screen(self) -> GreedyScreen | None:
         """The own draft head's screen, made for its current packing (None where the head is
         not a float32 one packed as panels)."""
-        head = self.lm_head.packed if self.lm_head is not None else None
-        if self._head_screen[0] is not head:
-            self._head_screen = (head, GreedyScreen.of(head))
-        return self._head_screen[1]
+        return self._head_screen.get(self.lm_head.packed if self.lm_head is not None else None)
 
     @torch.no_grad()
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
