@@ -26,6 +26,7 @@ log = structlog.get_logger(__name__)
 # the kernel.
 MMAP_THRESHOLD_BYTES = 32 << 20
 TRIM_THRESHOLD_BYTES = 1 << 30
+HUGE_PAGE = 2 << 20  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 # A user who set any of these chose glibc's malloc behaviour: it is left alone.
 _USER_MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
@@ -68,13 +69,19 @@ def zeros_in_huge_pages(shape: Sequence[int], dtype: torch.dtype) -> torch.Tenso
     memory is committed here, as `torch.zeros` commits it, so a cache too large for the machine
     fails at start."""
     numel = math.prod(shape)
-    buffer = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # One huge page more than the tensor, which starts at the first 2 MiB boundary inside: a
+    # mapping placed anywhere holds whole huge pages only between its boundaries (a 3 MiB one
+    # might hold none). The slack is never touched, so never committed.
+    buffer = mmap.mmap(
+        -1, numel * dtype.itemsize + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    )
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is not None:
         # A kernel without transparent huge pages refuses: 4 KiB pages, as before.
         with contextlib.suppress(OSError):
             buffer.madvise(advice)
-    tensor = torch.frombuffer(buffer, dtype=dtype, count=numel).view(tuple(shape))
+    offset = -ctypes.addressof(ctypes.c_char.from_buffer(buffer)) % HUGE_PAGE
+    tensor = torch.frombuffer(buffer, dtype=dtype, count=numel, offset=offset).view(tuple(shape))
     return tensor.zero_()  # the tensor holds the mapping: it lives as long as the tensor
 
 
