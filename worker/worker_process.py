@@ -419,9 +419,9 @@ class WorkerServer:
             if not self._registered:
                 log.info("worker.leaving", worker_id=self.worker_id, registered=False)
                 return True
+            self.ready.set(False)  # no new work: out of rotation before the control plane hears
             _try_send(sock, protocol.Leaving(PROTOCOL_VERSION, self.worker_id))
             self._leaving_since = now
-            self.ready.set(False)  # no new work: out of rotation
             log.info("worker.leaving", worker_id=self.worker_id, registered=True)
             return False
         if now - self._leaving_since > self.drain_timeout_s:
