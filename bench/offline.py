@@ -1,7 +1,7 @@
 """Offline generation against vLLM: prefill and output throughput on ShareGPT prompts.
 
 Usage: .venv/bin/python bench/offline.py [--dtype float32|bfloat16] [--rounds 2]
-    [--prompts 64] [--max-tokens 128]
+    [--prompts 64] [--max-tokens 128] [--temperature 1.0 --top-p 0.95 --top-k 50]
 
 Needs `bash scripts/setup_peer.sh` (vLLM's CPU build in .venv-peer). specserve's `LLM` and
 vLLM's `LLM` each run in their own process, one after the other and round after round
@@ -9,12 +9,13 @@ vLLM's `LLM` each run in their own process, one after the other and round after 
 dequantized once into a Hugging Face directory, cast to `--dtype` at load), the same prompts
 (ShareGPT first user turns through the chat template, at most 512 tokens) and the same settings:
 2 threads, 64 sequences, 2048 batched tokens, max_model_len 2048, prefix caching off (every
-repeat is cold), greedy, EOS ignored. Each process times every case twice after a warm-up and
-reports its best; the table gives the median over rounds and specserve / vLLM.
+repeat is cold), greedy unless `--temperature` (then sampled with the same temperature, top-p
+and top-k in both, unseeded), EOS ignored. Each process times every case twice after a warm-up
+and reports its best; the table gives the median over rounds and specserve / vLLM.
 
 Cases: `prefill` (every prompt at once, one output token: prompt tokens/s), `batch 1` (four
 prompts one at a time), `batch 16` (16 prompts together) and `all` (every prompt together), the
-last three in output tokens/s. The greedy outputs of the `all` case are compared token by token.
+last three in output tokens/s. Greedy outputs of the `all` case are compared token by token.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def main():
                             kv_cache_memory_mb=4096, **args["settings"])
 
     def generate(batch, tokens):
-        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True, **args["sampling"])
         return [out.token_ids for out in engine["llm"].generate(batch, params)]
 
     measure(load, generate, args["prompts"], args["max_tokens"])
@@ -102,7 +103,7 @@ def main():
                             **args["settings"])
 
     def generate(batch, tokens):
-        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True, **args["sampling"])
         prompts = [{"prompt_token_ids": p} for p in batch]
         outs = engine["llm"].generate(prompts, params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
@@ -142,14 +143,20 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-prompt-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0: no top-k")
     args = p.parse_args()
     if not (PEER_BIN / "python").exists():
         sys.exit("no .venv-peer: run `bash scripts/setup_peer.sh` first")
     model = peer_model_dir()
     tokenizer = load_tokenizer(str(model))
     prompts = first_turn_prompts(tokenizer, read_sharegpt(), args.prompts, args.max_prompt_tokens)
+    sampling = dict(temperature=args.temperature, top_p=args.top_p)
+    if args.top_k:  # vLLM reads 0 as no top-k as we do, but older releases wanted -1
+        sampling["top_k"] = args.top_k
     job = dict(model=str(model), dtype=args.dtype, prompts=prompts,
-               max_tokens=args.max_tokens, settings=SETTINGS)  # fmt: skip
+               max_tokens=args.max_tokens, settings=SETTINGS, sampling=sampling)  # fmt: skip
     rates: dict[str, list[dict[str, float]]] = {"specserve": [], "vllm": []}
     outputs: dict[str, list[list[int]]] = {}
     loads = [os.getloadavg()[0]]
@@ -162,10 +169,11 @@ def main() -> None:
                 loads.append(os.getloadavg()[0])
     same = sum(a == b for a, b in zip(outputs["specserve"], outputs["vllm"], strict=True))
     tokens = sum(map(len, prompts))
+    how = "greedy" if args.temperature == 0 else ", ".join(f"{k} {v}" for k, v in sampling.items())
     print(
         f"{cpu_model()}, {len(os.sched_getaffinity(0))} cores; {args.dtype}; {len(prompts)} "
-        f"ShareGPT prompts ({tokens} tokens), {args.max_tokens} output tokens; median of "
-        f"{args.rounds} rounds; load average {min(loads):.2f}-{max(loads):.2f}"
+        f"ShareGPT prompts ({tokens} tokens), {args.max_tokens} output tokens, {how}; median "
+        f"of {args.rounds} rounds; load average {min(loads):.2f}-{max(loads):.2f}"
     )
     print(f"{'case':<9} {'unit':<14} {'specserve':>10} {'vLLM':>10} {'ratio':>7}")
     for case in CASES:
@@ -173,7 +181,8 @@ def main() -> None:
         theirs = statistics.median(r[case] for r in rates["vllm"])
         unit = "prompt tok/s" if case == "prefill" else "output tok/s"
         print(f"{case:<9} {unit:<14} {ours:>10.1f} {theirs:>10.1f} {ours / theirs:>6.2f}x")
-    print(f"greedy outputs identical on {same} of {len(prompts)} prompts")
+    if args.temperature == 0:
+        print(f"greedy outputs identical on {same} of {len(prompts)} prompts")
 
 
 if __name__ == "__main__":

@@ -114,15 +114,33 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingLike]) -> torc
     if any(p.top_k > 0 for p in params):
         logits = _apply_top_k(logits, [p.top_k for p in params])
     probs = torch.softmax(logits, dim=-1)
-    if any(p.top_p < 1.0 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], device=device)
-        probs = _apply_top_p(probs, top_p)
-    if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
-        threshold = min_p * probs.max(dim=-1, keepdim=True).values
-        probs = torch.where(probs >= threshold, probs, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+    top_p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if top_p_rows:
+        top_p = torch.tensor([params[i].top_p for i in top_p_rows], device=device)
+        _rows_put(probs, top_p_rows, _apply_top_p(_rows(probs, top_p_rows), top_p))
+    min_p_rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
+    if min_p_rows:
+        min_p = torch.tensor([params[i].min_p for i in min_p_rows], device=device)[:, None]
+        kept = _rows(probs, min_p_rows)
+        threshold = min_p * kept.max(dim=-1, keepdim=True).values
+        kept = torch.where(kept >= threshold, kept, 0.0)
+        _rows_put(probs, min_p_rows, kept / kept.sum(dim=-1, keepdim=True))
     return probs
+
+
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Rows `rows` of `x` (`x` itself where they are all of them)."""
+    if len(rows) == x.shape[0]:
+        return x
+    return x[torch.tensor(rows, device=x.device)]
+
+
+def _rows_put(x: torch.Tensor, rows: list[int], values: torch.Tensor) -> None:
+    """Write `values` into rows `rows` of `x`, in place."""
+    if len(rows) == x.shape[0]:
+        x.copy_(values)
+    else:
+        x[torch.tensor(rows, device=x.device)] = values
 
 
 def tempered(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -139,27 +157,82 @@ def tempered(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
-    """Keep logits >= each row's k-th largest (ties at the k-th value are all kept)."""
+    """Keep logits >= each row's k-th largest (ties at the k-th value are all kept); a row with
+    k = 0, or k >= the vocabulary, keeps all. The k-th values come from `topk` over the largest k
+    asked rather than a sort of the vocabulary (16 rows of 49,152: 30 ms on 2 cores)."""
     vocab = logits.shape[-1]
-    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=logits.device)
-    sorted_logits = logits.sort(dim=-1, descending=True).values
-    kth = sorted_logits.gather(-1, (ks - 1)[:, None])
+    limited = [i for i, k in enumerate(top_k) if 0 < k < vocab]
+    if not limited:
+        return logits
+    ks = torch.tensor([top_k[i] for i in limited], device=logits.device)
+    largest = _rows(logits, limited).topk(int(ks.max()), dim=-1).values
+    kth = torch.full((logits.shape[0], 1), -math.inf, device=logits.device)
+    _rows_put(kth, limited, largest.gather(-1, (ks - 1)[:, None]))
     return torch.where(logits >= kth, logits, -math.inf)
+
+
+# A row's top-p set is looked for among its 64, then 1,024, then 8,192 most likely tokens
+# (`topk`: 0.1, 0.35 and 0.8 ms a row of 49,152) before a stable sort of the whole row (4 ms).
+TOP_P_CANDIDATES = (64, 1024, 8192)
+# The candidates' mass must pass top_p by this much to prove that every other token is dropped:
+# each token's mass before it is a float32 rounding (two, 2^-23 at most) of the exact sum.
+TOP_P_MARGIN = 1e-6
 
 
 def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p, then renormalise.
 
-    A token is dropped when the mass of the tokens sorted before it already reaches top_p, so
-    the most likely token always survives.
+    A token is dropped when the mass of the tokens before it (in a stable sort, most likely
+    first) already reaches top_p, so the most likely token always survives. Each row's set comes
+    from its most likely tokens (`_top_p_among`) where it provably lies among them, the same set
+    a sort of the whole row gives, else from that sort.
     """
-    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep_sorted = mass_before < top_p[:, None]
-    keep_sorted[:, 0] = True  # even a top_p that float32 rounds to 0 keeps the top token
-    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-    kept = torch.where(keep, probs, 0.0)
-    return kept / kept.sum(dim=-1, keepdim=True)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    pending = list(range(probs.shape[0]))
+    for size in TOP_P_CANDIDATES:
+        if not pending or size >= probs.shape[-1]:
+            break
+        found, index, kept = _top_p_among(_rows(probs, pending), _rows(top_p, pending), size)
+        hits = found.nonzero().squeeze(-1)
+        if len(hits):
+            marks = torch.zeros(len(hits), probs.shape[-1], dtype=torch.bool, device=probs.device)
+            marks.scatter_(-1, index[hits], kept[hits])
+            _rows_put(keep, [pending[i] for i in hits.tolist()], marks)
+        pending = [row for row, ok in zip(pending, found.tolist(), strict=True) if not ok]
+    if pending:
+        sorted_probs, order = _rows(probs, pending).sort(dim=-1, descending=True, stable=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        keep_sorted = mass_before < _rows(top_p, pending)[:, None]
+        keep_sorted[:, 0] = True  # even a top_p that float32 rounds to 0 keeps the top token
+        _rows_put(keep, pending, torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted))
+    kept_probs = torch.where(keep, probs, 0.0)
+    return kept_probs / kept_probs.sum(dim=-1, keepdim=True)
+
+
+def _top_p_among(
+    probs: torch.Tensor, top_p: torch.Tensor, size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's top-p set among its `size` most likely tokens: (found [N], index [N, size],
+    kept [N, size]), token `index[i, j]` kept where `kept[i, j]`, for the rows `found`.
+
+    The candidates are put in the order a stable sort of the whole row gives them (most likely
+    first, then lowest index), and float32 `cumsum` is a sequential sum, so each candidate's mass
+    before it is the whole row's, bit for bit, for every candidate more likely than the least
+    likely one (others may tie with tokens outside the candidates). A row is found where those
+    candidates' mass reaches top_p with `TOP_P_MARGIN` to spare: every token after them (among the
+    candidates or not) is then dropped however its mass is rounded.
+    """
+    values, index = probs.topk(size, dim=-1)
+    index, by_index = index.sort(dim=-1)
+    values = values.gather(-1, by_index)
+    values, order = values.sort(dim=-1, descending=True, stable=True)
+    index = index.gather(-1, order)
+    kept = (values.cumsum(dim=-1) - values) < top_p[:, None]
+    kept[:, 0] = True
+    ahead = values > values[:, -1:]  # ahead of every token outside the candidates
+    ahead_mass = torch.where(ahead, values, 0.0).sum(dim=-1, dtype=torch.float64)
+    found = ahead_mass >= top_p.to(torch.float64) + TOP_P_MARGIN
+    return found, index, kept
 
 
 def unseeded_exponential(rows: int, vocab: int, device: torch.device | str) -> torch.Tensor:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specserve.shared.protocol import SamplingParams
+from specserve.worker import sampler
 from specserve.worker.sampler import (
     argmax_rows,
     filtered_probs,
@@ -239,3 +240,102 @@ def test_small_temperatures_do_not_overflow_large_logits() -> None:
 def test_a_huge_temperature_is_uniform_over_the_finite_logits() -> None:
     got = filtered_probs(EXTREME, [RowSampling(temperature=1e300)])[0]
     torch.testing.assert_close(got, torch.tensor([0.2] * 5 + [0.0]), atol=1e-7, rtol=0)
+
+
+# --- top-k and top-p without sorting the vocabulary: the sorted filters' results, bit for bit ---
+
+
+def _sorted_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """Top-k as a sort of each whole row states it (the reference)."""
+    vocab = logits.shape[-1]
+    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k])
+    kth = logits.sort(dim=-1, descending=True).values.gather(-1, (ks - 1)[:, None])
+    return torch.where(logits >= kth, logits, -math.inf)
+
+
+def _sorted_top_p(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """Top-p as a stable sort of each whole row states it (the reference), row by row."""
+    out = probs.clone()
+    for i, p in enumerate(top_p):
+        if p >= 1.0:
+            continue
+        sorted_probs, order = probs[i].sort(descending=True, stable=True)
+        keep_sorted = (sorted_probs.cumsum(-1) - sorted_probs) < torch.tensor(p)
+        keep_sorted[0] = True
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        kept = torch.where(keep, probs[i], 0.0)
+        out[i] = kept / kept.sum()
+    return out
+
+
+def _nucleus_rows(vocab: int) -> tuple[torch.Tensor, list[float]]:
+    """Rows whose top-p sets hold from one token to most of the vocabulary, some with ties at
+    every candidate boundary, with their top_p."""
+    g = torch.Generator().manual_seed(11)
+    rows, top_p = [], []
+    for scale in (8.0, 3.0, 1.0, 0.3, 0.05, 0.0):
+        for p in (0.5, 0.9, 0.95, 0.999):
+            rows.append(torch.randn(vocab, generator=g) * scale)
+            top_p.append(p)
+    for p in (0.3, 0.9, 0.99):  # a few values repeated everywhere: ties at every boundary
+        rows.append(torch.randint(0, 4, (vocab,), generator=g).float())
+        top_p.append(p)
+    steep = -torch.arange(vocab, dtype=torch.float32) * 0.02  # mass spread over ~1/0.02 tokens
+    rows += [steep, steep.flip(0), torch.full((vocab,), -7.0)]
+    top_p += [0.97, 0.97, 0.6]
+    for groups in ((10, 30), (40, 900)):  # tied groups among the most likely tokens, the top-p
+        row = torch.randn(vocab, generator=g) * 0.1 - 6.0  # set ending inside the second one
+        spots = torch.randperm(vocab, generator=g)[: sum(groups)]
+        row[spots[: groups[0]]], row[spots[groups[0] :]] = 5.0, 4.0
+        rows.append(row)
+        mass = torch.softmax(row, dim=-1)[spots].double()
+        top_p.append(float(mass[: groups[0]].sum() + mass[groups[0] :].sum() / 2))
+    return torch.softmax(torch.stack(rows), dim=-1), top_p
+
+
+def test_top_p_equals_a_sort_of_the_whole_row_bit_for_bit(monkeypatch) -> None:
+    probs, top_p = _nucleus_rows(49152)
+    found_at: dict[int, int] = {}
+    among = sampler._top_p_among
+
+    def spy(p: torch.Tensor, t: torch.Tensor, size: int):
+        found, index, kept = among(p, t, size)
+        found_at[size] = found_at.get(size, 0) + int(found.sum())
+        return found, index, kept
+
+    monkeypatch.setattr(sampler, "_top_p_among", spy)
+    rows = [RowSampling(top_p=p) for p in top_p]
+    got = sampler._apply_top_p(probs, torch.tensor(top_p))
+    assert torch.equal(got, _sorted_top_p(probs, top_p))
+    # every way to the set was taken: each candidate size found some rows, and some rows
+    # (the flat ones with top_p 0.999) needed the whole sort
+    assert all(found_at.get(size, 0) > 0 for size in sampler.TOP_P_CANDIDATES)
+    assert sum(found_at.values()) < len(rows)
+    # through `filtered_probs`, mixed with rows that ask for no top-p
+    logits = probs.log()
+    mixed = [RowSampling(top_p=1.0), *rows[:5], RowSampling(top_p=1.0, min_p=0.1)]
+    mixed_logits = torch.cat([logits[:1], logits[:5], logits[1:2]])
+    expected = _sorted_top_p(torch.softmax(mixed_logits, -1), [r.top_p for r in mixed])
+    got = filtered_probs(mixed_logits, mixed)
+    assert torch.equal(got[:6], expected[:6])
+
+
+def test_top_k_equals_a_sort_of_the_whole_row_bit_for_bit() -> None:
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 49152, generator=g)
+    logits[2] = torch.randint(0, 5, (49152,), generator=g).float()  # ties at the k-th value
+    logits[3, :100] = -math.inf
+    top_k = [1, 50, 1000, 0, 49152, 20000]
+    assert torch.equal(sampler._apply_top_k(logits, top_k), _sorted_top_k(logits, top_k))
+
+
+def test_a_row_without_top_p_or_min_p_is_the_same_beside_rows_with_them() -> None:
+    """A row asking for no top-p (or min-p) is not filtered or renormalised because another row
+    in its batch is: its probabilities are those it gets alone, bit for bit."""
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(3, 49152, generator=g) * 2
+    plain = RowSampling(temperature=0.9)
+    alone = filtered_probs(logits[:1], [plain])
+    beside = filtered_probs(logits, [plain, RowSampling(top_p=0.9), RowSampling(min_p=0.05)])
+    assert torch.equal(beside[:1], alone)
+    assert int((beside[1] > 0).sum()) < 49152 and int((beside[2] > 0).sum()) < 49152
