@@ -117,14 +117,14 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingLike]) -> torc
     top_p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
     if top_p_rows:
         top_p = torch.tensor([params[i].top_p for i in top_p_rows], device=device)
-        _rows_put(probs, top_p_rows, _apply_top_p(_rows(probs, top_p_rows), top_p))
+        probs = _with_rows(probs, top_p_rows, _apply_top_p(_rows(probs, top_p_rows), top_p))
     min_p_rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
     if min_p_rows:
         min_p = torch.tensor([params[i].min_p for i in min_p_rows], device=device)[:, None]
         kept = _rows(probs, min_p_rows)
         threshold = min_p * kept.max(dim=-1, keepdim=True).values
         kept = torch.where(kept >= threshold, kept, 0.0)
-        _rows_put(probs, min_p_rows, kept / kept.sum(dim=-1, keepdim=True))
+        probs = _with_rows(probs, min_p_rows, kept / kept.sum(dim=-1, keepdim=True))
     return probs
 
 
@@ -135,12 +135,13 @@ def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return x[torch.tensor(rows, device=x.device)]
 
 
-def _rows_put(x: torch.Tensor, rows: list[int], values: torch.Tensor) -> None:
-    """Write `values` into rows `rows` of `x`, in place."""
+def _with_rows(x: torch.Tensor, rows: list[int], values: torch.Tensor) -> torch.Tensor:
+    """`x` with its rows `rows` replaced by `values`, in place (`values` itself where they are
+    all of them)."""
     if len(rows) == x.shape[0]:
-        x.copy_(values)
-    else:
-        x[torch.tensor(rows, device=x.device)] = values
+        return values
+    x[torch.tensor(rows, device=x.device)] = values
+    return x
 
 
 def tempered(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -167,7 +168,7 @@ def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
     ks = torch.tensor([top_k[i] for i in limited], device=logits.device)
     largest = _rows(logits, limited).topk(int(ks.max()), dim=-1).values
     kth = torch.full((logits.shape[0], 1), -math.inf, device=logits.device)
-    _rows_put(kth, limited, largest.gather(-1, (ks - 1)[:, None]))
+    kth = _with_rows(kth, limited, largest.gather(-1, (ks - 1)[:, None]))
     return torch.where(logits >= kth, logits, -math.inf)
 
 
@@ -197,14 +198,15 @@ def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         if len(hits):
             marks = torch.zeros(len(hits), probs.shape[-1], dtype=torch.bool, device=probs.device)
             marks.scatter_(-1, index[hits], kept[hits])
-            _rows_put(keep, [pending[i] for i in hits.tolist()], marks)
+            keep = _with_rows(keep, [pending[i] for i in hits.tolist()], marks)
         pending = [row for row, ok in zip(pending, found.tolist(), strict=True) if not ok]
     if pending:
         sorted_probs, order = _rows(probs, pending).sort(dim=-1, descending=True, stable=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         keep_sorted = mass_before < _rows(top_p, pending)[:, None]
         keep_sorted[:, 0] = True  # even a top_p that float32 rounds to 0 keeps the top token
-        _rows_put(keep, pending, torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted))
+        marks = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        keep = _with_rows(keep, pending, marks)
     kept_probs = torch.where(keep, probs, 0.0)
     return kept_probs / kept_probs.sum(dim=-1, keepdim=True)
 

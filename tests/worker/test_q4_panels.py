@@ -4,13 +4,23 @@ float32 panels' sums bit for bit, alone and inside the fused decode step."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from paged_driver import greedy_decode_logits
 
 from specserve.shared.gguf_metadata import find_bundled_gguf
 from specserve.worker.cpu import fused_decode, kernels, q4_panels
-from specserve.worker.cpu.linear import Linear, _calibration_key, pack_weight
+from specserve.worker.cpu import linear as linear_module
+from specserve.worker.cpu.linear import (
+    Linear,
+    PackedWeight,
+    _calibration_key,
+    calibrate_q4_rows,
+    pack_again,
+    pack_weight,
+)
 from specserve.worker.gguf_loader import load_gguf
 from specserve.worker.loader import load_model
 
@@ -192,3 +202,109 @@ def test_a_calibration_tells_4bit_weights_from_float32_ones() -> None:
     assert four_bit is not None and plain is not None
     assert four_bit.q4 is not None and plain.q4 is None
     assert _calibration_key([four_bit])[0] != _calibration_key([plain])[0]
+
+
+# --- the 4-bit row limit, calibrated per machine --------------------------------------------
+
+
+def _q4_weight(n: int = 64, k: int = 96) -> PackedWeight:
+    d, m, q = _blocks(n, k, seed=4)
+    packed = pack_weight(_dequantized(d, m, q))
+    assert packed is not None and packed.q4 is not None
+    assert packed.q4_rows == kernels.linear_q4_max_rows()
+    return packed
+
+
+def _timings(q4_loses_from: int | None):
+    """Stands in for `_best_passes` (machine timings): the 4-bit pass (first) takes 1.0, the
+    float32 pass 1.5 below `q4_loses_from` rows and 0.9 from there on."""
+
+    def best(*passes):
+        q4_calls, float32_calls = passes
+        rows = q4_calls[0].args[0].shape[0]
+        assert q4_calls[0].args[4] is not None and float32_calls[0].args[4] is None
+        lost = q4_loses_from is not None and rows >= q4_loses_from
+        return [1.0, 0.9 if lost else 1.5]
+
+    return best
+
+
+@pytest.mark.parametrize(("loses_from", "expected"), [(32, 24), (16, 8), (64, 48), (None, None)])
+def test_the_4bit_row_limit_is_the_last_row_count_where_they_won(
+    monkeypatch: pytest.MonkeyPatch, loses_from: int | None, expected: int | None
+) -> None:
+    """`calibrate_q4_rows`: the candidate before the first where the float32 panels are as fast,
+    half the first candidate where that is the first, the kernel's limit where the 4-bit panels
+    always win (or where no weight has them, without timing anything)."""
+    most = kernels.linear_q4_max_rows()
+    monkeypatch.setattr(linear_module, "_best_passes", _timings(loses_from))
+    candidates = [r for r in linear_module.Q4_CALIBRATION_ROWS if r <= most]
+    if loses_from is not None and loses_from not in candidates:
+        expected = most  # an AVX2 kernel stops at 16 rows: never reached
+    assert calibrate_q4_rows([_q4_weight()]) == (most if expected is None else expected)
+    plain = pack_weight(torch.randn(64, 96))
+    assert plain is not None and plain.q4 is None
+    monkeypatch.setattr(linear_module, "_best_passes", None)  # nothing timed
+    assert calibrate_q4_rows([plain]) == most
+
+
+def test_inputs_beyond_the_4bit_row_limit_read_the_float32_panels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A weight whose limit is 4 rows passes its 4-bit panels to the kernel for 1-4 rows and
+    not for 5 (its row tiles then the float32 tiles'; the fused decode step's table likewise),
+    with the same outputs; packing it again keeps the limit."""
+    packed = _q4_weight()
+    packed.q4_rows = 4
+    given: list[bool] = []
+    panel_linear = kernels.panel_linear
+
+    def spy(x, tensor, bias, n, q4=None):
+        given.append(q4 is not None)
+        return panel_linear(x, tensor, bias, n, q4)
+
+    monkeypatch.setattr(kernels, "panel_linear", spy)
+    x = torch.randn(5, 96)
+    for rows in (1, 4, 5):
+        assert torch.equal(packed(x[:rows], None), panel_linear(x[:rows], packed.tensor, None, 64))
+    assert given == [True, True, False]
+    assert packed.row_tiles(4) == _4bit_tiles(4)
+    assert packed.row_tiles(5) == kernels.linear_row_tiles(5, 96, torch.float32, False)
+    layer = Linear(96, 64, bias=False)
+    layer.packed = packed
+    assert fused_decode._linear_addresses(layer, torch.float32, 4, 96, 64)[2] != 0
+    assert fused_decode._linear_addresses(layer, torch.float32, 5, 96, 64)[2] == 0
+    again = pack_again(packed, packed.weight)
+    assert again is not None and again.q4 is not None and again.q4_rows == 4
+
+
+def test_a_calibrated_4bit_row_limit_is_cached_and_applied(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """A model that calibrates gets the measured 4-bit limit on every weight with 4-bit panels,
+    and the cache holds it: the next start of the same model measures nothing."""
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(linear_module, "CALIBRATE_MIN_BYTES", 1)
+    monkeypatch.setattr(linear_module, "calibrate_min_rows", lambda packed: 1)
+    monkeypatch.setattr(linear_module, "calibrate_onednn_rows", lambda packed: 256)
+    calls: list[int] = []
+
+    def calibrate(packed):
+        calls.append(len(packed))
+        return 3
+
+    monkeypatch.setattr(linear_module, "calibrate_q4_rows", calibrate)
+    d, m, q = _blocks(64, 96, seed=8)
+
+    def model() -> torch.nn.Module:
+        layers = torch.nn.Sequential(Linear(96, 64, bias=False), Linear(96, 64, bias=False))
+        with torch.no_grad():
+            layers[0].weight.copy_(_dequantized(d, m, q))
+        return layers
+
+    for _ in range(2):
+        packed = linear_module.pack_weights(model())
+        assert [p.q4_rows for p in packed] == [3, 0]
+    assert calls == [2]
+    (entry,) = json.loads((tmp_path / "linear_calibration.json").read_text()).values()
+    assert entry["q4_rows"] == 3

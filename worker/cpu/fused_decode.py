@@ -383,7 +383,7 @@ def _linear_addresses(
     depth = (in_features + 1) // 2 * 2 if dtype == torch.bfloat16 else in_features
     panels = -(-out_features // PANEL) * PANEL * depth
     bias = linear._parameters["bias"]
-    q4 = packed.q4
+    q4 = packed.q4_for(rows)
     q4_bytes = kernels.q4_panels_bytes(out_features, in_features)
     return (
         _address(packed.tensor, dtype, panels),

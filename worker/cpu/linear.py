@@ -78,6 +78,12 @@ CALIBRATE_MIN_BYTES = 32 * 2**20
 CALIBRATION_ROWS = (1, 2, 4, 8, 16)
 PANEL_MAX_ROWS = 256  # from this many rows on, panel-packed weights run oneDNN's GEMM instead
 ONEDNN_CALIBRATION_ROWS = (8, 16, 32, 64, 128)  # where calibration may move that hand-over
+# Where calibration may end the 4-bit panels (`q4_panels`), up to the kernel's own limit: their
+# expansion costs arithmetic that outweighs the bytes saved from some row count on, which
+# depends on the CPU (SmolLM2's layers on a 2-core Zen 4, which runs 512-bit operations in two
+# halves: 4-bit 1.10x faster at 16 rows, level at 24-48, 0.94x at 64; on a Zen 5 still 1.15x at
+# 64).
+Q4_CALIBRATION_ROWS = (16, 24, 32, 48, 64)
 # oneDNN takes over where its GEMMs take at most this share of the panels' time: the rest must
 # pay for the glue of the layer-by-layer path, which the fused decode step (panels only) saves.
 # On a 2-core Sapphire Rapids machine in bfloat16 (AVX512_BF16 panels, before their AMX body)
@@ -111,13 +117,15 @@ class PackedWeight:
     onednn_rows: int = PANEL_MAX_ROWS
     onednn: torch.Tensor | None = None
     q4: torch.Tensor | None = None  # 4-bit panels of a float32 weight made of 4-bit blocks
+    q4_rows: int = 0  # the most rows read from `q4` (calibrated; the kernel's own limit at most)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not self.panels:
             return _onednn_linear(x, self.tensor, bias)
         rows = x.numel() // x.shape[-1]
         if self.runs_panels(rows):
-            return kernels.panel_linear(x, self.tensor, bias, self.weight.shape[0], self.q4)
+            q4 = self.q4_for(rows)
+            return kernels.panel_linear(x, self.tensor, bias, self.weight.shape[0], q4)
         if self.onednn is not None:
             return _onednn_linear(x, self.onednn, bias)
         if x.dtype == torch.bfloat16:
@@ -133,13 +141,17 @@ class PackedWeight:
             and not (self.large_rows_onednn and rows >= self.onednn_rows)
         )
 
+    def q4_for(self, rows: int) -> torch.Tensor | None:
+        """The 4-bit panels an input of `rows` rows reads (None: the float32 panels)."""
+        return self.q4 if rows <= self.q4_rows else None
+
     def row_tiles(self, rows: int) -> int:
         """The panel kernel's row tiles for `rows` rows (`kernels.linear_row_tiles`): the passes
         over the weights a step of that many rows makes; 1 where another GEMM runs it."""
         if not self.runs_panels(rows):
             return 1
         k, dtype = self.weight.shape[1], self.weight.dtype
-        return kernels.linear_row_tiles(rows, k, dtype, self.q4 is not None)
+        return kernels.linear_row_tiles(rows, k, dtype, self.q4_for(rows) is not None)
 
     def hand_over(self, rows: int) -> None:
         """Panels hand `rows` rows and more to oneDNN; below `PANEL_MAX_ROWS` through a
@@ -187,9 +199,16 @@ def pack_weight(weight: torch.Tensor, min_rows: int = 1) -> PackedWeight | None:
     used."""
     if _panel_kernel_runs(weight):
         panels = kernels.pack_panels(weight)
-        q4 = q4_panels.pack(weight) if kernels.linear_q4_max_rows() else None
+        q4_rows = kernels.linear_q4_max_rows()
+        q4 = q4_panels.pack(weight) if q4_rows else None
         return PackedWeight(
-            panels, weight, min_rows, panels=True, large_rows_onednn=_onednn_runs(weight), q4=q4
+            panels,
+            weight,
+            min_rows,
+            panels=True,
+            large_rows_onednn=_onednn_runs(weight),
+            q4=q4,
+            q4_rows=q4_rows if q4 is not None else 0,
         )
     if not _onednn_runs(weight):
         return None
@@ -201,13 +220,15 @@ def pack_weight(weight: torch.Tensor, min_rows: int = 1) -> PackedWeight | None:
 
 
 def pack_again(packed: PackedWeight | None, weight: torch.Tensor) -> PackedWeight | None:
-    """`weight` packed with `packed`'s `min_rows` and hand-over, if `packed` is in use (after
-    `weight` was moved, cast or reloaded); None stays None."""
+    """`weight` packed with `packed`'s `min_rows`, hand-over and 4-bit row limit, if `packed`
+    is in use (after `weight` was moved, cast or reloaded); None stays None."""
     if packed is None:
         return None
     again = pack_weight(weight, packed.min_rows)
     if again is not None:
         again.hand_over(packed.onednn_rows)
+        if again.q4 is not None and packed.q4 is not None:
+            again.q4_rows = min(again.q4_rows, packed.q4_rows)
     return again
 
 
@@ -263,22 +284,23 @@ class Linear(nn.Linear):
 def pack_weights(module: nn.Module, calibrate: bool = True) -> list[PackedWeight]:
     """Call `pack_weights()` on every submodule that has one (each `Linear`, and e.g. a model
     whose LM head reuses its embedding); with `calibrate`, a model whose packed weights reach
-    `CALIBRATE_MIN_BYTES` then times from how many rows on they beat `F.linear`, and from how
-    many rows on panels should hand over to oneDNN."""
+    `CALIBRATE_MIN_BYTES` then times from how many rows on they beat `F.linear`, from how many
+    rows on panels should hand over to oneDNN, and up to how many rows 4-bit panels pay."""
     packed = [p for m in module.modules() if hasattr(m, "pack_weights") for p in m.pack_weights()]
     nbytes = sum(p.weight.numel() * p.weight.element_size() for p in packed)
     if calibrate and nbytes >= CALIBRATE_MIN_BYTES:
-        min_rows, onednn_rows = _cached_calibration(packed, round(nbytes / 2**20))
+        min_rows, onednn_rows, q4_rows = _cached_calibration(packed, round(nbytes / 2**20))
         for p in packed:
             p.min_rows = min_rows
             p.hand_over(onednn_rows)
+            p.q4_rows = min(p.q4_rows, q4_rows)
     return packed
 
 
-def _cached_calibration(packed: Sequence[PackedWeight], megabytes: int) -> tuple[int, int]:
-    """`calibrate_min_rows(packed)` and `calibrate_onednn_rows(packed)`, from the cache when
-    this kind of machine has measured these weights before (it takes seconds), else measured
-    and cached."""
+def _cached_calibration(packed: Sequence[PackedWeight], megabytes: int) -> tuple[int, int, int]:
+    """`calibrate_min_rows(packed)`, `calibrate_onednn_rows(packed)` and
+    `calibrate_q4_rows(packed)`, from the cache when this kind of machine has measured these
+    weights before (it takes seconds), else measured and cached."""
     path = cache_root() / CALIBRATION_FILE
     key, described = _calibration_key(packed)
     cache = _read_calibrations(path)
@@ -290,6 +312,7 @@ def _cached_calibration(packed: Sequence[PackedWeight], megabytes: int) -> tuple
             megabytes=megabytes,
             packed_from_rows=cached[0],
             onednn_from_rows=cached[1],
+            q4_up_to_rows=cached[2],
             path=str(path),
         )
         return cached
@@ -297,6 +320,7 @@ def _cached_calibration(packed: Sequence[PackedWeight], megabytes: int) -> tuple
     start, cpu_start = time.perf_counter(), time.process_time()
     min_rows = calibrate_min_rows(packed)
     onednn_rows = calibrate_onednn_rows(packed)
+    q4_rows = calibrate_q4_rows(packed)
     wall = time.perf_counter() - start
     cpu_share = (time.process_time() - cpu_start) / (max(wall, 1e-9) * torch.get_num_threads())
     seconds = round(wall, 2)
@@ -306,6 +330,7 @@ def _cached_calibration(packed: Sequence[PackedWeight], megabytes: int) -> tuple
         megabytes=megabytes,
         packed_from_rows=min_rows,
         onednn_from_rows=onednn_rows,
+        q4_up_to_rows=q4_rows,
         calibration_seconds=seconds,
         cpu_share=round(cpu_share, 2),
     )
@@ -316,11 +341,11 @@ def _cached_calibration(packed: Sequence[PackedWeight], megabytes: int) -> tuple
             cpu_share=round(cpu_share, 2),
             threads=torch.get_num_threads(),
         )
-        return min_rows, onednn_rows
-    rows = {"min_rows": min_rows, "onednn_rows": onednn_rows}
+        return min_rows, onednn_rows, q4_rows
+    rows = {"min_rows": min_rows, "onednn_rows": onednn_rows, "q4_rows": q4_rows}
     cache[key] = {**described, **rows, "seconds": seconds}
     _write_calibrations(path, cache)
-    return min_rows, onednn_rows
+    return min_rows, onednn_rows, q4_rows
 
 
 def _calibration_key(packed: Sequence[PackedWeight]) -> tuple[str, dict[str, Any]]:
@@ -337,19 +362,19 @@ def _calibration_key(packed: Sequence[PackedWeight]) -> tuple[str, dict[str, Any
         [*p.weight.shape, str(p.weight.dtype).removeprefix("torch."), p.panels, p.q4 is not None]
         for p in packed
     ]
-    rules = [CALIBRATION_ROWS, ONEDNN_CALIBRATION_ROWS, ONEDNN_MARGIN]
+    rules = [CALIBRATION_ROWS, ONEDNN_CALIBRATION_ROWS, ONEDNN_MARGIN, Q4_CALIBRATION_ROWS]
     identity = json.dumps([described, weights, rules]).encode()
     return hashlib.sha256(identity).hexdigest()[:16], described
 
 
-def _cached_entry(cache: dict[str, Any], key: str) -> tuple[int, int] | None:
-    """The entry's (min_rows, onednn_rows), or None where either is missing or not a row count
-    (an entry from before the hand-over was calibrated is measured again)."""
+def _cached_entry(cache: dict[str, Any], key: str) -> tuple[int, int, int] | None:
+    """The entry's (min_rows, onednn_rows, q4_rows), or None where one is missing or not a row
+    count (an entry from before the hand-over was calibrated is measured again)."""
     entry = cache.get(key)
     if not isinstance(entry, dict):
         return None
-    rows = entry.get("min_rows"), entry.get("onednn_rows")
-    if all(type(r) is int and r >= 1 for r in rows):
+    rows = entry.get("min_rows"), entry.get("onednn_rows"), entry.get("q4_rows")
+    if all(type(r) is int and r >= 1 for r in rows[:2]) and type(rows[2]) is int and rows[2] >= 0:
         return rows  # type: ignore[return-value]
     return None
 
@@ -432,7 +457,7 @@ def calibrate_onednn_rows(
         inputs = _constant_inputs(panels, rows)
         return {
             "panels": [
-                partial(kernels.panel_linear, x, p.tensor, None, p.weight.shape[0], p.q4)
+                partial(kernels.panel_linear, x, p.tensor, None, p.weight.shape[0], p.q4_for(rows))
                 for p, x in zip(panels, inputs, strict=True)
             ],
             "onednn": [partial(_onednn_linear, x, b) for x, b in zip(inputs, blocked, strict=True)],
@@ -440,6 +465,37 @@ def calibrate_onednn_rows(
 
     rows = _fewest_rows(candidates, ONEDNN_MARGIN, "linear.onednn_calibration_step", passes)
     return PANEL_MAX_ROWS if rows is None else rows
+
+
+def calibrate_q4_rows(
+    packed: Sequence[PackedWeight], candidates: Sequence[int] = Q4_CALIBRATION_ROWS
+) -> int:
+    """The most rows at which the 4-bit panels of `packed` (those that have them) still beat
+    their float32 panels: the candidate before the first at which one pass over them on the
+    float32 panels is as fast (best of 3, alternating), half the first candidate if that is
+    the first; the kernel's limit (`kernels.linear_q4_max_rows`) if they always win or none
+    has 4-bit panels (nothing to measure). Where they win at a handful of rows is not asked:
+    one row reads a sixth of the bytes (1.97x faster on the Zen 4 above)."""
+    limit = kernels.linear_q4_max_rows()
+    q4 = [p for p in packed if p.q4 is not None]
+    candidates = [rows for rows in candidates if rows <= limit]
+    if not q4 or not candidates:
+        return limit
+
+    def passes(rows: int) -> dict[str, list[Callable[[], Any]]]:
+        inputs = _constant_inputs(q4, rows)
+        calls = {"q4": [], "float32": []}
+        for p, x in zip(q4, inputs, strict=True):
+            n = p.weight.shape[0]
+            calls["q4"].append(partial(kernels.panel_linear, x, p.tensor, None, n, p.q4))
+            calls["float32"].append(partial(kernels.panel_linear, x, p.tensor, None, n, None))
+        return calls
+
+    rows = _fewest_rows(candidates, 1.0, "linear.q4_calibration_step", passes)
+    if rows is None:
+        return limit
+    earlier = [r for r in candidates if r < rows]
+    return earlier[-1] if earlier else rows // 2
 
 
 def _fewest_rows(
