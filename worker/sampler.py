@@ -167,7 +167,7 @@ def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
         return logits
     ks = torch.tensor([top_k[i] for i in limited], device=logits.device)
     largest = _rows(logits, limited).topk(int(ks.max()), dim=-1).values
-    kth = torch.full((logits.shape[0], 1), -math.inf, device=logits.device)
+    kth = torch.full((logits.shape[0], 1), -math.inf, dtype=logits.dtype, device=logits.device)
     kth = _with_rows(kth, limited, largest.gather(-1, (ks - 1)[:, None]))
     return torch.where(logits >= kth, logits, -math.inf)
 
@@ -218,11 +218,13 @@ def _top_p_among(
     kept [N, size]), token `index[i, j]` kept where `kept[i, j]`, for the rows `found`.
 
     The candidates are put in the order a stable sort of the whole row gives them (most likely
-    first, then lowest index), and float32 `cumsum` is a sequential sum, so each candidate's mass
-    before it is the whole row's, bit for bit, for every candidate more likely than the least
-    likely one (others may tie with tokens outside the candidates). A row is found where those
-    candidates' mass reaches top_p with `TOP_P_MARGIN` to spare: every token after them (among the
-    candidates or not) is then dropped however its mass is rounded.
+    first, then lowest index), and on CPU float32 `cumsum` is a sequential sum (in float64), so
+    each candidate's mass before it is the whole row's, bit for bit, for every candidate more
+    likely than the least likely one (others may tie with tokens outside the candidates). A row
+    is found where those candidates' mass reaches top_p with `TOP_P_MARGIN` to spare: every
+    token after them (among the candidates or not) is then dropped however its mass is rounded.
+    (A CUDA `cumsum` is a parallel float32 scan: the set is still a top-p set, its last token
+    decided within float32 rounding rather than as the sort decides it.)
     """
     values, index = probs.topk(size, dim=-1)
     index, by_index = index.sort(dim=-1)

@@ -281,12 +281,19 @@ def test_inputs_beyond_the_4bit_row_limit_read_the_float32_panels(
 def test_a_calibrated_4bit_row_limit_is_cached_and_applied(
     monkeypatch: pytest.MonkeyPatch, tmp_path
 ) -> None:
-    """A model that calibrates gets the measured 4-bit limit on every weight with 4-bit panels,
-    and the cache holds it: the next start of the same model measures nothing."""
+    """A model that calibrates gets the measured 4-bit limit on every weight with 4-bit panels
+    (before the oneDNN hand-over is timed), and the cache holds it: the next start of the same
+    model measures nothing."""
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(linear_module, "CALIBRATE_MIN_BYTES", 1)
     monkeypatch.setattr(linear_module, "calibrate_min_rows", lambda packed: 1)
-    monkeypatch.setattr(linear_module, "calibrate_onednn_rows", lambda packed: 256)
+    limits_at_hand_over: list[list[int]] = []
+
+    def hand_over(packed):  # timed on the panels as they will run: the limit already set
+        limits_at_hand_over.append([p.q4_rows for p in packed])
+        return 256
+
+    monkeypatch.setattr(linear_module, "calibrate_onednn_rows", hand_over)
     calls: list[int] = []
 
     def calibrate(packed):
@@ -305,6 +312,6 @@ def test_a_calibrated_4bit_row_limit_is_cached_and_applied(
     for _ in range(2):
         packed = linear_module.pack_weights(model())
         assert [p.q4_rows for p in packed] == [3, 0]
-    assert calls == [2]
+    assert calls == [2] and limits_at_hand_over == [[3, 0]]
     (entry,) = json.loads((tmp_path / "linear_calibration.json").read_text()).values()
     assert entry["q4_rows"] == 3

@@ -327,6 +327,8 @@ def test_top_k_equals_a_sort_of_the_whole_row_bit_for_bit() -> None:
     logits[3, :100] = -math.inf
     top_k = [1, 50, 1000, 0, 49152, 20000]
     assert torch.equal(sampler._apply_top_k(logits, top_k), _sorted_top_k(logits, top_k))
+    wide = logits.double()  # rows without top-k beside rows with it, in float64
+    assert torch.equal(sampler._apply_top_k(wide, top_k), _sorted_top_k(wide, top_k))
 
 
 def test_a_row_without_top_p_or_min_p_is_the_same_beside_rows_with_them() -> None:

@@ -319,8 +319,10 @@ def _cached_calibration(packed: Sequence[PackedWeight], megabytes: int) -> tuple
     log.info("linear.calibrating", weights=len(packed), megabytes=megabytes, rows=CALIBRATION_ROWS)
     start, cpu_start = time.perf_counter(), time.process_time()
     min_rows = calibrate_min_rows(packed)
-    onednn_rows = calibrate_onednn_rows(packed)
     q4_rows = calibrate_q4_rows(packed)
+    for p in packed:  # the hand-over is timed on the panels as they will run
+        p.q4_rows = min(p.q4_rows, q4_rows)
+    onednn_rows = calibrate_onednn_rows(packed)
     wall = time.perf_counter() - start
     cpu_share = (time.process_time() - cpu_start) / (max(wall, 1e-9) * torch.get_num_threads())
     seconds = round(wall, 2)
