@@ -153,6 +153,11 @@ class PackedWeight:
         k, dtype = self.weight.shape[1], self.weight.dtype
         return kernels.linear_row_tiles(rows, k, dtype, self.q4_for(rows) is not None)
 
+    def limit_q4(self, rows: int) -> None:
+        """Read the 4-bit panels for at most `rows` rows (a calibrated limit; never raises
+        the one this weight has)."""
+        self.q4_rows = min(self.q4_rows, rows)
+
     def hand_over(self, rows: int) -> None:
         """Panels hand `rows` rows and more to oneDNN; below `PANEL_MAX_ROWS` through a
         blocked copy of the weight (more memory, a faster GEMM than reordering per call)."""
@@ -228,7 +233,7 @@ def pack_again(packed: PackedWeight | None, weight: torch.Tensor) -> PackedWeigh
     if again is not None:
         again.hand_over(packed.onednn_rows)
         if again.q4 is not None and packed.q4 is not None:
-            again.q4_rows = min(again.q4_rows, packed.q4_rows)
+            again.limit_q4(packed.q4_rows)
     return again
 
 
@@ -293,7 +298,7 @@ def pack_weights(module: nn.Module, calibrate: bool = True) -> list[PackedWeight
         for p in packed:
             p.min_rows = min_rows
             p.hand_over(onednn_rows)
-            p.q4_rows = min(p.q4_rows, q4_rows)
+            p.limit_q4(q4_rows)
     return packed
 
 
@@ -321,7 +326,7 @@ def _cached_calibration(packed: Sequence[PackedWeight], megabytes: int) -> tuple
     min_rows = calibrate_min_rows(packed)
     q4_rows = calibrate_q4_rows(packed)
     for p in packed:  # the hand-over is timed on the panels as they will run
-        p.q4_rows = min(p.q4_rows, q4_rows)
+        p.limit_q4(q4_rows)
     onednn_rows = calibrate_onednn_rows(packed)
     wall = time.perf_counter() - start
     cpu_share = (time.process_time() - cpu_start) / (max(wall, 1e-9) * torch.get_num_threads())
