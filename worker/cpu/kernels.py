@@ -101,6 +101,10 @@ class DecodeLayer(NamedTuple):
     o_q4: int
     gate_up_q4: int
     down_q4: int
+    qkv_q8: int  # 8-bit panels of the weight above (0: none), `PackedWeight.q8`
+    o_q8: int
+    gate_up_q8: int
+    down_q8: int
     group: int
 
 
@@ -330,7 +334,10 @@ def open_library(path: Path) -> ctypes.CDLL:
         "linear_amx_min_rows": (i64, []),
         "linear_widens_bf16": (ctypes.c_int, []),
         "linear_row_tiles": (i64, [i64, i64, flag, flag]),
-        "panel_linear": (ctypes.c_int, [_PTR, i64, _PTR, _PTR, _PTR, _PTR, i64, i64, i64, flag]),
+        "panel_linear": (
+            ctypes.c_int,
+            [_PTR, i64, _PTR, _PTR, _PTR, _PTR, _PTR, i64, i64, i64, flag],
+        ),
         "linear_q4_max_rows": (i64, []),
         "int8_panel_linear": (None, [_PTR, i64, _PTR, _PTR, _PTR, i64, i64, i64]),
         "rope_write_kv": (
@@ -777,9 +784,17 @@ Q4_DEPTH = 32  # a 4-bit block's depth (csrc/linear.c)
 Q4_BLOCK_BYTES = 2 * 2 * PANEL + Q4_DEPTH // 2 * PANEL  # d and m (float16), then the codes
 
 
+Q8_BLOCK_BYTES = 2 * PANEL + Q4_DEPTH * PANEL  # d (float16), then the codes (8-bit blocks)
+
+
 def q4_panels_bytes(n: int, k: int) -> int:
-    """The bytes of 4-bit panels of an `[n, k]` weight (`q4_panels.pack`)."""
+    """The bytes of 4-bit panels of an `[n, k]` weight (`block_panels.pack_q4`)."""
     return -(-n // PANEL) * (k // Q4_DEPTH) * Q4_BLOCK_BYTES
+
+
+def q8_panels_bytes(n: int, k: int) -> int:
+    """The bytes of 8-bit panels of an `[n, k]` weight (`block_panels.pack_q8`)."""
+    return -(-n // PANEL) * (k // Q4_DEPTH) * Q8_BLOCK_BYTES
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -836,7 +851,8 @@ def int8_panel_linear(
 
 
 def linear_q4_max_rows() -> int:
-    """The most rows `panel_linear` runs on 4-bit panels (`q4_panels`); 0 where it has none."""
+    """The most rows `panel_linear` runs on 4-bit and 8-bit panels (`block_panels`); 0 where it
+    has none."""
     lib = load()
     return lib.linear_q4_max_rows() if lib is not None else 0
 
@@ -847,10 +863,11 @@ def panel_linear(
     bias: torch.Tensor | None,
     out_features: int,
     q4: torch.Tensor | None = None,
+    q8: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`F.linear(x, W, bias)` for `panels = pack_panels(W)`; `x [..., K]` of `W`'s dtype, in
-    `linear_dtypes()`. `q4`: float32 W's 4-bit panels (`q4_panels.pack`), read instead of
-    `panels` where they run this many rows, with the same result bit for bit."""
+    `linear_dtypes()`. `q4` / `q8`: float32 W's 4-bit / 8-bit panels (`block_panels`), read
+    instead of `panels` where they run this many rows, with the same result bit for bit."""
     lib = load()
     assert lib is not None, "panel_linear called where linear_dtypes() is empty"
     k = x.shape[-1]
@@ -867,22 +884,24 @@ def panel_linear(
     if bias is not None and (bias.shape != (out_features,) or bias.dtype != x.dtype):
         raise ValueError(f"panel_linear: bias {tuple(bias.shape)} {bias.dtype}")
     bias = None if bias is None else bias.contiguous()  # held: the kernel reads it
-    if q4 is not None and (
-        x.dtype != torch.float32
-        or q4.dtype != torch.uint8
-        or not q4.is_contiguous()
-        or q4.numel() != q4_panels_bytes(out_features, k)
-    ):
-        raise ValueError(
-            f"panel_linear: 4-bit panels {tuple(q4.shape)} {q4.dtype} do not fit {x.dtype} "
-            f"rows for {out_features} outputs of depth {k}"
-        )
+    for bits, blocks, size in ((4, q4, q4_panels_bytes), (8, q8, q8_panels_bytes)):
+        if blocks is not None and (
+            x.dtype != torch.float32
+            or blocks.dtype != torch.uint8
+            or not blocks.is_contiguous()
+            or blocks.numel() != size(out_features, k)
+        ):
+            raise ValueError(
+                f"panel_linear: {bits}-bit panels {tuple(blocks.shape)} {blocks.dtype} do not "
+                f"fit {x.dtype} rows for {out_features} outputs of depth {k}"
+            )
     out = torch.empty((rows.shape[0], out_features), dtype=x.dtype)
     status = lib.panel_linear(
         rows.data_ptr(),
         rows.stride(0),
         panels.data_ptr(),
         None if q4 is None else q4.data_ptr(),
+        None if q8 is None else q8.data_ptr(),
         None if bias is None else bias.data_ptr(),
         out.data_ptr(),
         rows.shape[0],

@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.shared.paths import cache_root
-from specserve.worker.cpu import kernels, q4_panels
+from specserve.worker.cpu import block_panels, kernels
 
 log = structlog.get_logger(__name__)
 
@@ -78,7 +78,7 @@ CALIBRATE_MIN_BYTES = 32 * 2**20
 CALIBRATION_ROWS = (1, 2, 4, 8, 16)
 PANEL_MAX_ROWS = 256  # from this many rows on, panel-packed weights run oneDNN's GEMM instead
 ONEDNN_CALIBRATION_ROWS = (8, 16, 32, 64, 128)  # where calibration may move that hand-over
-# Where calibration may end the 4-bit panels (`q4_panels`), up to the kernel's own limit: their
+# Where calibration may end the 4-bit panels (`block_panels`), up to the kernel's own limit: their
 # expansion costs arithmetic that outweighs the bytes saved from some row count on, which
 # depends on the CPU (SmolLM2's layers on a 2-core Zen 4, which runs 512-bit operations in two
 # halves: 4-bit 1.10x faster at 16 rows, level at 24-48, 0.94x at 64; on a Zen 5 still 1.15x at
@@ -118,14 +118,18 @@ class PackedWeight:
     onednn: torch.Tensor | None = None
     q4: torch.Tensor | None = None  # 4-bit panels of a float32 weight made of 4-bit blocks
     q4_rows: int = 0  # the most rows read from `q4` (calibrated; the kernel's own limit at most)
+    q8: torch.Tensor | None = None  # 8-bit panels of a float32 weight made of 8-bit blocks
+    q8_rows: int = 0  # the most rows read from `q8` (as `q4_rows`)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not self.panels:
             return _onednn_linear(x, self.tensor, bias)
         rows = x.numel() // x.shape[-1]
         if self.runs_panels(rows):
-            q4 = self.q4_for(rows)
-            return kernels.panel_linear(x, self.tensor, bias, self.weight.shape[0], q4)
+            n = self.weight.shape[0]
+            return kernels.panel_linear(
+                x, self.tensor, bias, n, self.q4_for(rows), self.q8_for(rows)
+            )
         if self.onednn is not None:
             return _onednn_linear(x, self.onednn, bias)
         if x.dtype == torch.bfloat16:
@@ -142,8 +146,12 @@ class PackedWeight:
         )
 
     def q4_for(self, rows: int) -> torch.Tensor | None:
-        """The 4-bit panels an input of `rows` rows reads (None: the float32 panels)."""
+        """The 4-bit panels an input of `rows` rows reads (None: not those)."""
         return self.q4 if rows <= self.q4_rows else None
+
+    def q8_for(self, rows: int) -> torch.Tensor | None:
+        """The 8-bit panels an input of `rows` rows reads (None: not those)."""
+        return self.q8 if rows <= self.q8_rows else None
 
     def row_tiles(self, rows: int) -> int:
         """The panel kernel's row tiles for `rows` rows (`kernels.linear_row_tiles`): the passes
@@ -151,12 +159,17 @@ class PackedWeight:
         if not self.runs_panels(rows):
             return 1
         k, dtype = self.weight.shape[1], self.weight.dtype
-        return kernels.linear_row_tiles(rows, k, dtype, self.q4_for(rows) is not None)
+        blocks = self.q4_for(rows) is not None or self.q8_for(rows) is not None
+        return kernels.linear_row_tiles(rows, k, dtype, blocks)
 
     def limit_q4(self, rows: int) -> None:
         """Read the 4-bit panels for at most `rows` rows (a calibrated limit; never raises
         the one this weight has)."""
         self.q4_rows = min(self.q4_rows, rows)
+
+    def limit_q8(self, rows: int) -> None:
+        """Read the 8-bit panels for at most `rows` rows (as `limit_q4`)."""
+        self.q8_rows = min(self.q8_rows, rows)
 
     def hand_over(self, rows: int) -> None:
         """Panels hand `rows` rows and more to oneDNN; below `PANEL_MAX_ROWS` through a
@@ -204,8 +217,9 @@ def pack_weight(weight: torch.Tensor, min_rows: int = 1) -> PackedWeight | None:
     used."""
     if _panel_kernel_runs(weight):
         panels = kernels.pack_panels(weight)
-        q4_rows = kernels.linear_q4_max_rows()
-        q4 = q4_panels.pack(weight) if q4_rows else None
+        block_rows = kernels.linear_q4_max_rows()
+        q4 = block_panels.pack_q4(weight) if block_rows else None
+        q8 = block_panels.pack_q8(weight) if block_rows and q4 is None else None
         return PackedWeight(
             panels,
             weight,
@@ -213,7 +227,9 @@ def pack_weight(weight: torch.Tensor, min_rows: int = 1) -> PackedWeight | None:
             panels=True,
             large_rows_onednn=_onednn_runs(weight),
             q4=q4,
-            q4_rows=q4_rows if q4 is not None else 0,
+            q4_rows=block_rows if q4 is not None else 0,
+            q8=q8,
+            q8_rows=block_rows if q8 is not None else 0,
         )
     if not _onednn_runs(weight):
         return None
@@ -225,8 +241,8 @@ def pack_weight(weight: torch.Tensor, min_rows: int = 1) -> PackedWeight | None:
 
 
 def pack_again(packed: PackedWeight | None, weight: torch.Tensor) -> PackedWeight | None:
-    """`weight` packed with `packed`'s `min_rows`, hand-over and 4-bit row limit, if `packed`
-    is in use (after `weight` was moved, cast or reloaded); None stays None."""
+    """`weight` packed with `packed`'s `min_rows`, hand-over and 4-bit and 8-bit row limits, if
+    `packed` is in use (after `weight` was moved, cast or reloaded); None stays None."""
     if packed is None:
         return None
     again = pack_weight(weight, packed.min_rows)
@@ -234,6 +250,8 @@ def pack_again(packed: PackedWeight | None, weight: torch.Tensor) -> PackedWeigh
         again.hand_over(packed.onednn_rows)
         if again.q4 is not None and packed.q4 is not None:
             again.limit_q4(packed.q4_rows)
+        if again.q8 is not None and packed.q8 is not None:
+            again.limit_q8(packed.q8_rows)
     return again
 
 
@@ -290,22 +308,37 @@ def pack_weights(module: nn.Module, calibrate: bool = True) -> list[PackedWeight
     """Call `pack_weights()` on every submodule that has one (each `Linear`, and e.g. a model
     whose LM head reuses its embedding); with `calibrate`, a model whose packed weights reach
     `CALIBRATE_MIN_BYTES` then times from how many rows on they beat `F.linear`, from how many
-    rows on panels should hand over to oneDNN, and up to how many rows 4-bit panels pay."""
+    rows on panels should hand over to oneDNN, and up to how many rows 4-bit and 8-bit panels
+    pay."""
     packed = [p for m in module.modules() if hasattr(m, "pack_weights") for p in m.pack_weights()]
     nbytes = sum(p.weight.numel() * p.weight.element_size() for p in packed)
     if calibrate and nbytes >= CALIBRATE_MIN_BYTES:
-        min_rows, onednn_rows, q4_rows = _cached_calibration(packed, round(nbytes / 2**20))
+        calibration = _cached_calibration(packed, round(nbytes / 2**20))
         for p in packed:
-            p.min_rows = min_rows
-            p.hand_over(onednn_rows)
-            p.limit_q4(q4_rows)
+            p.min_rows = calibration.min_rows
+            p.hand_over(calibration.onednn_rows)
+            p.limit_q4(calibration.q4_rows)
+            p.limit_q8(calibration.q8_rows)
     return packed
 
 
-def _cached_calibration(packed: Sequence[PackedWeight], megabytes: int) -> tuple[int, int, int]:
+@dataclass(frozen=True)
+class Calibration:
+    """What `pack_weights` measures once per model and machine (cached)."""
+
+    min_rows: int  # packed from this many rows on
+    onednn_rows: int  # panels hand over to oneDNN from this many rows on
+    q4_rows: int  # 4-bit panels read up to this many rows
+    q8_rows: int  # 8-bit panels likewise
+
+
+_CALIBRATION_FIELDS = ("min_rows", "onednn_rows", "q4_rows", "q8_rows")
+
+
+def _cached_calibration(packed: Sequence[PackedWeight], megabytes: int) -> Calibration:
     """`calibrate_min_rows(packed)`, `calibrate_onednn_rows(packed)` and
-    `calibrate_q4_rows(packed)`, from the cache when this kind of machine has measured these
-    weights before (it takes seconds), else measured and cached."""
+    `calibrate_block_rows(packed, 4 and 8)`, from the cache when this kind of machine has
+    measured these weights before (it takes seconds), else measured and cached."""
     path = cache_root() / CALIBRATION_FILE
     key, described = _calibration_key(packed)
     cache = _read_calibrations(path)
@@ -315,19 +348,22 @@ def _cached_calibration(packed: Sequence[PackedWeight], megabytes: int) -> tuple
             "linear.calibration_cached",
             weights=len(packed),
             megabytes=megabytes,
-            packed_from_rows=cached[0],
-            onednn_from_rows=cached[1],
-            q4_up_to_rows=cached[2],
+            packed_from_rows=cached.min_rows,
+            onednn_from_rows=cached.onednn_rows,
+            q4_up_to_rows=cached.q4_rows,
+            q8_up_to_rows=cached.q8_rows,
             path=str(path),
         )
         return cached
     log.info("linear.calibrating", weights=len(packed), megabytes=megabytes, rows=CALIBRATION_ROWS)
     start, cpu_start = time.perf_counter(), time.process_time()
     min_rows = calibrate_min_rows(packed)
-    q4_rows = calibrate_q4_rows(packed)
+    q4_rows, q8_rows = calibrate_block_rows(packed, 4), calibrate_block_rows(packed, 8)
     for p in packed:  # the hand-over is timed on the panels as they will run
         p.limit_q4(q4_rows)
+        p.limit_q8(q8_rows)
     onednn_rows = calibrate_onednn_rows(packed)
+    calibration = Calibration(min_rows, onednn_rows, q4_rows, q8_rows)
     wall = time.perf_counter() - start
     cpu_share = (time.process_time() - cpu_start) / (max(wall, 1e-9) * torch.get_num_threads())
     seconds = round(wall, 2)
@@ -338,6 +374,7 @@ def _cached_calibration(packed: Sequence[PackedWeight], megabytes: int) -> tuple
         packed_from_rows=min_rows,
         onednn_from_rows=onednn_rows,
         q4_up_to_rows=q4_rows,
+        q8_up_to_rows=q8_rows,
         calibration_seconds=seconds,
         cpu_share=round(cpu_share, 2),
     )
@@ -348,17 +385,17 @@ def _cached_calibration(packed: Sequence[PackedWeight], megabytes: int) -> tuple
             cpu_share=round(cpu_share, 2),
             threads=torch.get_num_threads(),
         )
-        return min_rows, onednn_rows, q4_rows
-    rows = {"min_rows": min_rows, "onednn_rows": onednn_rows, "q4_rows": q4_rows}
+        return calibration
+    rows = {name: getattr(calibration, name) for name in _CALIBRATION_FIELDS}
     cache[key] = {**described, **rows, "seconds": seconds}
     _write_calibrations(path, cache)
-    return min_rows, onednn_rows, q4_rows
+    return calibration
 
 
 def _calibration_key(packed: Sequence[PackedWeight]) -> tuple[str, dict[str, Any]]:
     """What a calibration holds for: the CPU model, the thread count, the kernel library (or
-    none), torch's version and the packed weights' shapes and kinds (panels, 4-bit panels);
-    hashed, and the readable part."""
+    none), torch's version and the packed weights' shapes and kinds (panels, 4-bit and 8-bit
+    panels); hashed, and the readable part."""
     described = {
         "cpu": kernels.cpu_model(),
         "threads": torch.get_num_threads(),
@@ -366,7 +403,13 @@ def _calibration_key(packed: Sequence[PackedWeight]) -> tuple[str, dict[str, Any
         "torch": torch.__version__,
     }
     weights = [
-        [*p.weight.shape, str(p.weight.dtype).removeprefix("torch."), p.panels, p.q4 is not None]
+        [
+            *p.weight.shape,
+            str(p.weight.dtype).removeprefix("torch."),
+            p.panels,
+            p.q4 is not None,
+            p.q8 is not None,
+        ]
         for p in packed
     ]
     rules = [CALIBRATION_ROWS, ONEDNN_CALIBRATION_ROWS, ONEDNN_MARGIN, Q4_CALIBRATION_ROWS]
@@ -374,15 +417,17 @@ def _calibration_key(packed: Sequence[PackedWeight]) -> tuple[str, dict[str, Any
     return hashlib.sha256(identity).hexdigest()[:16], described
 
 
-def _cached_entry(cache: dict[str, Any], key: str) -> tuple[int, int, int] | None:
-    """The entry's (min_rows, onednn_rows, q4_rows), or None where one is missing or not a row
-    count (an entry from before the hand-over was calibrated is measured again)."""
+def _cached_entry(cache: dict[str, Any], key: str) -> Calibration | None:
+    """The entry's calibration, or None where a field is missing or not a row count (an entry
+    from before a field was calibrated is measured again)."""
     entry = cache.get(key)
     if not isinstance(entry, dict):
         return None
-    rows = entry.get("min_rows"), entry.get("onednn_rows"), entry.get("q4_rows")
-    if all(type(r) is int and r >= 1 for r in rows[:2]) and type(rows[2]) is int and rows[2] >= 0:
-        return rows  # type: ignore[return-value]
+    rows = [entry.get(name) for name in _CALIBRATION_FIELDS]
+    if not all(type(r) is int for r in rows):
+        return None
+    if min(rows[:2]) >= 1 and min(rows[2:]) >= 0:
+        return Calibration(*rows)
     return None
 
 
@@ -464,7 +509,15 @@ def calibrate_onednn_rows(
         inputs = _constant_inputs(panels, rows)
         return {
             "panels": [
-                partial(kernels.panel_linear, x, p.tensor, None, p.weight.shape[0], p.q4_for(rows))
+                partial(
+                    kernels.panel_linear,
+                    x,
+                    p.tensor,
+                    None,
+                    p.weight.shape[0],
+                    p.q4_for(rows),
+                    p.q8_for(rows),
+                )
                 for p, x in zip(panels, inputs, strict=True)
             ],
             "onednn": [partial(_onednn_linear, x, b) for x, b in zip(inputs, blocked, strict=True)],
@@ -474,31 +527,34 @@ def calibrate_onednn_rows(
     return PANEL_MAX_ROWS if rows is None else rows
 
 
-def calibrate_q4_rows(
-    packed: Sequence[PackedWeight], candidates: Sequence[int] = Q4_CALIBRATION_ROWS
+def calibrate_block_rows(
+    packed: Sequence[PackedWeight], bits: int, candidates: Sequence[int] = Q4_CALIBRATION_ROWS
 ) -> int:
-    """The most rows at which the 4-bit panels of `packed` (those that have them) still beat
-    their float32 panels: the candidate before the first at which one pass over them on the
-    float32 panels is as fast (best of 3, alternating), half the first candidate if that is
-    the first; the kernel's limit (`kernels.linear_q4_max_rows`) if they always win or none
-    has 4-bit panels (nothing to measure). Where they win at a handful of rows is not asked:
-    one row reads a sixth of the bytes (1.97x faster on the Zen 4 above)."""
+    """The most rows at which the `bits`-bit panels (4 or 8) of `packed` (those that have them)
+    still beat their float32 panels: the candidate before the first at which one pass over them
+    on the float32 panels is as fast (best of 3, alternating), half the first candidate if that
+    is the first; the kernel's limit (`kernels.linear_q4_max_rows`) if they always win or none
+    has such panels (nothing to measure). Where they win at a handful of rows is not asked:
+    one row reads a sixth (4-bit) or 17/64 (8-bit) of the bytes (4-bit 1.97x faster on the Zen
+    4 above)."""
     limit = kernels.linear_q4_max_rows()
-    q4 = [p for p in packed if p.q4 is not None]
+    name = f"q{bits}"
+    quantized = [p for p in packed if getattr(p, name) is not None]
     candidates = [rows for rows in candidates if rows <= limit]
-    if not q4 or not candidates:
+    if not quantized or not candidates:
         return limit
 
     def passes(rows: int) -> dict[str, list[Callable[[], Any]]]:
-        inputs = _constant_inputs(q4, rows)
-        calls = {"q4": [], "float32": []}
-        for p, x in zip(q4, inputs, strict=True):
+        inputs = _constant_inputs(quantized, rows)
+        calls = {name: [], "float32": []}
+        for p, x in zip(quantized, inputs, strict=True):
             n = p.weight.shape[0]
-            calls["q4"].append(partial(kernels.panel_linear, x, p.tensor, None, n, p.q4))
-            calls["float32"].append(partial(kernels.panel_linear, x, p.tensor, None, n, None))
+            blocks = {name: getattr(p, name)}
+            calls[name].append(partial(kernels.panel_linear, x, p.tensor, None, n, **blocks))
+            calls["float32"].append(partial(kernels.panel_linear, x, p.tensor, None, n))
         return calls
 
-    rows = _fewest_rows(candidates, 1.0, "linear.q4_calibration_step", passes)
+    rows = _fewest_rows(candidates, 1.0, f"linear.{name}_calibration_step", passes)
     if rows is None:
         return limit
     earlier = [r for r in candidates if r < rows]

@@ -85,6 +85,12 @@
 #define PREFETCH_Q4_BLOCK(block)                                                             \
     for (int line = 0; line < Q4_BLOCK_BYTES; line += 64)                                    \
         _mm_prefetch((const char *)(block) + PREFETCH + line, _MM_HINT_T0);
+/* An 8-bit panel's 32-deep block (below): d[16] float16, then 32 steps' 16 signed codes. */
+#define Q8_DEPTH 32
+#define Q8_BLOCK_BYTES (2 * PANEL + Q8_DEPTH * PANEL)
+#define PREFETCH_Q8_BLOCK(block)                                                             \
+    for (int line = 0; line < Q8_BLOCK_BYTES; line += 64)                                    \
+        _mm_prefetch((const char *)(block) + PREFETCH + line, _MM_HINT_T0);
 
 #if defined(__AVX512F__)
 #define LINEAR_SIMD 512
@@ -157,7 +163,7 @@ TILES(tile_bf16, TILES_BF16, uint32_t, uint16_t, uint16_t, 2 * PANEL,
  * kept as those blocks, a sixth of its float32 bytes, and each step's 16 weights are made
  * again in registers (q widened, then one fused multiply-add: d q is exact in float32, so the
  * value is the float32 weight's bit for bit). The products and their order are the float32
- * tiles', so are the sums. Layout (worker/cpu/q4_panels.py): per panel of 16 columns, per
+ * tiles', so are the sums. Layout (worker/cpu/block_panels.py): per panel of 16 columns, per
  * 32-deep block, Q4_BLOCK_BYTES bytes: d[16] and m[16] as float16, then 16 bytes a pair of
  * steps, byte c = q(2j, c) | q(2j + 1, c) << 4. Tiles of up to Q4_MAX_TILE rows (24
  * accumulators and the expansion's 6 registers), each expanding the panel again: with tiles of
@@ -212,6 +218,48 @@ static void (*const TILES_Q4[Q4_MAX_TILE + 1])(const float *, const uint8_t *, i
     tile_q4_14, tile_q4_15, tile_q4_16, tile_q4_17, tile_q4_18, tile_q4_19, tile_q4_20,
     tile_q4_21, tile_q4_22, tile_q4_23, tile_q4_24};
 #define LINEAR_Q4 1
+
+/* 8-bit panels (float32 rows only): a float32 weight whose every 32-deep block of a column is
+ * exactly d q (d float16, q integers -128..127, as a GGUF Q8_0 block dequantizes: a tied LM
+ * head or embedding, often a whole model) is kept as those blocks, 17/64 of its float32 bytes;
+ * each step's 16 weights are made again with one multiply (d q is exact in float32) and summed
+ * as the float32 tiles sum them, so the outputs are theirs bit for bit. Layout
+ * (worker/cpu/block_panels.py): per panel of 16 columns, per 32-deep block, Q8_BLOCK_BYTES bytes:
+ * d[16] as float16, then 32 steps of 16 codes, byte c of step j = q(j, c). Tiles as the 4-bit
+ * ones (Q4_MAX_TILE rows), up to Q8_MAX_ROWS rows. */
+#define Q8_MAX_ROWS 64
+
+#define FMA_Q8(i) acc##i = _mm512_fmadd_ps(_mm512_set1_ps(a[j * R + i]), w, acc##i);
+#define TILE_Q8(ROWS)                                                                        \
+    static void tile_q8_##ROWS(const float *ap, const uint8_t *panel, int64_t blocks,        \
+                               __m512 b, float *y, int64_t y_stride, __mmask16 mask) {       \
+        enum { R = ROWS };                                                                   \
+        REP##ROWS(ZERO)                                                                      \
+        for (int64_t blk = 0; blk < blocks; blk++) {                                         \
+            const uint8_t *block = panel + blk * Q8_BLOCK_BYTES;                             \
+            PREFETCH_Q8_BLOCK(block)                                                         \
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)block));    \
+            const uint8_t *codes = block + 2 * PANEL;                                        \
+            const float *a = ap + blk * Q8_DEPTH * R;                                        \
+            for (int j = 0; j < Q8_DEPTH; j++) {                                             \
+                const __m512i q = _mm512_cvtepi8_epi32(                                      \
+                    _mm_loadu_si128((const __m128i *)(codes + j * PANEL)));                  \
+                const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(q), d);                    \
+                REP##ROWS(FMA_Q8)                                                            \
+            }                                                                                \
+        }                                                                                    \
+        REP##ROWS(STORE_F32)                                                                 \
+    }
+TILE_Q8(1) TILE_Q8(2) TILE_Q8(3) TILE_Q8(4) TILE_Q8(5) TILE_Q8(6) TILE_Q8(7) TILE_Q8(8)
+TILE_Q8(9) TILE_Q8(10) TILE_Q8(11) TILE_Q8(12) TILE_Q8(13) TILE_Q8(14) TILE_Q8(15) TILE_Q8(16)
+TILE_Q8(17) TILE_Q8(18) TILE_Q8(19) TILE_Q8(20) TILE_Q8(21) TILE_Q8(22) TILE_Q8(23)
+TILE_Q8(24)
+static void (*const TILES_Q8[Q4_MAX_TILE + 1])(const float *, const uint8_t *, int64_t, __m512,
+                                               float *, int64_t, __mmask16) = {
+    NULL,       tile_q8_1,  tile_q8_2,  tile_q8_3,  tile_q8_4,  tile_q8_5,  tile_q8_6,
+    tile_q8_7,  tile_q8_8,  tile_q8_9,  tile_q8_10, tile_q8_11, tile_q8_12, tile_q8_13,
+    tile_q8_14, tile_q8_15, tile_q8_16, tile_q8_17, tile_q8_18, tile_q8_19, tile_q8_20,
+    tile_q8_21, tile_q8_22, tile_q8_23, tile_q8_24};
 
 /* The next tile's rows when `left` rows remain, tiles of at most `max_tile`: the rows split
  * evenly over the fewest tiles (25 rows as 13 and 12, not 24 and 1: a short tile is a whole
@@ -274,6 +322,19 @@ static void q4_rows(const float *packed, const uint8_t *q4, const void *bias, fl
     for (int64_t r0 = 0, tile; r0 < rows; r0 += tile) {
         tile = q4_tile_rows(rows, rows - r0);
         TILES_Q4[tile](packed + r0 * k, q4 + p * blocks * Q4_BLOCK_BYTES, blocks, b,
+                       y + r0 * n + p * PANEL, n, mask);
+    }
+}
+
+/* Panel p of y for every row from 8-bit panels (`q8`), as `q4_rows`. */
+static void q8_rows(const float *packed, const uint8_t *q8, const void *bias, float *y,
+                    int64_t rows, int64_t n, int64_t k, int64_t p) {
+    const int64_t blocks = k / Q8_DEPTH;
+    const __mmask16 mask = column_mask(n, p);
+    const __m512 b = bias_f32(bias, p, mask, 0);
+    for (int64_t r0 = 0, tile; r0 < rows; r0 += tile) {
+        tile = q4_tile_rows(rows, rows - r0);
+        TILES_Q8[tile](packed + r0 * k, q8 + p * blocks * Q8_BLOCK_BYTES, blocks, b,
                        y + r0 * n + p * PANEL, n, mask);
     }
 }
@@ -573,8 +634,69 @@ static void (*const TILES_Q4_HALF[Q4_MAX_TILE + 1])(const float *, const uint8_t
     NULL,          tile_q4_half_1, tile_q4_half_2, tile_q4_half_3, tile_q4_half_4,
     tile_q4_half_5, tile_q4_half_6, tile_q4_half_7, tile_q4_half_8};
 
-/* The next 4-bit tile's rows for an input of `rows` rows when `left` remain: all of them up to
- * Q4_WHOLE_ROWS (one whole tile), else split evenly over the fewest half tiles. */
+/* 8-bit panels (the AVX-512 body's layout and sums, bit for bit), in the 4-bit tiles' kinds:
+ * whole tiles up to Q4_WHOLE_ROWS rows, else half tiles of up to Q4_MAX_TILE rows. */
+#define SIGNED_CODES8(at) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(at)))
+#define Q8_WHOLE_STEP(i) Q4_WHOLE_FMA(i, j)
+#define TILE_Q8_WHOLE(ROWS)                                                                  \
+    static void tile_q8_whole_##ROWS(const float *ap, const uint8_t *panel, int64_t blocks,  \
+                                     __m256 b_lo, __m256 b_hi, float *y, int64_t y_stride,  \
+                                     __m256i mask_lo, __m256i mask_hi) {                     \
+        enum { R = ROWS };                                                                   \
+        REP##ROWS(ZERO_2)                                                                    \
+        for (int64_t blk = 0; blk < blocks; blk++) {                                         \
+            const uint8_t *block = panel + blk * Q8_BLOCK_BYTES;                             \
+            PREFETCH_Q8_BLOCK(block)                                                         \
+            const __m256 d_lo = HALF8(block), d_hi = HALF8(block + 16);                      \
+            const uint8_t *codes = block + 2 * PANEL;                                        \
+            const float *a = ap + blk * Q8_DEPTH * R;                                        \
+            for (int j = 0; j < Q8_DEPTH; j++) {                                             \
+                const __m256 w_lo =                                                          \
+                    _mm256_mul_ps(_mm256_cvtepi32_ps(SIGNED_CODES8(codes + j * PANEL)), d_lo); \
+                const __m256 w_hi = _mm256_mul_ps(                                           \
+                    _mm256_cvtepi32_ps(SIGNED_CODES8(codes + j * PANEL + 8)), d_hi);         \
+                REP##ROWS(Q8_WHOLE_STEP)                                                     \
+            }                                                                                \
+        }                                                                                    \
+        REP##ROWS(STORE_2)                                                                   \
+    }
+TILE_Q8_WHOLE(1) TILE_Q8_WHOLE(2) TILE_Q8_WHOLE(3) TILE_Q8_WHOLE(4)
+static void (*const TILES_Q8_WHOLE[Q4_WHOLE_ROWS + 1])(const float *, const uint8_t *, int64_t,
+                                                       __m256, __m256, float *, int64_t,
+                                                       __m256i, __m256i) = {
+    NULL, tile_q8_whole_1, tile_q8_whole_2, tile_q8_whole_3, tile_q8_whole_4};
+
+#define Q8_HALF_STEP(i) acc##i = _mm256_fmadd_ps(_mm256_broadcast_ss(a + j * R + i), w, acc##i);
+#define TILE_Q8_HALF(ROWS)                                                                   \
+    static void tile_q8_half_##ROWS(const float *ap, const uint8_t *panel, int64_t blocks,   \
+                                    int half, __m256 b, float *y, int64_t y_stride,          \
+                                    __m256i mask) {                                          \
+        enum { R = ROWS };                                                                   \
+        REP##ROWS(ZERO_1)                                                                    \
+        for (int64_t blk = 0; blk < blocks; blk++) {                                         \
+            const uint8_t *block = panel + blk * Q8_BLOCK_BYTES;                             \
+            if (half == 0) /* the second half reads the block from cache */                  \
+                PREFETCH_Q8_BLOCK(block)                                                     \
+            const __m256 d = HALF8(block + 16 * half);                                       \
+            const uint8_t *codes = block + 2 * PANEL + 8 * half;                             \
+            const float *a = ap + blk * Q8_DEPTH * R;                                        \
+            for (int j = 0; j < Q8_DEPTH; j++) {                                             \
+                const __m256 w =                                                             \
+                    _mm256_mul_ps(_mm256_cvtepi32_ps(SIGNED_CODES8(codes + j * PANEL)), d);  \
+                REP##ROWS(Q8_HALF_STEP)                                                      \
+            }                                                                                \
+        }                                                                                    \
+        REP##ROWS(STORE_HALF)                                                                \
+    }
+TILE_Q8_HALF(1) TILE_Q8_HALF(2) TILE_Q8_HALF(3) TILE_Q8_HALF(4) TILE_Q8_HALF(5) TILE_Q8_HALF(6)
+TILE_Q8_HALF(7) TILE_Q8_HALF(8)
+static void (*const TILES_Q8_HALF[Q4_MAX_TILE + 1])(const float *, const uint8_t *, int64_t,
+                                                    int, __m256, float *, int64_t, __m256i) = {
+    NULL,          tile_q8_half_1, tile_q8_half_2, tile_q8_half_3, tile_q8_half_4,
+    tile_q8_half_5, tile_q8_half_6, tile_q8_half_7, tile_q8_half_8};
+
+/* The next 4-bit (or 8-bit) tile's rows for an input of `rows` rows when `left` remain: all
+ * of them up to Q4_WHOLE_ROWS (one whole tile), else split evenly over the fewest half tiles. */
 static inline int64_t q4_tile_rows(int64_t rows, int64_t left) {
     if (rows <= Q4_WHOLE_ROWS) return left;
     const int64_t tiles = (left + Q4_MAX_TILE - 1) / Q4_MAX_TILE;
@@ -643,6 +765,28 @@ static void q4_rows(const float *packed, const uint8_t *q4, const void *bias, fl
         }
         for (int half = 0; half < 2 && 8 * half < valid; half++)
             TILES_Q4_HALF[tile](packed + r0 * k, panel, blocks, half, b[half], y_tile + 8 * half,
+                                n, masks[half]);
+    }
+}
+
+/* Panel p of y for every row from 8-bit panels, as `q4_rows`. */
+static void q8_rows(const float *packed, const uint8_t *q8, const void *bias, float *y,
+                    int64_t rows, int64_t n, int64_t k, int64_t p) {
+    const int64_t blocks = k / Q8_DEPTH, valid = n - p * PANEL;
+    const uint8_t *panel = q8 + p * blocks * Q8_BLOCK_BYTES;
+    const __m256i masks[2] = {lanes_below(valid), lanes_below(valid - 8)};
+    __m256 b[2];
+    bias_f32(bias, p, valid, 0, &b[0], &b[1]);
+    for (int64_t r0 = 0, tile; r0 < rows; r0 += tile) {
+        tile = q4_tile_rows(rows, rows - r0);
+        float *y_tile = y + r0 * n + p * PANEL;
+        if (rows <= Q4_WHOLE_ROWS) {
+            TILES_Q8_WHOLE[tile](packed + r0 * k, panel, blocks, b[0], b[1], y_tile, n,
+                                 masks[0], masks[1]);
+            continue;
+        }
+        for (int half = 0; half < 2 && 8 * half < valid; half++)
+            TILES_Q8_HALF[tile](packed + r0 * k, panel, blocks, half, b[half], y_tile + 8 * half,
                                 n, masks[half]);
     }
 }
@@ -755,15 +899,16 @@ int64_t linear_packed_bytes(int64_t rows, int64_t k, int is_bf16) {
  * [depth][tile rows]: each step of the inner loop then reads one contiguous run of 4-byte
  * values, a float32 or a pair of bfloat16, to broadcast), then split the panels. */
 void panel_linear_team(const void *x, int64_t x_stride, const void *panels, const void *q4,
-                       const void *bias, void *y, int64_t rows, int64_t n, int64_t k,
-                       int is_bf16, void *packed) {
+                       const void *q8, const void *bias, void *y, int64_t rows, int64_t n,
+                       int64_t k, int is_bf16, void *packed) {
 #if defined(LINEAR_SIMD)
     const int64_t depth = is_bf16 ? (k + 1) / 2 : k; /* K, or K2 bfloat16 pairs */
 #if defined(LINEAR_Q4)
     const int on_q4 = q4_runs(q4 != NULL, rows, k, is_bf16);
+    const int on_q8 = !on_q4 && q4_runs(q8 != NULL, rows, k, is_bf16);
 #else
-    (void)q4;
-    const int on_q4 = 0;
+    (void)q4, (void)q8;
+    const int on_q4 = 0, on_q8 = 0;
 #endif
 #if defined(LINEAR_AMX)
     if (amx_runs(rows, k, is_bf16)) { /* every thread decides alike: no barrier is skipped */
@@ -777,7 +922,7 @@ void panel_linear_team(const void *x, int64_t x_stride, const void *panels, cons
     }
 #endif
     for (int64_t r0 = 0, tile; r0 < rows; r0 += tile) {
-        tile = on_q4 ? q4_tile_rows(rows, rows - r0) : tile_rows(rows - r0);
+        tile = on_q4 || on_q8 ? q4_tile_rows(rows, rows - r0) : tile_rows(rows - r0);
 #pragma omp for schedule(static) nowait
         for (int64_t d = 0; d < depth; d++) {
             for (int64_t r = 0; r < tile; r++) {
@@ -808,17 +953,21 @@ void panel_linear_team(const void *x, int64_t x_stride, const void *panels, cons
             q4_rows(packed, q4, bias, y, rows, n, k, p);
             continue;
         }
+        if (on_q8) {
+            q8_rows(packed, q8, bias, y, rows, n, k, p);
+            continue;
+        }
 #endif
         panel_rows(packed, panels, bias, y, rows, n, depth, p, is_bf16);
     }
 #else
-    (void)x, (void)x_stride, (void)panels, (void)q4, (void)bias, (void)y, (void)rows, (void)n;
-    (void)k, (void)is_bf16, (void)packed;
+    (void)x, (void)x_stride, (void)panels, (void)q4, (void)q8, (void)bias, (void)y, (void)rows;
+    (void)n, (void)k, (void)is_bf16, (void)packed;
 #endif
 }
 
-/* The most rows 4-bit panels run (AVX-512: 64, AVX2: 16); 0 where there are none (a build with
- * neither AVX-512 nor AVX2 with F16C). */
+/* The most rows 4-bit and 8-bit panels run (AVX-512: 64, AVX2: 16); 0 where there are none (a
+ * build with neither AVX-512 nor AVX2 with F16C). */
 int64_t linear_q4_max_rows(void) {
 #if defined(LINEAR_Q4)
     return Q4_MAX_ROWS;
@@ -830,12 +979,13 @@ int64_t linear_q4_max_rows(void) {
 /* The standalone call: returns 0, 1 when the packed-input buffer cannot be allocated, 2 for an
  * unsupported dtype. */
 int panel_linear(const void *x, int64_t x_stride, const void *panels, const void *q4,
-                 const void *bias, void *y, int64_t rows, int64_t n, int64_t k, int is_bf16) {
+                 const void *q8, const void *bias, void *y, int64_t rows, int64_t n, int64_t k,
+                 int is_bf16) {
     if (!(linear_kernel_dtypes() & (is_bf16 ? 2 : 1))) return 2;
     void *packed = malloc((size_t)linear_packed_bytes(rows, k, is_bf16));
     if (packed == NULL) return 1;
 #pragma omp parallel
-    panel_linear_team(x, x_stride, panels, q4, bias, y, rows, n, k, is_bf16, packed);
+    panel_linear_team(x, x_stride, panels, q4, q8, bias, y, rows, n, k, is_bf16, packed);
     free(packed);
     return 0;
 }

@@ -1,6 +1,7 @@
-"""4-bit panels (`worker/cpu/q4_panels.py`, `csrc/linear.c`): a float32 weight made of exact 4-bit
-blocks (`d q + m`, as a GGUF Q4_1 tensor dequantizes) is found, laid out, and multiplied with the
-float32 panels' sums bit for bit, alone and inside the fused decode step."""
+"""Block panels (`worker/cpu/block_panels.py`, `csrc/linear.c`): a float32 weight made of exact
+4-bit blocks (`d q + m`, as a GGUF Q4_1 tensor dequantizes) or 8-bit ones (`d q`, Q8_0) is found,
+laid out, and multiplied with the float32 panels' sums bit for bit, alone and inside the fused
+decode step."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ import torch
 from paged_driver import greedy_decode_logits
 
 from specserve.shared.gguf_metadata import find_bundled_gguf
-from specserve.worker.cpu import fused_decode, kernels, q4_panels
+from specserve.worker.cpu import block_panels, fused_decode, kernels
 from specserve.worker.cpu import linear as linear_module
 from specserve.worker.cpu.linear import (
     Linear,
     PackedWeight,
     _calibration_key,
-    calibrate_q4_rows,
+    calibrate_block_rows,
     pack_again,
     pack_weight,
 )
@@ -62,7 +63,7 @@ def test_the_layout_is_the_kernels() -> None:
     """17 rows (a padded second panel) of depth 64: per panel and block, d and m as float16,
     then byte c of pair j = q(2j, c) | q(2j + 1, c) << 4; padded rows all zeros."""
     d, m, q = _blocks(17, 64, seed=1)
-    packed = q4_panels.pack(_dequantized(d, m, q))
+    packed = block_panels.pack_q4(_dequantized(d, m, q))
     assert packed is not None and packed.dtype == torch.uint8
     assert packed.numel() == kernels.q4_panels_bytes(17, 64) == 2 * 2 * 320
     expected: list[int] = []
@@ -86,7 +87,7 @@ def test_4bit_panels_give_the_float32_panels_sums_bit_for_bit(n: int, k: int) ->
     half tiles of 5-8), of several, the most the 4-bit panels take and one more (the float32
     panels then run), with a bias and a column count that pads the last panel."""
     weight = _dequantized(*_blocks(n, k, seed=n + k))
-    q4 = q4_panels.pack(weight)
+    q4 = block_panels.pack_q4(weight)
     assert q4 is not None
     panels = kernels.pack_panels(weight)
     gen = torch.Generator().manual_seed(2)
@@ -111,23 +112,23 @@ def test_4bit_row_tiles_are_the_kernels_passes() -> None:
 def test_weights_not_made_of_4bit_blocks_get_none() -> None:
     d, m, q = _blocks(32, 64, seed=3)
     exact = _dequantized(d, m, q)
-    assert q4_panels.pack(exact) is not None
+    assert block_panels.pack_q4(exact) is not None
     nudged = exact.clone()
     nudged[20, 40] = torch.nextafter(nudged[20, 40], torch.tensor(1.0))  # past the probe rows
-    assert q4_panels.pack(nudged) is None
-    assert q4_panels.pack(torch.randn(32, 64)) is None
-    assert q4_panels.pack(exact[:, :48]) is None  # not whole blocks
-    assert q4_panels.pack(exact.to(torch.bfloat16)) is None
+    assert block_panels.pack_q4(nudged) is None
+    assert block_panels.pack_q4(torch.randn(32, 64)) is None
+    assert block_panels.pack_q4(exact[:, :48]) is None  # not whole blocks
+    assert block_panels.pack_q4(exact.to(torch.bfloat16)) is None
     with_nan = exact.clone()
     with_nan[0, 0] = float("nan")
-    assert q4_panels.pack(with_nan) is None
+    assert block_panels.pack_q4(with_nan) is None
     constant = torch.full((16, 32), 0.25)  # d = 0: every value m
-    assert q4_panels.pack(constant) is not None
+    assert block_panels.pack_q4(constant) is not None
 
 
 def test_panel_linear_refuses_4bit_panels_that_do_not_fit() -> None:
     weight = _dequantized(*_blocks(32, 64, seed=4))
-    q4, panels = q4_panels.pack(weight), kernels.pack_panels(weight)
+    q4, panels = block_panels.pack_q4(weight), kernels.pack_panels(weight)
     assert q4 is not None
     with pytest.raises(ValueError, match="4-bit panels"):
         kernels.panel_linear(torch.randn(2, 64), panels, None, 32, q4[:-1])
@@ -143,8 +144,8 @@ def test_the_bundled_models_layers_are_found_as_4bit_blocks() -> None:
     layer = {name: w for name, w in state.items() if name.startswith("model.layers.0.")}
     linears = [w for name, w in layer.items() if name.endswith("proj.weight")]
     assert len(linears) == 7
-    assert all(q4_panels.pack(w) is not None for w in linears)
-    assert q4_panels.pack(state["model.embed_tokens.weight"][:64]) is None
+    assert all(block_panels.pack_q4(w) is not None for w in linears)
+    assert block_panels.pack_q4(state["model.embed_tokens.weight"][:64]) is None
 
 
 def test_decode_steps_on_4bit_panels_equal_the_float32_panels(
@@ -157,7 +158,7 @@ def test_decode_steps_on_4bit_panels_equal_the_float32_panels(
     try:
         model = load_model(llama_ckpt.path, torch.float32)
         blocks = {
-            name: q4_panels.round_to_blocks(value) if name.endswith("proj.weight") else value
+            name: block_panels.round_to_q4_blocks(value) if name.endswith("proj.weight") else value
             for name, value in model.state_dict().items()
         }
         model.load_state_dict(blocks)  # packs the linear weights again
@@ -197,7 +198,7 @@ def test_a_calibration_tells_4bit_weights_from_float32_ones() -> None:
     panels it times read them): two models of the same shapes, one of 4-bit blocks, do not
     share an entry."""
     gen = torch.Generator().manual_seed(6)
-    four_bit = pack_weight(q4_panels.round_to_blocks(torch.randn(64, 64, generator=gen)))
+    four_bit = pack_weight(block_panels.round_to_q4_blocks(torch.randn(64, 64, generator=gen)))
     plain = pack_weight(torch.randn(64, 64, generator=gen))
     assert four_bit is not None and plain is not None
     assert four_bit.q4 is not None and plain.q4 is None
@@ -205,6 +206,16 @@ def test_a_calibration_tells_4bit_weights_from_float32_ones() -> None:
 
 
 # --- the 4-bit row limit, calibrated per machine --------------------------------------------
+
+
+def _q8_weight(n: int = 64, k: int = 96) -> PackedWeight:
+    weight = block_panels.round_to_q8_blocks(
+        torch.randn(n, k, generator=torch.Generator().manual_seed(11))
+    )
+    packed = pack_weight(weight)
+    assert packed is not None and packed.q8 is not None and packed.q4 is None
+    assert packed.q8_rows == kernels.linear_q4_max_rows()
+    return packed
 
 
 def _q4_weight(n: int = 64, k: int = 96) -> PackedWeight:
@@ -220,9 +231,10 @@ def _timings(q4_loses_from: int | None):
     float32 pass 1.5 below `q4_loses_from` rows and 0.9 from there on."""
 
     def best(*passes):
-        q4_calls, float32_calls = passes
-        rows = q4_calls[0].args[0].shape[0]
-        assert q4_calls[0].args[4] is not None and float32_calls[0].args[4] is None
+        quantized_calls, float32_calls = passes
+        rows = quantized_calls[0].args[0].shape[0]
+        assert any(v is not None for v in quantized_calls[0].keywords.values())
+        assert len(float32_calls[0].args) == 4 and not float32_calls[0].keywords
         lost = q4_loses_from is not None and rows >= q4_loses_from
         return [1.0, 0.9 if lost else 1.5]
 
@@ -233,7 +245,7 @@ def _timings(q4_loses_from: int | None):
 def test_the_4bit_row_limit_is_the_last_row_count_where_they_won(
     monkeypatch: pytest.MonkeyPatch, loses_from: int | None, expected: int | None
 ) -> None:
-    """`calibrate_q4_rows`: the candidate before the first where the float32 panels are as fast,
+    """`calibrate_block_rows`: the candidate before the first where the float32 panels are as fast,
     half the first candidate where that is the first, the kernel's limit where the 4-bit panels
     always win (or where no weight has them, without timing anything)."""
     most = kernels.linear_q4_max_rows()
@@ -241,11 +253,13 @@ def test_the_4bit_row_limit_is_the_last_row_count_where_they_won(
     candidates = [r for r in linear_module.Q4_CALIBRATION_ROWS if r <= most]
     if loses_from is not None and loses_from not in candidates:
         expected = most  # an AVX2 kernel stops at 16 rows: never reached
-    assert calibrate_q4_rows([_q4_weight()]) == (most if expected is None else expected)
+    assert calibrate_block_rows([_q4_weight()], 4) == (most if expected is None else expected)
+    assert calibrate_block_rows([_q8_weight()], 8) == (most if expected is None else expected)
     plain = pack_weight(torch.randn(64, 96))
-    assert plain is not None and plain.q4 is None
+    assert plain is not None and plain.q4 is None and plain.q8 is None
     monkeypatch.setattr(linear_module, "_best_passes", None)  # nothing timed
-    assert calibrate_q4_rows([plain]) == most
+    assert calibrate_block_rows([plain], 4) == most
+    assert calibrate_block_rows([_q4_weight()], 8) == most  # no 8-bit panels among them
 
 
 def test_inputs_beyond_the_4bit_row_limit_read_the_float32_panels(
@@ -259,9 +273,9 @@ def test_inputs_beyond_the_4bit_row_limit_read_the_float32_panels(
     given: list[bool] = []
     panel_linear = kernels.panel_linear
 
-    def spy(x, tensor, bias, n, q4=None):
+    def spy(x, tensor, bias, n, q4=None, q8=None):
         given.append(q4 is not None)
-        return panel_linear(x, tensor, bias, n, q4)
+        return panel_linear(x, tensor, bias, n, q4, q8)
 
     monkeypatch.setattr(kernels, "panel_linear", spy)
     x = torch.randn(5, 96)
@@ -287,31 +301,162 @@ def test_a_calibrated_4bit_row_limit_is_cached_and_applied(
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(linear_module, "CALIBRATE_MIN_BYTES", 1)
     monkeypatch.setattr(linear_module, "calibrate_min_rows", lambda packed: 1)
-    limits_at_hand_over: list[list[int]] = []
+    limits_at_hand_over: list[list[tuple[int, int]]] = []
 
-    def hand_over(packed):  # timed on the panels as they will run: the limit already set
-        limits_at_hand_over.append([p.q4_rows for p in packed])
+    def hand_over(packed):  # timed on the panels as they will run: the limits already set
+        limits_at_hand_over.append([(p.q4_rows, p.q8_rows) for p in packed])
         return 256
 
     monkeypatch.setattr(linear_module, "calibrate_onednn_rows", hand_over)
-    calls: list[int] = []
+    calls: list[tuple[int, int]] = []
 
-    def calibrate(packed):
-        calls.append(len(packed))
-        return 3
+    def calibrate(packed, bits):
+        calls.append((len(packed), bits))
+        return 3 if bits == 4 else 5
 
-    monkeypatch.setattr(linear_module, "calibrate_q4_rows", calibrate)
+    monkeypatch.setattr(linear_module, "calibrate_block_rows", calibrate)
     d, m, q = _blocks(64, 96, seed=8)
 
     def model() -> torch.nn.Module:
         layers = torch.nn.Sequential(Linear(96, 64, bias=False), Linear(96, 64, bias=False))
         with torch.no_grad():
             layers[0].weight.copy_(_dequantized(d, m, q))
+            layers[1].weight.copy_(eight_bit)
         return layers
 
+    eight_bit = block_panels.round_to_q8_blocks(torch.randn(64, 96))
     for _ in range(2):
         packed = linear_module.pack_weights(model())
-        assert [p.q4_rows for p in packed] == [3, 0]
-    assert calls == [2] and limits_at_hand_over == [[3, 0]]
+        assert [(p.q4_rows, p.q8_rows) for p in packed] == [(3, 0), (0, 5)]
+    assert calls == [(2, 4), (2, 8)] and limits_at_hand_over == [[(3, 0), (0, 5)]]
     (entry,) = json.loads((tmp_path / "linear_calibration.json").read_text()).values()
-    assert entry["q4_rows"] == 3
+    assert (entry["q4_rows"], entry["q8_rows"]) == (3, 5)
+
+
+# --- 8-bit panels (Q8_0 blocks) ---------------------------------------------------------------
+
+
+def _q8_blocks(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random d float16 `[n, k/32]` and q int8 `[n, k]` with -127 or 127 in every block (as a
+    Q8_0 quantizer writes them: the greatest magnitude at 127), a -128 in some."""
+    gen = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, generator=gen) * 0.001 + 0.0001).half()
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=gen, dtype=torch.int8)
+    q[..., 5] = 127 * (1 - 2 * torch.randint(0, 2, (n, k // 32), generator=gen, dtype=torch.int8))
+    q[::3, :, 9] = -128
+    return d, q.view(n, k)
+
+
+def _q8_dequantized(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The float32 weight, as GGUF's Q8_0 dequantizes: d q in float32."""
+    return d.float().repeat_interleave(32, 1) * q.float()
+
+
+def test_the_8bit_layout_is_the_kernels() -> None:
+    """17 rows (a padded second panel) of depth 64: per panel and block, d as float16, then
+    byte c of step j = q(j, c); padded rows all zeros."""
+    d, q = _q8_blocks(17, 64, seed=1)
+    packed = block_panels.pack_q8(_q8_dequantized(d, q))
+    assert packed is not None and packed.dtype == torch.uint8
+    assert packed.numel() == kernels.q8_panels_bytes(17, 64) == 2 * 2 * 544
+    expected: list[int] = []
+    for panel in range(2):
+        for block in range(2):
+            rows = [panel * 16 + c for c in range(16)]
+            values = [float(d[r, block]) if r < 17 else 0.0 for r in rows]
+            expected += torch.tensor(values, dtype=torch.float16).view(torch.uint8).tolist()
+            for j in range(32):
+                expected += [int(q[r, block * 32 + j]) % 256 if r < 17 else 0 for r in rows]
+    assert packed.tolist() == expected
+
+
+@pytest.mark.parametrize(("n", "k"), [(40, 64), (33, 96), (1000, 576)])
+def test_8bit_panels_give_the_float32_panels_sums_bit_for_bit(n: int, k: int) -> None:
+    """Row counts of one tile, of several, the most the 8-bit panels take and one more, with a
+    bias and a column count that pads the last panel; the float32 panels zeroed where the
+    8-bit ones run, so that they must be what is read."""
+    weight = _q8_dequantized(*_q8_blocks(n, k, seed=n + k))
+    q8 = block_panels.pack_q8(weight)
+    assert q8 is not None and block_panels.pack_q4(weight) is None
+    panels = kernels.pack_panels(weight)
+    gen = torch.Generator().manual_seed(2)
+    bias = torch.randn(n, generator=gen)
+    most = kernels.linear_q4_max_rows()
+    for rows in [*range(1, 26), 33, 49, most, most + 1]:
+        x = torch.randn(rows, k, generator=gen)
+        want = kernels.panel_linear(x, panels, bias, n)
+        read = torch.zeros_like(panels) if rows <= most else panels
+        assert torch.equal(kernels.panel_linear(x, read, bias, n, q8=q8), want), rows
+
+
+def test_weights_not_made_of_8bit_blocks_get_none() -> None:
+    d, q = _q8_blocks(32, 64, seed=3)
+    exact = _q8_dequantized(d, q)
+    assert block_panels.pack_q8(exact) is not None
+    nudged = exact.clone()
+    nudged[20, 40] = torch.nextafter(nudged[20, 40], torch.tensor(1.0))  # past the probe rows
+    assert block_panels.pack_q8(nudged) is None
+    assert block_panels.pack_q8(torch.randn(32, 64)) is None
+    assert block_panels.pack_q8(exact[:, :48]) is None  # not whole blocks
+    assert block_panels.pack_q8(exact.to(torch.bfloat16)) is None
+    with_nan = exact.clone()
+    with_nan[0, 0] = float("nan")
+    assert block_panels.pack_q8(with_nan) is None
+    negative_zero = exact.clone()
+    negative_zero[0, :32] = -0.0  # d q is never -0.0
+    assert block_panels.pack_q8(negative_zero) is None
+    zeros = torch.zeros(16, 32)  # d = 0
+    assert block_panels.pack_q8(zeros) is not None
+
+
+def test_the_bundled_models_tied_head_is_found_as_8bit_blocks() -> None:
+    """SmolLM2-135M's embedding (its tied LM head) is Q8_0 in the GGUF: dequantized as the
+    loader does, it is found whole as 8-bit blocks, and its layers are not."""
+    _, state = load_gguf(find_bundled_gguf())
+    assert block_panels.pack_q8(state["model.embed_tokens.weight"]) is not None
+    assert block_panels.pack_q8(state["model.layers.0.mlp.down_proj.weight"]) is None
+
+
+def test_decode_steps_on_8bit_panels_equal_the_float32_panels(
+    llama_ckpt, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model whose linear weights (and tied head) are 8-bit blocks: its fused decode steps
+    read the 8-bit panels and give the logits the float32 panels give, bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)  # a team, split unevenly
+    try:
+        model = load_model(llama_ckpt.path, torch.float32)
+        blocks = {
+            name: block_panels.round_to_q8_blocks(value) if name.endswith("weight") else value
+            for name, value in model.state_dict().items()
+            if value.dim() == 2 or not name.endswith("weight")
+        }
+        blocks |= {n: v for n, v in model.state_dict().items() if n not in blocks}
+        model.load_state_dict(blocks)  # packs the linear weights again
+        model.pack_weights()  # a tied head is packed with the model
+        linears = [m for m in model.layers.modules() if isinstance(m, Linear)]
+        assert linears and all(m.packed.q8 is not None for m in linears)
+        head = model._head_packed()
+        assert head is not None and head.q8 is not None
+        tables = []
+        layer_row = fused_decode._layer_row
+
+        def spy(*args, **kwargs):
+            row = layer_row(*args, **kwargs)
+            tables.append(row)
+            return row
+
+        with monkeypatch.context() as patch:
+            patch.setattr(fused_decode, "_layer_row", spy)
+            on_8bit = greedy_decode_logits(model, [3, 11, 1, 17, 8], steps=6, seed=5)
+        columns = ("qkv_q8", "o_q8", "gate_up_q8", "down_q8")
+        assert tables and all(getattr(row, c) for row in tables for c in columns)
+        monkeypatch.setattr(kernels, "linear_q4_max_rows", lambda: 0)
+        model.load_state_dict(blocks)  # packed again, without 8-bit panels
+        model.pack_weights()
+        assert all(m.packed.q8 is None for m in linears) and model._head_packed().q8 is None
+        on_float32 = greedy_decode_logits(model, [3, 11, 1, 17, 8], steps=6, seed=5)
+    finally:
+        torch.set_num_threads(threads)
+    for step, (got, want) in enumerate(zip(on_8bit, on_float32, strict=True)):
+        assert torch.equal(got, want), f"decode step {step} differs"

@@ -1,0 +1,175 @@
+"""Block panels: a float32 weight kept as the exact quantized blocks it is made of.
+
+A GGUF Q4_1 tensor dequantizes each 32-deep block of a row to `d q + m` (d and m float16, q
+integers 0..15), a Q8_0 one to `d q` (d float16, q integers -128..127): the float32 weights
+the model runs are those values, and a decode step of few rows waits on reading them
+(SmolLM2-135M's layers, Q4_1: 425 MB a step in float32, ~11 ms on a 2-core VM; its tied LM
+head, Q8_0: 113 MB). Where every block of a weight is exactly of one of those forms,
+`pack_q4` / `pack_q8` lay the blocks out for the panel kernel (`csrc/linear.c`), which makes
+each weight again in registers with one fused multiply-add (4-bit) or one multiply (8-bit)
+(d q is exact in float32, so the one rounding, if any, gives the float32 value) and sums the
+products exactly as the float32 panels do: 5 or 8.5 bits a weight instead of 32, the same
+outputs bit for bit.
+
+The blocks are found, not assumed: for 4-bit m is a block's least value (where q = 0;
+d q >= 0) and d is tried at the float16 values around (max - m) / 15; for 8-bit d is tried
+around max |w| / 127 (and / 128); every value of the weight is checked to be remade exactly,
+and a weight with one block that is not gets no block panels.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from specserve.worker.cpu.kernels import PANEL, Q4_BLOCK_BYTES, Q4_DEPTH, Q8_BLOCK_BYTES
+
+_PROBE_ROWS = 16  # rows checked first: most weights that are not 4-bit fail there, cheaply
+
+
+def pack_q4(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight [N, K]`'s 4-bit panels (uint8, `kernels.q4_panels_bytes(N, K)` bytes), or None
+    where it is not float32 4-bit blocks exactly (or K is not a multiple of 32)."""
+    if not _blockable(weight):
+        return None
+    weight = weight.detach()
+    if _blocks(weight[:_PROBE_ROWS]) is None:
+        return None
+    blocks = _blocks(weight)
+    return None if blocks is None else _layout(*blocks)
+
+
+def pack_q8(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight [N, K]`'s 8-bit panels (uint8, `kernels.q8_panels_bytes(N, K)` bytes), or None
+    where it is not float32 8-bit blocks exactly (or K is not a multiple of 32)."""
+    if not _blockable(weight):
+        return None
+    weight = weight.detach()
+    if _q8_blocks(weight[:_PROBE_ROWS]) is None:
+        return None
+    blocks = _q8_blocks(weight)
+    return None if blocks is None else _q8_layout(*blocks)
+
+
+def _blockable(weight: torch.Tensor) -> bool:
+    """A float32 matrix whose rows are whole 32-deep blocks."""
+    if weight.dtype != torch.float32 or weight.dim() != 2:
+        return False
+    n, k = weight.shape
+    return bool(n and k and not k % Q4_DEPTH)
+
+
+def round_to_q4_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 `[N, K]` weight (K a multiple of 32) as a Q4_1 writer quantizes it, dequantized
+    again: per 32-deep block m = its least value and d = (max - m) / 15 as float16, q rounded
+    to 0..15. Weights like the bundled model's, for tests and benchmarks."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // Q4_DEPTH, Q4_DEPTH)
+    low = w.amin(-1)
+    d, m = ((w.amax(-1) - low) / 15).half().float(), low.half().float()
+    q = ((w - m[..., None]) / torch.where(d > 0, d, 1.0)[..., None]).round().clamp(0, 15)
+    return (d[..., None] * q + m[..., None]).reshape(n, k)
+
+
+def round_to_q8_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 `[N, K]` weight (K a multiple of 32) as a Q8_0 writer quantizes it, dequantized
+    again: per 32-deep block d = max |w| / 127 as float16, q rounded to -127..127."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // Q4_DEPTH, Q4_DEPTH)
+    d = (w.abs().amax(-1) / 127).half().float()
+    q = (w / torch.where(d > 0, d, 1.0)[..., None]).round().clamp(-127, 127) + 0.0  # as integers
+    return (d[..., None] * q).reshape(n, k)
+
+
+def _blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(d, m) float16 `[N, K/32]` and q uint8 `[N, K]` with weight == d q + m exactly in
+    float32, value for value; None where no such blocks exist."""
+    n, k = weight.shape
+    w = weight.reshape(n, k // Q4_DEPTH, Q4_DEPTH)
+    if not torch.isfinite(w).all():
+        return None
+    low = w.amin(-1)
+    m = low.half()
+    if not torch.equal(m.float(), low):
+        return None
+    guess = ((w.amax(-1) - low) / 15).half()
+    step = guess.view(torch.int16)
+    found = torch.zeros(low.shape, dtype=torch.bool)
+    d = torch.zeros_like(m)
+    q = torch.zeros(w.shape, dtype=torch.uint8)
+    for candidate in (guess, (step + 1).view(torch.half), (step - 1).view(torch.half)):
+        scale = candidate.float()[..., None]
+        codes = ((w - low[..., None]) / scale).round().nan_to_num(0.0).clamp(0, 15)
+        remade = scale * codes + low[..., None]  # the bits compared: -0.0 is not +0.0
+        exact = (remade.view(torch.int32) == w.view(torch.int32)).all(-1) & ~found
+        d[exact] = candidate[exact]
+        q[exact] = codes[exact].to(torch.uint8)
+        found |= exact
+    if not found.all():
+        return None
+    return d, m, q.reshape(n, k)
+
+
+def _layout(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The kernel's layout: per panel of 16 rows of the weight, per 32-deep block, d[16] and
+    m[16] (float16) then 16 bytes a pair of steps, byte c = q(2j, c) | q(2j + 1, c) << 4;
+    padded rows are zeros (weights of 0)."""
+    n, num_blocks = d.shape
+    pad = -n % PANEL
+    panels = (n + pad) // PANEL
+
+    def per_panel(t: torch.Tensor) -> torch.Tensor:  # [N, B] float16 -> [P, B, 32] bytes
+        t = F.pad(t, (0, 0, 0, pad)).view(panels, PANEL, num_blocks).transpose(1, 2)
+        return t.contiguous().view(torch.uint8)
+
+    pairs = F.pad(q, (0, 0, 0, pad)).view(panels, PANEL, num_blocks, Q4_DEPTH // 2, 2)
+    pairs = pairs.permute(0, 2, 3, 1, 4)  # [P, B, j, c, 2]
+    codes = (pairs[..., 0] | (pairs[..., 1] << 4)).reshape(panels, num_blocks, -1)
+    out = torch.cat([per_panel(d), per_panel(m), codes], dim=-1).contiguous()
+    assert out.shape[-1] == Q4_BLOCK_BYTES
+    return out.view(-1)
+
+
+def _q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """d float16 `[N, K/32]` and q int8 `[N, K]` with weight == d q exactly in float32, value
+    for value; None where no such blocks exist. The first guess settles nearly every block of a
+    Q8_0 tensor; the others are tried on the blocks left only."""
+    n, k = weight.shape
+    w = weight.reshape(-1, Q4_DEPTH)
+    if not torch.isfinite(w).all():
+        return None
+    top = w.abs().amax(-1)
+    d = torch.zeros(top.shape, dtype=torch.half)
+    q = torch.zeros(w.shape, dtype=torch.int8)
+    left = torch.arange(top.numel())
+    for levels, offset in itertools.product((127, 128), (0, 1, -1)):
+        if not left.numel():
+            break
+        every = left.numel() == top.numel()  # the first try: no copy of the weight
+        rows, magnitudes = (w, top) if every else (w[left], top[left])
+        candidate = ((magnitudes / levels).half().view(torch.int16) + offset).view(torch.half)
+        scale = candidate.float()[:, None]
+        codes = (rows / scale).round_().nan_to_num_(0.0).clamp_(-128, 127).add_(0.0)  # no -0.0
+        remade = scale * codes  # the bits compared: -0.0 is not +0.0
+        exact = (remade.view(torch.int32) == rows.view(torch.int32)).all(-1)
+        d[left[exact]] = candidate[exact]
+        q[left[exact]] = codes[exact].to(torch.int8)
+        left = left[~exact]
+    return None if left.numel() else (d.view(n, -1), q.view(n, k))
+
+
+def _q8_layout(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The kernel's layout: per panel of 16 rows of the weight, per 32-deep block, d[16]
+    (float16) then 32 steps of 16 codes, byte c of step j = q(j, c); padded rows are zeros."""
+    n, num_blocks = d.shape
+    pad = -n % PANEL
+    panels = (n + pad) // PANEL
+    scales = F.pad(d, (0, 0, 0, pad)).view(panels, PANEL, num_blocks).transpose(1, 2)
+    scales = scales.contiguous().view(torch.uint8)  # [P, B, 32]
+    codes = F.pad(q, (0, 0, 0, pad)).view(panels, PANEL, num_blocks, Q4_DEPTH)
+    codes = codes.permute(0, 2, 3, 1).contiguous().view(torch.uint8)  # [P, B, j, c]
+    out = torch.cat([scales, codes.reshape(panels, num_blocks, -1)], dim=-1).contiguous()
+    assert out.shape[-1] == Q8_BLOCK_BYTES
+    return out.view(-1)
