@@ -1,17 +1,20 @@
 """The matmuls of a SmolLM2 decode step on CPU: the panel kernel beside oneDNN's packed GEMM and
-`F.linear` on the plain weight, and in float32 the block panels (4-bit layers, 8-bit head).
+`F.linear` on the plain weight, and in float32 the narrow panels (4-bit layers, 8-bit head;
+16-bit for bfloat16 values).
 
 One pass over all 121 weights (four per layer and the LM head, as `worker/models.py` fuses
 them), the way a decode step streams them from memory, at several row counts:
     .venv/bin/python bench/linear.py [--rows 1,16,64] [--repeats 5]
 
 The layers' weights are 4-bit blocks and the head's 8-bit ones, as the bundled model's are
-(`block_panels.round_to_q4_blocks`, `round_to_q8_blocks`). They are timed in alternation; the best
-pass of each is printed with its ratio to the panels' time (`worker/cpu/linear.py` makes the same
-comparison at load to decide from how many rows on panels hand over to oneDNN); in float32 the
-blocks' column is the same pass reading the layers' 4-bit panels and the head's 8-bit ones where
-the kernel takes them (`block_panels`), and the last two columns the head alone, on its float32
-and on its 8-bit panels.
+(`narrow_panels.round_to_q4_blocks`, `round_to_q8_blocks`). They are timed in alternation; the
+best pass of each is printed with its ratio to the panels' time (`worker/cpu/linear.py` makes the
+same comparison at load to decide from how many rows on panels hand over to oneDNN). In float32
+the `narrow` column is the same pass reading the layers' 4-bit panels and the head's 8-bit ones
+where the kernel takes them (`narrow_panels`), the `head` columns the head alone on its float32
+and its 8-bit panels, and the `16-bit` column a pass over the same weights rounded to bfloat16
+(a checkpoint saved in bfloat16 and run in float32), on their 16-bit panels, against their
+float32 panels (`f32`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from functools import partial
 import torch
 from machine import cpu_model
 
-from specserve.worker.cpu import block_panels, kernels
+from specserve.worker.cpu import kernels, narrow_panels
 
 HIDDEN, INTER, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30
 SHAPES = [(QKV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)] * LAYERS + [
@@ -49,11 +52,11 @@ def panels_pass(
     weights: list[torch.Tensor],
     panels: list[torch.Tensor],
     inputs: dict[int, torch.Tensor],
-    blocks: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
+    narrow: list[tuple[torch.Tensor, int] | None] | None = None,
 ) -> None:
     for i, (w, p) in enumerate(zip(weights, panels, strict=True)):
-        q4, q8 = blocks[i] if blocks else (None, None)
-        kernels.panel_linear(inputs[w.shape[1]], p, None, w.shape[0], q4, q8)
+        kind = narrow[i] if narrow else None
+        kernels.panel_linear(inputs[w.shape[1]], p, None, w.shape[0], *(kind or (None, 0)))
 
 
 def onednn_pass(
@@ -79,8 +82,8 @@ def main() -> None:
           f"with {torch.get_num_threads()} threads")  # fmt: skip
     print(
         f"{'dtype':<9} {'rows':>5} {'panels ms':>10} {'oneDNN ms':>10} {'ratio':>7} "
-        f"{'F.linear ms':>12} {'ratio':>7} {'blocks ms':>9} {'ratio':>7} {'head ms':>8} "
-        f"{'8-bit ms':>8} {'ratio':>7}"
+        f"{'F.linear ms':>12} {'ratio':>7} {'narrow ms':>9} {'ratio':>7} {'head ms':>8} "
+        f"{'8-bit ms':>8} {'ratio':>7} {'f32 ms':>7} {'16-bit ms':>9} {'ratio':>7}"
     )
     for dtype in (torch.float32, torch.bfloat16):
         if dtype not in kernels.linear_dtypes():
@@ -88,15 +91,17 @@ def main() -> None:
             continue
         g = torch.Generator().manual_seed(0)
         weights = [torch.randn(n, k, generator=g) / k**0.5 for n, k in SHAPES]
-        weights = [block_panels.round_to_q4_blocks(w) for w in weights[:-1]] + [
-            block_panels.round_to_q8_blocks(weights[-1])
+        weights = [narrow_panels.round_to_q4_blocks(w) for w in weights[:-1]] + [
+            narrow_panels.round_to_q8_blocks(weights[-1])
         ]
         weights = [w.to(dtype) for w in weights]
         panels = [kernels.pack_panels(w) for w in weights]
-        blocks = None
-        if kernels.linear_q4_max_rows() and dtype == torch.float32:
-            blocks = [(block_panels.pack_q4(w), block_panels.pack_q8(w)) for w in weights[:-1]]
-            blocks.append((None, block_panels.pack_q8(weights[-1])))
+        narrow = b16 = None
+        if dtype == torch.float32 and kernels.linear_narrow_max_rows(4):
+            narrow = [narrow_panels.pack(w) for w in weights]
+            halves = [w.to(torch.bfloat16).float() for w in weights]
+            b16 = halves, [kernels.pack_panels(w) for w in halves]
+            b16_narrow = [(narrow_panels.pack_b16(w), 16) for w in halves]
         try:
             onednn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
         except RuntimeError as err:  # bfloat16 weights need AVX-512 or AVX-NE-CONVERT there
@@ -111,17 +116,20 @@ def main() -> None:
             }
             if onednn:
                 passes["onednn"] = partial(onednn_pass, weights, onednn, inputs)
-            if blocks:
-                passes["blocks"] = partial(panels_pass, weights, panels, inputs, blocks)
+            if narrow and b16:
+                passes["narrow"] = partial(panels_pass, weights, panels, inputs, narrow)
                 head = weights[-1:], panels[-1:], inputs
                 passes["head"] = partial(panels_pass, *head)
-                passes["head_q8"] = partial(panels_pass, *head, blocks[-1:])
+                passes["head_q8"] = partial(panels_pass, *head, narrow[-1:])
+                passes["f32"] = partial(panels_pass, *b16, inputs)
+                passes["b16"] = partial(panels_pass, *b16, inputs, b16_narrow)
             best = _best(passes, args.repeats)
             four_bit = (
-                f"{best['blocks'] * 1e3:>9.2f} {best['panels'] / best['blocks']:>6.2f}x "
+                f"{best['narrow'] * 1e3:>9.2f} {best['panels'] / best['narrow']:>6.2f}x "
                 f"{best['head'] * 1e3:>8.2f} {best['head_q8'] * 1e3:>8.2f} "
-                f"{best['head'] / best['head_q8']:>6.2f}x"
-                if "blocks" in best
+                f"{best['head'] / best['head_q8']:>6.2f}x {best['f32'] * 1e3:>7.2f} "
+                f"{best['b16'] * 1e3:>9.2f} {best['f32'] / best['b16']:>6.2f}x"
+                if "narrow" in best
                 else f"{'-':>9} {'-':>7}"
             )
             one_dnn = (

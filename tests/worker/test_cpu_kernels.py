@@ -21,7 +21,7 @@ from structlog.testing import CapturedCall
 from test_linear import _assert_panel_result, _reference
 from test_worker_attention import LONG_MIXED, MIXED, _run_case
 
-from specserve.worker.cpu import block_panels, kernels, ops
+from specserve.worker.cpu import kernels, narrow_panels, ops
 from specserve.worker.models import RMSNorm
 
 pytestmark = pytest.mark.skipif(
@@ -167,7 +167,7 @@ def test_avx2_bodies_match_the_references(avx2_library, monkeypatch, prefill_cal
     """The AVX2 multi-row attention (float32 and bfloat16) against the dense reference, and
     the AVX2 panel kernel against float64: float32, and bfloat16 widened to float32 (bit for
     bit the AVX512_BF16 body's sums where this CPU has one); its 4-bit panels against its
-    float32 ones, and its 8-bit panels likewise."""
+    float32 ones, and its 8-bit and 16-bit panels likewise."""
     native_bf16 = _native_bf16_sums()
     monkeypatch.setattr(kernels, "load", lambda: avx2_library)
     assert kernels.prefill_available()
@@ -196,24 +196,32 @@ def test_avx2_bodies_match_the_references(avx2_library, monkeypatch, prefill_cal
     # A last panel of 13 columns (both halves partial) with a bias, one of 5 without; the
     # float32 panels zeroed under the 4-bit ones where those run, so they must be what is read.
     g = torch.Generator().manual_seed(9)
-    assert kernels.linear_q4_max_rows() == 16
+    assert kernels.linear_narrow_max_rows(4) == 16
     for n, bias in [(45, torch.randn(45, generator=g)), (37, None)]:
-        weight = block_panels.round_to_q4_blocks(torch.randn(n, 96, generator=g))
-        q4, panels = block_panels.pack_q4(weight), kernels.pack_panels(weight)
+        weight = narrow_panels.round_to_q4_blocks(torch.randn(n, 96, generator=g))
+        q4, panels = narrow_panels.pack_q4(weight), kernels.pack_panels(weight)
         assert q4 is not None
         for rows in (1, 3, 4, 5, 8, 9, 13, 16, 17):
             x = torch.randn(rows, 96, generator=g)
             want = kernels.panel_linear(x, panels, bias, n)
             read = torch.zeros_like(panels) if rows <= 16 else panels
-            assert torch.equal(kernels.panel_linear(x, read, bias, n, q4), want), (n, rows)
-        weight = block_panels.round_to_q8_blocks(torch.randn(n, 96, generator=g))
-        q8, panels = block_panels.pack_q8(weight), kernels.pack_panels(weight)
+            assert torch.equal(kernels.panel_linear(x, read, bias, n, q4, 4), want), (n, rows)
+        weight = narrow_panels.round_to_q8_blocks(torch.randn(n, 96, generator=g))
+        q8, panels = narrow_panels.pack_q8(weight), kernels.pack_panels(weight)
         assert q8 is not None  # 8-bit panels, in the same tiles
         for rows in (1, 3, 4, 5, 8, 9, 13, 16, 17):
             x = torch.randn(rows, 96, generator=g)
             want = kernels.panel_linear(x, panels, bias, n)
             read = torch.zeros_like(panels) if rows <= 16 else panels
-            assert torch.equal(kernels.panel_linear(x, read, bias, n, q8=q8), want), (n, rows)
+            assert torch.equal(kernels.panel_linear(x, read, bias, n, q8, 8), want), (n, rows)
+        weight = weight.to(torch.bfloat16).float()  # 16-bit panels, in the float32 tiles
+        b16, panels = narrow_panels.pack_b16(weight), kernels.pack_panels(weight)
+        assert b16 is not None
+        for rows in (1, 5, 6, 7, 13, 40):
+            x = torch.randn(rows, 96, generator=g)
+            want = kernels.panel_linear(x, panels, bias, n)
+            read = torch.zeros_like(panels)
+            assert torch.equal(kernels.panel_linear(x, read, bias, n, b16, 16), want), (n, rows)
 
 
 @needs_multi_row_kernel

@@ -339,14 +339,14 @@ def _layer_row(
     hidden, head_dim, inter = config.hidden_size, config.head_dim, config.intermediate_size
     q_width = config.num_heads * head_dim
     qkv_width = q_width + 2 * config.num_kv_heads * head_dim
-    qkv, qkv_bias, qkv_q4, qkv_q8 = _linear_addresses(
+    qkv, qkv_bias, qkv_narrow, qkv_bits = _linear_addresses(
         attn["qkv_proj"], dtype, rows, qkv_in, qkv_width
     )
-    o, o_bias, o_q4, o_q8 = _linear_addresses(attn["o_proj"], dtype, rows, q_width, hidden)
-    gate_up, gate_up_bias, gate_up_q4, gate_up_q8 = _linear_addresses(
+    o, o_bias, o_narrow, o_bits = _linear_addresses(attn["o_proj"], dtype, rows, q_width, hidden)
+    gate_up, gate_up_bias, gate_up_narrow, gate_up_bits = _linear_addresses(
         mlp["gate_up_proj"], dtype, rows, hidden, 2 * inter
     )
-    down, down_bias, down_q4, down_q8 = _linear_addresses(
+    down, down_bias, down_narrow, down_bits = _linear_addresses(
         mlp["down_proj"], dtype, rows, inter, hidden
     )
     row = DecodeLayer(
@@ -362,14 +362,14 @@ def _layer_row(
         gate_up_bias=gate_up_bias,
         down=down,
         down_bias=down_bias,
-        qkv_q4=qkv_q4,
-        o_q4=o_q4,
-        gate_up_q4=gate_up_q4,
-        down_q4=down_q4,
-        qkv_q8=qkv_q8,
-        o_q8=o_q8,
-        gate_up_q8=gate_up_q8,
-        down_q8=down_q8,
+        qkv_narrow=qkv_narrow,
+        qkv_bits=qkv_bits,
+        o_narrow=o_narrow,
+        o_bits=o_bits,
+        gate_up_narrow=gate_up_narrow,
+        gate_up_bits=gate_up_bits,
+        down_narrow=down_narrow,
+        down_bits=down_bits,
         group=layer.group,
     )
     return None if None in row else row
@@ -378,9 +378,9 @@ def _layer_row(
 def _linear_addresses(
     linear: Linear, dtype: torch.dtype, rows: int, in_features: int, out_features: int
 ) -> tuple[int | None, int | None, int, int]:
-    """The panels, bias (0: none), 4-bit and 8-bit panels (0: none) of a `Linear` that the layer
-    path would run through the panel kernel for `rows` rows, with the shape the step needs;
-    None for what does not fit."""
+    """The panels, bias (0: none), narrow panels (0: none) and their kind (0: none) of a
+    `Linear` that the layer path would run through the panel kernel for `rows` rows, with the
+    shape the step needs; None for what does not fit."""
     packed = linear.packed
     if (
         packed is None
@@ -391,15 +391,17 @@ def _linear_addresses(
     depth = (in_features + 1) // 2 * 2 if dtype == torch.bfloat16 else in_features
     panels = -(-out_features // PANEL) * PANEL * depth
     bias = linear._parameters["bias"]
-    q4, q8 = packed.q4_for(rows), packed.q8_for(rows)
-    q4_bytes = kernels.q4_panels_bytes(out_features, in_features)
-    q8_bytes = kernels.q8_panels_bytes(out_features, in_features)
-    float32 = dtype == torch.float32
+    narrow, bits = packed.narrow_for(rows)
+    fits = (
+        narrow is not None
+        and dtype == torch.float32
+        and _fits(narrow, torch.uint8, kernels.narrow_panels_bytes(bits, out_features, in_features))
+    )
     return (
         _address(packed.tensor, dtype, panels),
         0 if bias is None else _address(bias, dtype, out_features),
-        q4.data_ptr() if float32 and _fits(q4, torch.uint8, q4_bytes) else 0,
-        q8.data_ptr() if float32 and _fits(q8, torch.uint8, q8_bytes) else 0,
+        narrow.data_ptr() if fits else 0,
+        bits if fits else 0,
     )
 
 

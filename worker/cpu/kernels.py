@@ -97,14 +97,14 @@ class DecodeLayer(NamedTuple):
     gate_up_bias: int | None
     down: int | None
     down_bias: int | None
-    qkv_q4: int  # 4-bit panels of the weight above (0: none), `PackedWeight.q4`
-    o_q4: int
-    gate_up_q4: int
-    down_q4: int
-    qkv_q8: int  # 8-bit panels of the weight above (0: none), `PackedWeight.q8`
-    o_q8: int
-    gate_up_q8: int
-    down_q8: int
+    qkv_narrow: int  # narrow panels of the weight above (0: none), `PackedWeight.narrow`
+    qkv_bits: int  # ... their kind (`PackedWeight.bits`; 0: none)
+    o_narrow: int
+    o_bits: int
+    gate_up_narrow: int
+    gate_up_bits: int
+    down_narrow: int
+    down_bits: int
     group: int
 
 
@@ -336,9 +336,9 @@ def open_library(path: Path) -> ctypes.CDLL:
         "linear_row_tiles": (i64, [i64, i64, flag, flag]),
         "panel_linear": (
             ctypes.c_int,
-            [_PTR, i64, _PTR, _PTR, _PTR, _PTR, _PTR, i64, i64, i64, flag],
+            [_PTR, i64, _PTR, _PTR, flag, _PTR, _PTR, i64, i64, i64, flag],
         ),
-        "linear_q4_max_rows": (i64, []),
+        "linear_narrow_max_rows": (i64, [flag]),
         "int8_panel_linear": (None, [_PTR, i64, _PTR, _PTR, _PTR, i64, i64, i64]),
         "rope_write_kv": (
             ctypes.c_int,
@@ -768,33 +768,31 @@ def linear_amx_min_rows() -> int:
     return lib.linear_amx_min_rows() if lib is not None else 0
 
 
-def linear_row_tiles(rows: int, k: int, dtype: torch.dtype, q4: bool = False) -> int:
-    """How many row tiles `panel_linear` makes of `rows` rows of depth `k` (`q4`: with 4-bit
-    panels): each is a pass over every panel, so a step's cost rises by a pass where its rows
-    cross into another tile (up to 28 rows a tile with AVX-512, 24 on 4-bit panels, 6 with AVX2,
-    on AVX2's 4-bit panels one tile up to 4 rows and 8 beyond, 16 on AMX tiles); 0 without the
-    kernel."""
+def linear_row_tiles(rows: int, k: int, dtype: torch.dtype, bits: int = 0) -> int:
+    """How many row tiles `panel_linear` makes of `rows` rows of depth `k` (`bits`: on narrow
+    panels of that kind, 0: none): each is a pass over every panel, so a step's cost rises by a
+    pass where its rows cross into another tile (up to 28 rows a tile with AVX-512, 24 on 4-bit
+    and 8-bit blocks, 6 with AVX2, on AVX2's blocks one tile up to 4 rows and 8 beyond, 16 on
+    AMX tiles); 0 without the kernel."""
     lib = load()
     if lib is None:
         return 0
-    return lib.linear_row_tiles(rows, k, int(dtype == torch.bfloat16), int(q4))
+    return lib.linear_row_tiles(rows, k, int(dtype == torch.bfloat16), bits)
 
 
-Q4_DEPTH = 32  # a 4-bit block's depth (csrc/linear.c)
-Q4_BLOCK_BYTES = 2 * 2 * PANEL + Q4_DEPTH // 2 * PANEL  # d and m (float16), then the codes
+BLOCK_DEPTH = 32  # a 4-bit or 8-bit block's depth (csrc/linear.c)
+Q4_BLOCK_BYTES = 2 * 2 * PANEL + BLOCK_DEPTH // 2 * PANEL  # d and m (float16), then the codes
+Q8_BLOCK_BYTES = 2 * PANEL + BLOCK_DEPTH * PANEL  # d (float16), then the codes
+NARROW_BITS = (4, 8, 16)  # the kinds of narrow panels (`narrow_panels`)
 
 
-Q8_BLOCK_BYTES = 2 * PANEL + Q4_DEPTH * PANEL  # d (float16), then the codes (8-bit blocks)
-
-
-def q4_panels_bytes(n: int, k: int) -> int:
-    """The bytes of 4-bit panels of an `[n, k]` weight (`block_panels.pack_q4`)."""
-    return -(-n // PANEL) * (k // Q4_DEPTH) * Q4_BLOCK_BYTES
-
-
-def q8_panels_bytes(n: int, k: int) -> int:
-    """The bytes of 8-bit panels of an `[n, k]` weight (`block_panels.pack_q8`)."""
-    return -(-n // PANEL) * (k // Q4_DEPTH) * Q8_BLOCK_BYTES
+def narrow_panels_bytes(bits: int, n: int, k: int) -> int:
+    """The bytes of an `[n, k]` weight's narrow panels of kind `bits` (`narrow_panels.pack`)."""
+    panels = -(-n // PANEL)
+    if bits == 16:
+        return panels * k * PANEL * 2
+    block = {4: Q4_BLOCK_BYTES, 8: Q8_BLOCK_BYTES}[bits]
+    return panels * (k // BLOCK_DEPTH) * block
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -850,11 +848,12 @@ def int8_panel_linear(
     return out
 
 
-def linear_q4_max_rows() -> int:
-    """The most rows `panel_linear` runs on 4-bit and 8-bit panels (`block_panels`); 0 where it
-    has none."""
+def linear_narrow_max_rows(bits: int) -> int:
+    """The most rows `panel_linear` runs on narrow panels of kind `bits` (`narrow_panels`): 4-bit
+    and 8-bit blocks 64 with AVX-512, 16 with AVX2; 16-bit ones as many as the float32 panels
+    (2^31 - 1); 0 where it has none."""
     lib = load()
-    return lib.linear_q4_max_rows() if lib is not None else 0
+    return lib.linear_narrow_max_rows(bits) if lib is not None else 0
 
 
 def panel_linear(
@@ -862,12 +861,12 @@ def panel_linear(
     panels: torch.Tensor,
     bias: torch.Tensor | None,
     out_features: int,
-    q4: torch.Tensor | None = None,
-    q8: torch.Tensor | None = None,
+    narrow: torch.Tensor | None = None,
+    bits: int = 0,
 ) -> torch.Tensor:
     """`F.linear(x, W, bias)` for `panels = pack_panels(W)`; `x [..., K]` of `W`'s dtype, in
-    `linear_dtypes()`. `q4` / `q8`: float32 W's 4-bit / 8-bit panels (`block_panels`), read
-    instead of `panels` where they run this many rows, with the same result bit for bit."""
+    `linear_dtypes()`. `narrow`: float32 W's narrow panels of kind `bits` (`narrow_panels`),
+    read instead of `panels` where they run this many rows, with the same result bit for bit."""
     lib = load()
     assert lib is not None, "panel_linear called where linear_dtypes() is empty"
     k = x.shape[-1]
@@ -884,24 +883,24 @@ def panel_linear(
     if bias is not None and (bias.shape != (out_features,) or bias.dtype != x.dtype):
         raise ValueError(f"panel_linear: bias {tuple(bias.shape)} {bias.dtype}")
     bias = None if bias is None else bias.contiguous()  # held: the kernel reads it
-    for bits, blocks, size in ((4, q4, q4_panels_bytes), (8, q8, q8_panels_bytes)):
-        if blocks is not None and (
-            x.dtype != torch.float32
-            or blocks.dtype != torch.uint8
-            or not blocks.is_contiguous()
-            or blocks.numel() != size(out_features, k)
-        ):
-            raise ValueError(
-                f"panel_linear: {bits}-bit panels {tuple(blocks.shape)} {blocks.dtype} do not "
-                f"fit {x.dtype} rows for {out_features} outputs of depth {k}"
-            )
+    if narrow is not None and (
+        bits not in NARROW_BITS
+        or x.dtype != torch.float32
+        or narrow.dtype != torch.uint8
+        or not narrow.is_contiguous()
+        or narrow.numel() != narrow_panels_bytes(bits, out_features, k)
+    ):
+        raise ValueError(
+            f"panel_linear: {bits}-bit panels {tuple(narrow.shape)} {narrow.dtype} do not fit "
+            f"{x.dtype} rows for {out_features} outputs of depth {k}"
+        )
     out = torch.empty((rows.shape[0], out_features), dtype=x.dtype)
     status = lib.panel_linear(
         rows.data_ptr(),
         rows.stride(0),
         panels.data_ptr(),
-        None if q4 is None else q4.data_ptr(),
-        None if q8 is None else q8.data_ptr(),
+        None if narrow is None else narrow.data_ptr(),
+        bits if narrow is not None else 0,
         None if bias is None else bias.data_ptr(),
         out.data_ptr(),
         rows.shape[0],

@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.shared.paths import cache_root
-from specserve.worker.cpu import block_panels, kernels
+from specserve.worker.cpu import kernels, narrow_panels
 
 log = structlog.get_logger(__name__)
 
@@ -78,12 +78,12 @@ CALIBRATE_MIN_BYTES = 32 * 2**20
 CALIBRATION_ROWS = (1, 2, 4, 8, 16)
 PANEL_MAX_ROWS = 256  # from this many rows on, panel-packed weights run oneDNN's GEMM instead
 ONEDNN_CALIBRATION_ROWS = (8, 16, 32, 64, 128)  # where calibration may move that hand-over
-# Where calibration may end the 4-bit panels (`block_panels`), up to the kernel's own limit: their
-# expansion costs arithmetic that outweighs the bytes saved from some row count on, which
-# depends on the CPU (SmolLM2's layers on a 2-core Zen 4, which runs 512-bit operations in two
-# halves: 4-bit 1.10x faster at 16 rows, level at 24-48, 0.94x at 64; on a Zen 5 still 1.15x at
-# 64).
-Q4_CALIBRATION_ROWS = (16, 24, 32, 48, 64)
+# Where calibration may end the narrow panels (`narrow_panels`), up to the kernel's own limit:
+# their expansion costs arithmetic that outweighs the bytes saved from some row count on, which
+# depends on the CPU and the kind (SmolLM2's 4-bit layers on a 2-core Zen 4, which runs 512-bit
+# operations in two halves: 1.10x faster at 16 rows, level at 24-48, 0.94x at 64; on a Zen 5
+# still 1.15x at 64).
+NARROW_CALIBRATION_ROWS = (16, 24, 32, 48, 64)
 # oneDNN takes over where its GEMMs take at most this share of the panels' time: the rest must
 # pay for the glue of the layer-by-layer path, which the fused decode step (panels only) saves.
 # On a 2-core Sapphire Rapids machine in bfloat16 (AVX512_BF16 panels, before their AMX body)
@@ -116,10 +116,11 @@ class PackedWeight:
     large_rows_onednn: bool = False
     onednn_rows: int = PANEL_MAX_ROWS
     onednn: torch.Tensor | None = None
-    q4: torch.Tensor | None = None  # 4-bit panels of a float32 weight made of 4-bit blocks
-    q4_rows: int = 0  # the most rows read from `q4` (calibrated; the kernel's own limit at most)
-    q8: torch.Tensor | None = None  # 8-bit panels of a float32 weight made of 8-bit blocks
-    q8_rows: int = 0  # the most rows read from `q8` (as `q4_rows`)
+    # A float32 weight's exact narrower panels (`narrow_panels`), of kind `bits` (4, 8, 16),
+    # read up to `narrow_rows` rows (calibrated; the kernel's own limit at most).
+    narrow: torch.Tensor | None = None
+    bits: int = 0
+    narrow_rows: int = 0
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not self.panels:
@@ -127,9 +128,7 @@ class PackedWeight:
         rows = x.numel() // x.shape[-1]
         if self.runs_panels(rows):
             n = self.weight.shape[0]
-            return kernels.panel_linear(
-                x, self.tensor, bias, n, self.q4_for(rows), self.q8_for(rows)
-            )
+            return kernels.panel_linear(x, self.tensor, bias, n, *self.narrow_for(rows))
         if self.onednn is not None:
             return _onednn_linear(x, self.onednn, bias)
         if x.dtype == torch.bfloat16:
@@ -145,13 +144,12 @@ class PackedWeight:
             and not (self.large_rows_onednn and rows >= self.onednn_rows)
         )
 
-    def q4_for(self, rows: int) -> torch.Tensor | None:
-        """The 4-bit panels an input of `rows` rows reads (None: not those)."""
-        return self.q4 if rows <= self.q4_rows else None
-
-    def q8_for(self, rows: int) -> torch.Tensor | None:
-        """The 8-bit panels an input of `rows` rows reads (None: not those)."""
-        return self.q8 if rows <= self.q8_rows else None
+    def narrow_for(self, rows: int) -> tuple[torch.Tensor | None, int]:
+        """The narrow panels an input of `rows` rows reads and their kind ((None, 0): the
+        float32 panels)."""
+        if self.narrow is None or rows > self.narrow_rows:
+            return None, 0
+        return self.narrow, self.bits
 
     def row_tiles(self, rows: int) -> int:
         """The panel kernel's row tiles for `rows` rows (`kernels.linear_row_tiles`): the passes
@@ -159,17 +157,13 @@ class PackedWeight:
         if not self.runs_panels(rows):
             return 1
         k, dtype = self.weight.shape[1], self.weight.dtype
-        blocks = self.q4_for(rows) is not None or self.q8_for(rows) is not None
-        return kernels.linear_row_tiles(rows, k, dtype, blocks)
+        return kernels.linear_row_tiles(rows, k, dtype, self.narrow_for(rows)[1])
 
-    def limit_q4(self, rows: int) -> None:
-        """Read the 4-bit panels for at most `rows` rows (a calibrated limit; never raises
-        the one this weight has)."""
-        self.q4_rows = min(self.q4_rows, rows)
-
-    def limit_q8(self, rows: int) -> None:
-        """Read the 8-bit panels for at most `rows` rows (as `limit_q4`)."""
-        self.q8_rows = min(self.q8_rows, rows)
+    def limit_narrow(self, bits: int, rows: int) -> None:
+        """Read narrow panels of kind `bits` for at most `rows` rows (a calibrated limit; never
+        raises the one this weight has; a weight of another kind is left as it is)."""
+        if self.bits == bits:
+            self.narrow_rows = min(self.narrow_rows, rows)
 
     def hand_over(self, rows: int) -> None:
         """Panels hand `rows` rows and more to oneDNN; below `PANEL_MAX_ROWS` through a
@@ -217,19 +211,17 @@ def pack_weight(weight: torch.Tensor, min_rows: int = 1) -> PackedWeight | None:
     used."""
     if _panel_kernel_runs(weight):
         panels = kernels.pack_panels(weight)
-        block_rows = kernels.linear_q4_max_rows()
-        q4 = block_panels.pack_q4(weight) if block_rows else None
-        q8 = block_panels.pack_q8(weight) if block_rows and q4 is None else None
+        narrow, bits = narrow_panels.pack(weight) or (None, 0)
+        narrow_rows = kernels.linear_narrow_max_rows(bits) if narrow is not None else 0
         return PackedWeight(
             panels,
             weight,
             min_rows,
             panels=True,
             large_rows_onednn=_onednn_runs(weight),
-            q4=q4,
-            q4_rows=block_rows if q4 is not None else 0,
-            q8=q8,
-            q8_rows=block_rows if q8 is not None else 0,
+            narrow=narrow if narrow_rows else None,
+            bits=bits if narrow_rows else 0,
+            narrow_rows=narrow_rows,
         )
     if not _onednn_runs(weight):
         return None
@@ -248,10 +240,8 @@ def pack_again(packed: PackedWeight | None, weight: torch.Tensor) -> PackedWeigh
     again = pack_weight(weight, packed.min_rows)
     if again is not None:
         again.hand_over(packed.onednn_rows)
-        if again.q4 is not None and packed.q4 is not None:
-            again.limit_q4(packed.q4_rows)
-        if again.q8 is not None and packed.q8 is not None:
-            again.limit_q8(packed.q8_rows)
+        if again.narrow is not None and packed.narrow is not None:
+            again.limit_narrow(packed.bits, packed.narrow_rows)
     return again
 
 
@@ -317,8 +307,8 @@ def pack_weights(module: nn.Module, calibrate: bool = True) -> list[PackedWeight
         for p in packed:
             p.min_rows = calibration.min_rows
             p.hand_over(calibration.onednn_rows)
-            p.limit_q4(calibration.q4_rows)
-            p.limit_q8(calibration.q8_rows)
+            for bits, rows in calibration.narrow_rows.items():
+                p.limit_narrow(bits, rows)
     return packed
 
 
@@ -328,17 +318,13 @@ class Calibration:
 
     min_rows: int  # packed from this many rows on
     onednn_rows: int  # panels hand over to oneDNN from this many rows on
-    q4_rows: int  # 4-bit panels read up to this many rows
-    q8_rows: int  # 8-bit panels likewise
-
-
-_CALIBRATION_FIELDS = ("min_rows", "onednn_rows", "q4_rows", "q8_rows")
+    narrow_rows: dict[int, int]  # narrow panels of each kind (bits) read up to this many rows
 
 
 def _cached_calibration(packed: Sequence[PackedWeight], megabytes: int) -> Calibration:
     """`calibrate_min_rows(packed)`, `calibrate_onednn_rows(packed)` and
-    `calibrate_block_rows(packed, 4 and 8)`, from the cache when this kind of machine has
-    measured these weights before (it takes seconds), else measured and cached."""
+    `calibrate_narrow_rows(packed, bits)` for each kind, from the cache when this kind of
+    machine has measured these weights before (it takes seconds), else measured and cached."""
     path = cache_root() / CALIBRATION_FILE
     key, described = _calibration_key(packed)
     cache = _read_calibrations(path)
@@ -350,20 +336,19 @@ def _cached_calibration(packed: Sequence[PackedWeight], megabytes: int) -> Calib
             megabytes=megabytes,
             packed_from_rows=cached.min_rows,
             onednn_from_rows=cached.onednn_rows,
-            q4_up_to_rows=cached.q4_rows,
-            q8_up_to_rows=cached.q8_rows,
+            narrow_up_to_rows=cached.narrow_rows,
             path=str(path),
         )
         return cached
     log.info("linear.calibrating", weights=len(packed), megabytes=megabytes, rows=CALIBRATION_ROWS)
     start, cpu_start = time.perf_counter(), time.process_time()
     min_rows = calibrate_min_rows(packed)
-    q4_rows, q8_rows = calibrate_block_rows(packed, 4), calibrate_block_rows(packed, 8)
+    narrow_rows = {bits: calibrate_narrow_rows(packed, bits) for bits in kernels.NARROW_BITS}
     for p in packed:  # the hand-over is timed on the panels as they will run
-        p.limit_q4(q4_rows)
-        p.limit_q8(q8_rows)
+        for bits, rows in narrow_rows.items():
+            p.limit_narrow(bits, rows)
     onednn_rows = calibrate_onednn_rows(packed)
-    calibration = Calibration(min_rows, onednn_rows, q4_rows, q8_rows)
+    calibration = Calibration(min_rows, onednn_rows, narrow_rows)
     wall = time.perf_counter() - start
     cpu_share = (time.process_time() - cpu_start) / (max(wall, 1e-9) * torch.get_num_threads())
     seconds = round(wall, 2)
@@ -373,8 +358,7 @@ def _cached_calibration(packed: Sequence[PackedWeight], megabytes: int) -> Calib
         megabytes=megabytes,
         packed_from_rows=min_rows,
         onednn_from_rows=onednn_rows,
-        q4_up_to_rows=q4_rows,
-        q8_up_to_rows=q8_rows,
+        narrow_up_to_rows=narrow_rows,
         calibration_seconds=seconds,
         cpu_share=round(cpu_share, 2),
     )
@@ -386,7 +370,11 @@ def _cached_calibration(packed: Sequence[PackedWeight], megabytes: int) -> Calib
             threads=torch.get_num_threads(),
         )
         return calibration
-    rows = {name: getattr(calibration, name) for name in _CALIBRATION_FIELDS}
+    rows = {
+        "min_rows": min_rows,
+        "onednn_rows": onednn_rows,
+        "narrow_rows": {str(bits): rows for bits, rows in narrow_rows.items()},
+    }
     cache[key] = {**described, **rows, "seconds": seconds}
     _write_calibrations(path, cache)
     return calibration
@@ -394,8 +382,8 @@ def _cached_calibration(packed: Sequence[PackedWeight], megabytes: int) -> Calib
 
 def _calibration_key(packed: Sequence[PackedWeight]) -> tuple[str, dict[str, Any]]:
     """What a calibration holds for: the CPU model, the thread count, the kernel library (or
-    none), torch's version and the packed weights' shapes and kinds (panels, 4-bit and 8-bit
-    panels); hashed, and the readable part."""
+    none), torch's version and the packed weights' shapes and kinds (panels, narrow panels'
+    bits); hashed, and the readable part."""
     described = {
         "cpu": kernels.cpu_model(),
         "threads": torch.get_num_threads(),
@@ -407,12 +395,11 @@ def _calibration_key(packed: Sequence[PackedWeight]) -> tuple[str, dict[str, Any
             *p.weight.shape,
             str(p.weight.dtype).removeprefix("torch."),
             p.panels,
-            p.q4 is not None,
-            p.q8 is not None,
+            p.bits,
         ]
         for p in packed
     ]
-    rules = [CALIBRATION_ROWS, ONEDNN_CALIBRATION_ROWS, ONEDNN_MARGIN, Q4_CALIBRATION_ROWS]
+    rules = [CALIBRATION_ROWS, ONEDNN_CALIBRATION_ROWS, ONEDNN_MARGIN, NARROW_CALIBRATION_ROWS]
     identity = json.dumps([described, weights, rules]).encode()
     return hashlib.sha256(identity).hexdigest()[:16], described
 
@@ -423,12 +410,16 @@ def _cached_entry(cache: dict[str, Any], key: str) -> Calibration | None:
     entry = cache.get(key)
     if not isinstance(entry, dict):
         return None
-    rows = [entry.get(name) for name in _CALIBRATION_FIELDS]
-    if not all(type(r) is int for r in rows):
+    min_rows, onednn_rows = entry.get("min_rows"), entry.get("onednn_rows")
+    narrow = entry.get("narrow_rows")
+    if not (type(min_rows) is int and type(onednn_rows) is int and isinstance(narrow, dict)):
         return None
-    if min(rows[:2]) >= 1 and min(rows[2:]) >= 0:
-        return Calibration(*rows)
-    return None
+    narrow_rows = {bits: narrow.get(str(bits)) for bits in kernels.NARROW_BITS}
+    if min(min_rows, onednn_rows) < 1 or not all(
+        type(r) is int and r >= 0 for r in narrow_rows.values()
+    ):
+        return None
+    return Calibration(min_rows, onednn_rows, narrow_rows)  # type: ignore[arg-type]
 
 
 def _read_calibrations(path: Path) -> dict[str, Any]:
@@ -515,8 +506,7 @@ def calibrate_onednn_rows(
                     p.tensor,
                     None,
                     p.weight.shape[0],
-                    p.q4_for(rows),
-                    p.q8_for(rows),
+                    *p.narrow_for(rows),
                 )
                 for p, x in zip(panels, inputs, strict=True)
             ],
@@ -527,34 +517,34 @@ def calibrate_onednn_rows(
     return PANEL_MAX_ROWS if rows is None else rows
 
 
-def calibrate_block_rows(
-    packed: Sequence[PackedWeight], bits: int, candidates: Sequence[int] = Q4_CALIBRATION_ROWS
+def calibrate_narrow_rows(
+    packed: Sequence[PackedWeight], bits: int, candidates: Sequence[int] = NARROW_CALIBRATION_ROWS
 ) -> int:
-    """The most rows at which the `bits`-bit panels (4 or 8) of `packed` (those that have them)
-    still beat their float32 panels: the candidate before the first at which one pass over them
-    on the float32 panels is as fast (best of 3, alternating), half the first candidate if that
-    is the first; the kernel's limit (`kernels.linear_q4_max_rows`) if they always win or none
-    has such panels (nothing to measure). Where they win at a handful of rows is not asked:
-    one row reads a sixth (4-bit) or 17/64 (8-bit) of the bytes (4-bit 1.97x faster on the Zen
-    4 above)."""
-    limit = kernels.linear_q4_max_rows()
-    name = f"q{bits}"
-    quantized = [p for p in packed if getattr(p, name) is not None]
+    """The most rows at which the narrow panels of kind `bits` of `packed` (those that have
+    them) still beat their float32 panels: the candidate before the first at which one pass
+    over them on the float32 panels is as fast (best of 3, alternating), half the first
+    candidate if that is the first; the kernel's limit (`kernels.linear_narrow_max_rows`) if
+    they always win or none has such panels (nothing to measure). Where they win at a handful
+    of rows is not asked: one row reads a sixth (4-bit), 17/64 (8-bit) or half (16-bit) of the
+    bytes (4-bit 1.97x faster on the Zen 4 above)."""
+    limit = kernels.linear_narrow_max_rows(bits)
+    narrow = [p for p in packed if p.narrow is not None and p.bits == bits]
     candidates = [rows for rows in candidates if rows <= limit]
-    if not quantized or not candidates:
+    if not narrow or not candidates:
         return limit
 
     def passes(rows: int) -> dict[str, list[Callable[[], Any]]]:
-        inputs = _constant_inputs(quantized, rows)
-        calls = {name: [], "float32": []}
-        for p, x in zip(quantized, inputs, strict=True):
+        inputs = _constant_inputs(narrow, rows)
+        calls = {f"{bits}-bit": [], "float32": []}
+        for p, x in zip(narrow, inputs, strict=True):
             n = p.weight.shape[0]
-            blocks = {name: getattr(p, name)}
-            calls[name].append(partial(kernels.panel_linear, x, p.tensor, None, n, **blocks))
+            calls[f"{bits}-bit"].append(
+                partial(kernels.panel_linear, x, p.tensor, None, n, p.narrow, bits)
+            )
             calls["float32"].append(partial(kernels.panel_linear, x, p.tensor, None, n))
         return calls
 
-    rows = _fewest_rows(candidates, 1.0, f"linear.{name}_calibration_step", passes)
+    rows = _fewest_rows(candidates, 1.0, f"linear.narrow_calibration_step_{bits}", passes)
     if rows is None:
         return limit
     earlier = [r for r in candidates if r < rows]

@@ -38,9 +38,10 @@
     X(L_INPUT_NORM, input_norm) X(L_QKV, qkv) X(L_QKV_BIAS, qkv_bias) X(L_Q_NORM, q_norm)     \
     X(L_K_NORM, k_norm) X(L_O, o) X(L_O_BIAS, o_bias) X(L_POST_NORM, post_norm)               \
     X(L_GATE_UP, gate_up) X(L_GATE_UP_BIAS, gate_up_bias) X(L_DOWN, down)                     \
-    X(L_DOWN_BIAS, down_bias) X(L_QKV_Q4, qkv_q4) X(L_O_Q4, o_q4) X(L_GATE_UP_Q4, gate_up_q4) \
-    X(L_DOWN_Q4, down_q4) X(L_QKV_Q8, qkv_q8) X(L_O_Q8, o_q8) X(L_GATE_UP_Q8, gate_up_q8)     \
-    X(L_DOWN_Q8, down_q8) X(L_GROUP, group)
+    X(L_DOWN_BIAS, down_bias) X(L_QKV_NARROW, qkv_narrow) X(L_QKV_BITS, qkv_bits)             \
+    X(L_O_NARROW, o_narrow) X(L_O_BITS, o_bits) X(L_GATE_UP_NARROW, gate_up_narrow)           \
+    X(L_GATE_UP_BITS, gate_up_bits) X(L_DOWN_NARROW, down_narrow) X(L_DOWN_BITS, down_bits)   \
+    X(L_GROUP, group)
 #define GROUP_COLUMNS(X)                                                                      \
     X(G_K_ROWS, k_rows) X(G_PAGES, pages) X(G_MAX_PAGES, max_pages)                           \
     X(G_FIRST_POS, first_pos) X(G_SEQ_LENS, seq_lens) X(G_WINDOW, window)
@@ -120,7 +121,7 @@ int decode_layers(const int64_t *layers, int64_t num_layers, const int64_t *cach
             const int given = l == 0 && attn_input;
             const int64_t in = given ? attn_in : hidden;
             panel_linear_team(given ? attn_input : h, in, PTR(layer[L_QKV]),
-                              PTR(layer[L_QKV_Q4]), PTR(layer[L_QKV_Q8]),
+                              PTR(layer[L_QKV_NARROW]), (int)layer[L_QKV_BITS],
                               PTR(layer[L_QKV_BIAS]), qkv, rows, qkv_width, in, is_bf16, packed);
             rope_write_kv_team(qkv, qkv_width, rows, heads, kv_heads, head_dim, cos, sin,
                                PTR(layer[L_Q_NORM]), PTR(layer[L_K_NORM]), eps,
@@ -134,17 +135,17 @@ int decode_layers(const int64_t *layers, int64_t num_layers, const int64_t *cach
                                         &failed);
 #pragma omp barrier
             if (bad_rows || failed) break; /* every thread sees the same counts after it */
-            panel_linear_team(attn, q_width, PTR(layer[L_O]), PTR(layer[L_O_Q4]),
-                              PTR(layer[L_O_Q8]), PTR(layer[L_O_BIAS]), delta, rows, hidden,
+            panel_linear_team(attn, q_width, PTR(layer[L_O]), PTR(layer[L_O_NARROW]),
+                              (int)layer[L_O_BITS], PTR(layer[L_O_BIAS]), delta, rows, hidden,
                               q_width, is_bf16, packed);
             add_rms_norm_team(x, hidden, delta, hidden, x, PTR(layer[L_POST_NORM]), h, rows,
                               hidden, eps, is_bf16);
-            panel_linear_team(h, hidden, PTR(layer[L_GATE_UP]), PTR(layer[L_GATE_UP_Q4]),
-                              PTR(layer[L_GATE_UP_Q8]), PTR(layer[L_GATE_UP_BIAS]), gate_up,
+            panel_linear_team(h, hidden, PTR(layer[L_GATE_UP]), PTR(layer[L_GATE_UP_NARROW]),
+                              (int)layer[L_GATE_UP_BITS], PTR(layer[L_GATE_UP_BIAS]), gate_up,
                               rows, 2 * inter, hidden, is_bf16, packed);
             silu_mul_team(gate_up, 2 * inter, act, rows, inter, is_bf16);
-            panel_linear_team(act, inter, PTR(layer[L_DOWN]), PTR(layer[L_DOWN_Q4]),
-                              PTR(layer[L_DOWN_Q8]), PTR(layer[L_DOWN_BIAS]), delta, rows,
+            panel_linear_team(act, inter, PTR(layer[L_DOWN]), PTR(layer[L_DOWN_NARROW]),
+                              (int)layer[L_DOWN_BITS], PTR(layer[L_DOWN_BIAS]), delta, rows,
                               hidden, inter, is_bf16, packed);
             /* The residual add, and the norm the next layer (or the model's end) starts with. */
             const int last = l + 1 == num_layers;

@@ -16,6 +16,10 @@
  * one zero-padded), each panel contiguous:
  *   float32:  [K][16]          panel element (k, c) = W[16p + c, k]
  *   bfloat16: [K2][16][2]      panel element (k2, c, i) = W[16p + c, 2 k2 + i], K2 = ceil(K/2)
+ * A float32 weight whose values are exactly those of a narrower form may also have "narrow"
+ * panels of that form (worker/cpu/narrow_panels.py), read instead and widened in registers to the
+ * same float32 values, summed in the same order: the same outputs bit for bit from fewer bytes.
+ * Their kind is given in bits: 4 (GGUF Q4_1 blocks), 8 (Q8_0 blocks), 16 (bfloat16 values).
  * bfloat16 products use the CPU's bfloat16 pair dot product (vdpbf16ps), accumulated in float32;
  * bias is added in float32 and the result rounded to bfloat16 once, as oneDNN's bf16 GEMM does.
  *
@@ -149,6 +153,14 @@
 TILES(tile_f32, TILES_F32, float, float, float, PANEL, __m512 w_k = _mm512_loadu_ps(w_d);,
       FMA_F32, STORE_F32)
 
+/* 16-bit panels of a float32 weight whose every value is a bfloat16 (its low 16 bits zero: a
+ * model or drafter saved in bfloat16 and run in float32): [K][16] upper halves, half the
+ * float32 panels' bytes, widened back by a shift (exact) and summed as the float32 tiles sum. */
+#define LOAD_B16                                                                             \
+    __m512 w_k = _mm512_castsi512_ps(                                                        \
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)w_d)), 16));
+TILES(tile_b16, TILES_B16, float, uint16_t, float, PANEL, LOAD_B16, FMA_F32, STORE_F32)
+
 #if defined(__AVX512BF16__)
 #define DOT_BF16(i)                                                                          \
     acc##i = _mm512_dpbf16_ps(acc##i, (__m512bh)_mm512_set1_epi32((int)a[i]), (__m512bh)w_k);
@@ -163,7 +175,7 @@ TILES(tile_bf16, TILES_BF16, uint32_t, uint16_t, uint16_t, 2 * PANEL,
  * kept as those blocks, a sixth of its float32 bytes, and each step's 16 weights are made
  * again in registers (q widened, then one fused multiply-add: d q is exact in float32, so the
  * value is the float32 weight's bit for bit). The products and their order are the float32
- * tiles', so are the sums. Layout (worker/cpu/block_panels.py): per panel of 16 columns, per
+ * tiles', so are the sums. Layout (worker/cpu/narrow_panels.py): per panel of 16 columns, per
  * 32-deep block, Q4_BLOCK_BYTES bytes: d[16] and m[16] as float16, then 16 bytes a pair of
  * steps, byte c = q(2j, c) | q(2j + 1, c) << 4. Tiles of up to Q4_MAX_TILE rows (24
  * accumulators and the expansion's 6 registers), each expanding the panel again: with tiles of
@@ -224,7 +236,7 @@ static void (*const TILES_Q4[Q4_MAX_TILE + 1])(const float *, const uint8_t *, i
  * head or embedding, often a whole model) is kept as those blocks, 17/64 of its float32 bytes;
  * each step's 16 weights are made again with one multiply (d q is exact in float32) and summed
  * as the float32 tiles sum them, so the outputs are theirs bit for bit. Layout
- * (worker/cpu/block_panels.py): per panel of 16 columns, per 32-deep block, Q8_BLOCK_BYTES bytes:
+ * (worker/cpu/narrow_panels.py): per panel of 16 columns, per 32-deep block, Q8_BLOCK_BYTES bytes:
  * d[16] as float16, then 32 steps of 16 codes, byte c of step j = q(j, c). Tiles as the 4-bit
  * ones (Q4_MAX_TILE rows), up to Q8_MAX_ROWS rows. */
 #define Q8_MAX_ROWS 64
@@ -339,6 +351,18 @@ static void q8_rows(const float *packed, const uint8_t *q8, const void *bias, fl
     }
 }
 
+/* Panel p of y for every row from 16-bit panels (`b16`), in the float32 tiles. */
+static void b16_rows(const float *packed, const uint16_t *b16, const void *bias, float *y,
+                     int64_t rows, int64_t n, int64_t k, int64_t p) {
+    const __mmask16 mask = column_mask(n, p);
+    const __m512 b = bias_f32(bias, p, mask, 0);
+    for (int64_t r0 = 0, tile; r0 < rows; r0 += tile) {
+        tile = tile_rows(rows - r0);
+        TILES_B16[tile](packed + r0 * k, b16 + p * k * PANEL, k, b, y + r0 * n + p * PANEL, n,
+                        mask);
+    }
+}
+
 #if defined(SPECSERVE_AMX)
 #define LINEAR_AMX 1
 #include <sys/syscall.h>
@@ -431,26 +455,37 @@ static inline int amx_runs(int64_t rows, int64_t k, int is_bf16) {
     _mm256_maskstore_ps(y + i * y_stride, mask_lo, _mm256_add_ps(lo##i, b_lo));              \
     _mm256_maskstore_ps(y + i * y_stride + 8, mask_hi, _mm256_add_ps(hi##i, b_hi));
 
-/* One tile: ROWS rows of packed float32 inputs ([depth][ROWS]) times one panel ([depth][16]),
- * plus bias, into ROWS rows of `y` (the panel's valid columns only). */
-#define TILE_2(ROWS)                                                                         \
-    static void tile_f32_##ROWS(const float *ap, const float *panel, int64_t depth,          \
-                                __m256 b_lo, __m256 b_hi, float *y, int64_t y_stride,        \
-                                __m256i mask_lo, __m256i mask_hi) {                          \
+/* One tile: ROWS rows of packed float32 inputs ([depth][ROWS]) times one panel ([depth][16]
+ * of W_T, which WIDEN(at) makes 8 float32 weights of), plus bias, into ROWS rows of `y` (the
+ * panel's valid columns only). */
+#define TILE_2(KIND, ROWS, W_T, WIDEN)                                                       \
+    static void KIND##_##ROWS(const float *ap, const W_T *panel, int64_t depth, __m256 b_lo, \
+                              __m256 b_hi, float *y, int64_t y_stride, __m256i mask_lo,      \
+                              __m256i mask_hi) {                                             \
         REP##ROWS(ZERO_2)                                                                    \
         for (int64_t d = 0; d < depth; d++) {                                                \
             const float *a = ap + d * ROWS;                                                  \
-            const float *w_d = panel + d * PANEL;                                            \
-            const __m256 w_lo = _mm256_loadu_ps(w_d), w_hi = _mm256_loadu_ps(w_d + 8);       \
+            const W_T *w_d = panel + d * PANEL;                                              \
+            const __m256 w_lo = WIDEN(w_d), w_hi = WIDEN(w_d + 8);                           \
             _mm_prefetch((const char *)w_d + PREFETCH, _MM_HINT_T0);                         \
             REP##ROWS(FMA_2)                                                                 \
         }                                                                                    \
         REP##ROWS(STORE_2)                                                                   \
     }
-TILE_2(1) TILE_2(2) TILE_2(3) TILE_2(4) TILE_2(5) TILE_2(6)
-static void (*const TILES_F32[MAX_TILE + 1])(const float *, const float *, int64_t, __m256,
-                                             __m256, float *, int64_t, __m256i, __m256i) = {
-    NULL, tile_f32_1, tile_f32_2, tile_f32_3, tile_f32_4, tile_f32_5, tile_f32_6};
+#define TILES_2(KIND, TABLE, W_T, WIDEN)                                                     \
+    TILE_2(KIND, 1, W_T, WIDEN) TILE_2(KIND, 2, W_T, WIDEN) TILE_2(KIND, 3, W_T, WIDEN)      \
+    TILE_2(KIND, 4, W_T, WIDEN) TILE_2(KIND, 5, W_T, WIDEN) TILE_2(KIND, 6, W_T, WIDEN)      \
+    static void (*const TABLE[MAX_TILE + 1])(const float *, const W_T *, int64_t, __m256,    \
+                                             __m256, float *, int64_t, __m256i, __m256i) = { \
+        NULL, KIND##_1, KIND##_2, KIND##_3, KIND##_4, KIND##_5, KIND##_6};
+#define LOAD8_F32(at) _mm256_loadu_ps(at)
+/* 8 bfloat16 values widened to float32 (a shift: exact). */
+#define WIDEN8_B16(at)                                                                       \
+    _mm256_castsi256_ps(                                                                     \
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(at))), 16))
+TILES_2(tile_f32, TILES_F32, float, LOAD8_F32)
+/* 16-bit panels (the AVX-512 body's layout and sums): in the float32 tiles. */
+TILES_2(tile_b16, TILES_B16, uint16_t, WIDEN8_B16)
 
 /* bfloat16: inputs [K2][ROWS][2] as float32 pairs, panel [K2][16][2], 8 columns at a time. */
 #define PAIR_FMA(acc, i)                                                                     \
@@ -746,6 +781,20 @@ static void panel_rows(const void *packed, const void *panels, const void *bias,
                             (float *)y + r0 * n + p * PANEL, n, mask_lo, mask_hi);
     }
 }
+
+/* Panel p of y for every row from 16-bit panels (`b16`). */
+static void b16_rows(const float *packed, const uint16_t *b16, const void *bias, float *y,
+                     int64_t rows, int64_t n, int64_t k, int64_t p) {
+    const int64_t valid = n - p * PANEL;
+    const __m256i mask_lo = lanes_below(valid), mask_hi = lanes_below(valid - 8);
+    __m256 b_lo, b_hi;
+    bias_f32(bias, p, valid, 0, &b_lo, &b_hi);
+    for (int64_t r0 = 0, tile; r0 < rows; r0 += tile) {
+        tile = tile_rows(rows - r0);
+        TILES_B16[tile](packed + r0 * k, b16 + p * k * PANEL, k, b_lo, b_hi,
+                        y + r0 * n + p * PANEL, n, mask_lo, mask_hi);
+    }
+}
 #if defined(LINEAR_Q4)
 /* Panel p of y for every row from 4-bit panels: whole tiles, or each tile in its two halves. */
 static void q4_rows(const float *packed, const uint8_t *q4, const void *bias, float *y,
@@ -798,16 +847,31 @@ static void q8_rows(const float *packed, const uint8_t *q8, const void *bias, fl
 #define PAIRS_AS_FLOAT32 0
 #endif
 
-#if defined(LINEAR_Q4)
-/* Whether a call runs on 4-bit panels: it has them, float32, few rows, K whole blocks. */
-static inline int q4_runs(int has_q4, int64_t rows, int64_t k, int is_bf16) {
-    return has_q4 && !is_bf16 && rows <= Q4_MAX_ROWS && k % Q4_DEPTH == 0;
-}
-#elif defined(LINEAR_SIMD)
-/* No 4-bit panels (AVX2 without F16C): the packing's tiles are the float32 ones. */
+#if defined(LINEAR_SIMD)
+#if !defined(LINEAR_Q4)
+/* No block panels (AVX2 without F16C): the packing's tiles are the float32 ones. */
 static inline int64_t q4_tile_rows(int64_t rows, int64_t left) {
     (void)rows;
     return tile_rows(left);
+}
+#endif
+
+/* The kind of narrow panels (in bits) a call runs on, 0 for none: float32 rows, panels of a kind
+ * this build has, and for blocks few rows and K whole blocks. */
+static inline int narrow_runs(int bits, int64_t rows, int64_t k, int is_bf16) {
+    if (is_bf16) return 0;
+    if (bits == 16) return 16;
+#if defined(LINEAR_Q4)
+    if ((bits == 4 || bits == 8) && rows <= Q4_MAX_ROWS && k % Q4_DEPTH == 0) return bits;
+#else
+    (void)rows, (void)k;
+#endif
+    return 0;
+}
+
+/* The next tile's rows on panels of kind `bits` (0: float32 or bfloat16). */
+static inline int64_t kind_tile_rows(int bits, int64_t rows, int64_t left) {
+    return bits == 4 || bits == 8 ? q4_tile_rows(rows, left) : tile_rows(left);
 }
 #endif
 
@@ -849,26 +913,21 @@ int64_t linear_amx_min_rows(void) {
 /* 1 where bfloat16 panels are widened to float32 (AVX2: float32's multiply rate, half its bytes). */
 int linear_widens_bf16(void) { return PAIRS_AS_FLOAT32; }
 
-/* The row tiles an input of `rows` rows by `k` makes (`q4`: of a weight with 4-bit panels):
- * each is a pass over every panel, which a step pays beyond its rows' arithmetic (the first
- * from memory, the rest from cache but not overlapped with the stream; a 4-bit pass also
- * expands the panel again); 0 without the kernel. */
-int64_t linear_row_tiles(int64_t rows, int64_t k, int is_bf16, int q4) {
+/* The row tiles an input of `rows` rows by `k` makes (`bits`: of a weight with narrow panels of
+ * that kind, 0 without): each is a pass over every panel, which a step pays beyond its rows'
+ * arithmetic (the first from memory, the rest from cache but not overlapped with the stream; a
+ * block pass also expands the panel again); 0 without the kernel. */
+int64_t linear_row_tiles(int64_t rows, int64_t k, int is_bf16, int bits) {
 #if defined(LINEAR_SIMD)
 #if defined(LINEAR_AMX)
     if (amx_runs(rows, k, is_bf16)) return (rows + 15) / 16;
 #endif
-#if defined(LINEAR_Q4)
-    if (q4_runs(q4, rows, k, is_bf16)) {
-        int64_t tiles = 0;
-        for (int64_t r0 = 0; r0 < rows; r0 += q4_tile_rows(rows, rows - r0)) tiles++;
-        return tiles;
-    }
-#endif
-    (void)k, (void)is_bf16, (void)q4;
-    return (rows + MAX_TILE - 1) / MAX_TILE;
+    const int kind = narrow_runs(bits, rows, k, is_bf16);
+    int64_t tiles = 0;
+    for (int64_t r0 = 0; r0 < rows; r0 += kind_tile_rows(kind, rows, rows - r0)) tiles++;
+    return tiles;
 #else
-    (void)rows, (void)k, (void)is_bf16, (void)q4;
+    (void)rows, (void)k, (void)is_bf16, (void)bits;
     return 0;
 #endif
 }
@@ -898,18 +957,12 @@ int64_t linear_packed_bytes(int64_t rows, int64_t k, int is_bf16) {
  * threads of the calling team first repack the inputs into `packed` (tile by tile,
  * [depth][tile rows]: each step of the inner loop then reads one contiguous run of 4-byte
  * values, a float32 or a pair of bfloat16, to broadcast), then split the panels. */
-void panel_linear_team(const void *x, int64_t x_stride, const void *panels, const void *q4,
-                       const void *q8, const void *bias, void *y, int64_t rows, int64_t n,
-                       int64_t k, int is_bf16, void *packed) {
+void panel_linear_team(const void *x, int64_t x_stride, const void *panels, const void *narrow,
+                       int bits, const void *bias, void *y, int64_t rows, int64_t n, int64_t k,
+                       int is_bf16, void *packed) {
 #if defined(LINEAR_SIMD)
     const int64_t depth = is_bf16 ? (k + 1) / 2 : k; /* K, or K2 bfloat16 pairs */
-#if defined(LINEAR_Q4)
-    const int on_q4 = q4_runs(q4 != NULL, rows, k, is_bf16);
-    const int on_q8 = !on_q4 && q4_runs(q8 != NULL, rows, k, is_bf16);
-#else
-    (void)q4, (void)q8;
-    const int on_q4 = 0, on_q8 = 0;
-#endif
+    const int kind = narrow == NULL ? 0 : narrow_runs(bits, rows, k, is_bf16);
 #if defined(LINEAR_AMX)
     if (amx_runs(rows, k, is_bf16)) { /* every thread decides alike: no barrier is skipped */
         amx_configure(rows % 16);
@@ -922,7 +975,7 @@ void panel_linear_team(const void *x, int64_t x_stride, const void *panels, cons
     }
 #endif
     for (int64_t r0 = 0, tile; r0 < rows; r0 += tile) {
-        tile = on_q4 || on_q8 ? q4_tile_rows(rows, rows - r0) : tile_rows(rows - r0);
+        tile = kind_tile_rows(kind, rows, rows - r0);
 #pragma omp for schedule(static) nowait
         for (int64_t d = 0; d < depth; d++) {
             for (int64_t r = 0; r < tile; r++) {
@@ -948,44 +1001,45 @@ void panel_linear_team(const void *x, int64_t x_stride, const void *panels, cons
 #pragma omp barrier
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < (n + PANEL - 1) / PANEL; p++) {
+        switch (kind) {
 #if defined(LINEAR_Q4)
-        if (on_q4) {
-            q4_rows(packed, q4, bias, y, rows, n, k, p);
-            continue;
-        }
-        if (on_q8) {
-            q8_rows(packed, q8, bias, y, rows, n, k, p);
-            continue;
-        }
+        case 4: q4_rows(packed, narrow, bias, y, rows, n, k, p); break;
+        case 8: q8_rows(packed, narrow, bias, y, rows, n, k, p); break;
 #endif
-        panel_rows(packed, panels, bias, y, rows, n, depth, p, is_bf16);
+        case 16: b16_rows(packed, narrow, bias, y, rows, n, k, p); break;
+        default: panel_rows(packed, panels, bias, y, rows, n, depth, p, is_bf16);
+        }
     }
 #else
-    (void)x, (void)x_stride, (void)panels, (void)q4, (void)q8, (void)bias, (void)y, (void)rows;
-    (void)n, (void)k, (void)is_bf16, (void)packed;
+    (void)x, (void)x_stride, (void)panels, (void)narrow, (void)bits, (void)bias, (void)y;
+    (void)rows, (void)n, (void)k, (void)is_bf16, (void)packed;
 #endif
 }
 
-/* The most rows 4-bit and 8-bit panels run (AVX-512: 64, AVX2: 16); 0 where there are none (a
- * build with neither AVX-512 nor AVX2 with F16C). */
-int64_t linear_q4_max_rows(void) {
+/* The most rows narrow panels of kind `bits` run: 4-bit and 8-bit blocks 64 (AVX-512) or 16
+ * (AVX2), 16-bit ones as many as the float32 panels; 0 where there are none (blocks need AVX-512
+ * or AVX2 with F16C) or for another kind. */
+int64_t linear_narrow_max_rows(int bits) {
+#if defined(LINEAR_SIMD)
+    if (bits == 16) return INT32_MAX;
 #if defined(LINEAR_Q4)
-    return Q4_MAX_ROWS;
-#else
-    return 0;
+    if (bits == 4 || bits == 8) return Q4_MAX_ROWS;
 #endif
+#endif
+    (void)bits;
+    return 0;
 }
 
 /* The standalone call: returns 0, 1 when the packed-input buffer cannot be allocated, 2 for an
  * unsupported dtype. */
-int panel_linear(const void *x, int64_t x_stride, const void *panels, const void *q4,
-                 const void *q8, const void *bias, void *y, int64_t rows, int64_t n, int64_t k,
+int panel_linear(const void *x, int64_t x_stride, const void *panels, const void *narrow,
+                 int bits, const void *bias, void *y, int64_t rows, int64_t n, int64_t k,
                  int is_bf16) {
     if (!(linear_kernel_dtypes() & (is_bf16 ? 2 : 1))) return 2;
     void *packed = malloc((size_t)linear_packed_bytes(rows, k, is_bf16));
     if (packed == NULL) return 1;
 #pragma omp parallel
-    panel_linear_team(x, x_stride, panels, q4, q8, bias, y, rows, n, k, is_bf16, packed);
+    panel_linear_team(x, x_stride, panels, narrow, bits, bias, y, rows, n, k, is_bf16, packed);
     free(packed);
     return 0;
 }

@@ -59,13 +59,14 @@ void paged_prefill_attention_team(const void *query, int64_t q_row_stride, const
                                   int64_t block_size, int64_t window, float scale, int is_bf16,
                                   int *failed);
 
-/* y[rows, n] = x[rows, k] W^T + bias for W as panels (linear.c), or for float32 rows its 4-bit
- * panels `q4` or its 8-bit panels `q8` where given (NULL: none) and they run this many rows
- * (the same sums bit for bit); `packed` is scratch of `linear_packed_bytes(rows, k, is_bf16)`
- * bytes for the repacked inputs. Only where `linear_kernel_dtypes()` has the dtype's bit. */
-void panel_linear_team(const void *x, int64_t x_stride, const void *panels, const void *q4,
-                       const void *q8, const void *bias, void *y, int64_t rows, int64_t n,
-                       int64_t k, int is_bf16, void *packed);
+/* y[rows, n] = x[rows, k] W^T + bias for W as panels (linear.c), or for float32 rows its narrow
+ * panels `narrow` of kind `bits` (4, 8: blocks, 16: bfloat16 values) where given (NULL: none)
+ * and they run this many rows (the same sums bit for bit); `packed` is scratch of
+ * `linear_packed_bytes(rows, k, is_bf16)` bytes for the repacked inputs. Only where
+ * `linear_kernel_dtypes()` has the dtype's bit. */
+void panel_linear_team(const void *x, int64_t x_stride, const void *panels, const void *narrow,
+                       int bits, const void *bias, void *y, int64_t rows, int64_t n, int64_t k,
+                       int is_bf16, void *packed);
 int64_t linear_packed_bytes(int64_t rows, int64_t k, int is_bf16);
 /* Column `column` of W (float32 panels of depth k) times x: what panel_linear gives for it. */
 float panel_column_f32(const float *x, const float *panels, int64_t k, int64_t column);

@@ -1,4 +1,4 @@
-"""Block panels (`worker/cpu/block_panels.py`, `csrc/linear.c`): a float32 weight made of exact
+"""Block panels (`worker/cpu/narrow_panels.py`, `csrc/linear.c`): a float32 weight made of exact
 4-bit blocks (`d q + m`, as a GGUF Q4_1 tensor dequantizes) or 8-bit ones (`d q`, Q8_0) is found,
 laid out, and multiplied with the float32 panels' sums bit for bit, alone and inside the fused
 decode step."""
@@ -12,13 +12,13 @@ import torch
 from paged_driver import greedy_decode_logits
 
 from specserve.shared.gguf_metadata import find_bundled_gguf
-from specserve.worker.cpu import block_panels, fused_decode, kernels
+from specserve.worker.cpu import fused_decode, kernels, narrow_panels
 from specserve.worker.cpu import linear as linear_module
 from specserve.worker.cpu.linear import (
     Linear,
     PackedWeight,
     _calibration_key,
-    calibrate_block_rows,
+    calibrate_narrow_rows,
     pack_again,
     pack_weight,
 )
@@ -26,7 +26,7 @@ from specserve.worker.gguf_loader import load_gguf
 from specserve.worker.loader import load_model
 
 pytestmark = pytest.mark.skipif(
-    not kernels.linear_q4_max_rows(), reason="no 4-bit panels on this CPU (AVX-512, AVX2)"
+    not kernels.linear_narrow_max_rows(4), reason="no block panels on this CPU (AVX-512, AVX2)"
 )
 
 
@@ -63,9 +63,9 @@ def test_the_layout_is_the_kernels() -> None:
     """17 rows (a padded second panel) of depth 64: per panel and block, d and m as float16,
     then byte c of pair j = q(2j, c) | q(2j + 1, c) << 4; padded rows all zeros."""
     d, m, q = _blocks(17, 64, seed=1)
-    packed = block_panels.pack_q4(_dequantized(d, m, q))
+    packed = narrow_panels.pack_q4(_dequantized(d, m, q))
     assert packed is not None and packed.dtype == torch.uint8
-    assert packed.numel() == kernels.q4_panels_bytes(17, 64) == 2 * 2 * 320
+    assert packed.numel() == kernels.narrow_panels_bytes(4, 17, 64) == 2 * 2 * 320
     expected: list[int] = []
     for panel in range(2):
         for block in range(2):
@@ -87,54 +87,54 @@ def test_4bit_panels_give_the_float32_panels_sums_bit_for_bit(n: int, k: int) ->
     half tiles of 5-8), of several, the most the 4-bit panels take and one more (the float32
     panels then run), with a bias and a column count that pads the last panel."""
     weight = _dequantized(*_blocks(n, k, seed=n + k))
-    q4 = block_panels.pack_q4(weight)
+    q4 = narrow_panels.pack_q4(weight)
     assert q4 is not None
     panels = kernels.pack_panels(weight)
     gen = torch.Generator().manual_seed(2)
     bias = torch.randn(n, generator=gen)
-    most = kernels.linear_q4_max_rows()
+    most = kernels.linear_narrow_max_rows(4)
     for rows in [*range(1, 26), 33, 49, most, most + 1]:
         x = torch.randn(rows, k, generator=gen)
         want = kernels.panel_linear(x, panels, bias, n)
-        assert torch.equal(kernels.panel_linear(x, panels, bias, n, q4), want), rows
+        assert torch.equal(kernels.panel_linear(x, panels, bias, n, q4, 4), want), rows
 
 
 def test_4bit_row_tiles_are_the_kernels_passes() -> None:
     """The 4-bit tiles up to the most rows the 4-bit panels take, the float32 panels' tiles
     beyond, and where K is not whole blocks (the speculation policy prices them)."""
-    most, f32_tile = kernels.linear_q4_max_rows(), _float32_tile_rows()
+    most, f32_tile = kernels.linear_narrow_max_rows(4), _float32_tile_rows()
     for rows in (1, 4, 5, 8, 9, 16, 17, 24, 25, 48, 49, 64):
         want = _4bit_tiles(rows) if rows <= most else -(-rows // f32_tile)
-        assert kernels.linear_row_tiles(rows, 576, torch.float32, q4=True) == want, rows
-    assert kernels.linear_row_tiles(25, 48, torch.float32, q4=True) == -(-25 // f32_tile)
+        assert kernels.linear_row_tiles(rows, 576, torch.float32, bits=4) == want, rows
+    assert kernels.linear_row_tiles(25, 48, torch.float32, bits=4) == -(-25 // f32_tile)
 
 
 def test_weights_not_made_of_4bit_blocks_get_none() -> None:
     d, m, q = _blocks(32, 64, seed=3)
     exact = _dequantized(d, m, q)
-    assert block_panels.pack_q4(exact) is not None
+    assert narrow_panels.pack_q4(exact) is not None
     nudged = exact.clone()
     nudged[20, 40] = torch.nextafter(nudged[20, 40], torch.tensor(1.0))  # past the probe rows
-    assert block_panels.pack_q4(nudged) is None
-    assert block_panels.pack_q4(torch.randn(32, 64)) is None
-    assert block_panels.pack_q4(exact[:, :48]) is None  # not whole blocks
-    assert block_panels.pack_q4(exact.to(torch.bfloat16)) is None
+    assert narrow_panels.pack_q4(nudged) is None
+    assert narrow_panels.pack_q4(torch.randn(32, 64)) is None
+    assert narrow_panels.pack_q4(exact[:, :48]) is None  # not whole blocks
+    assert narrow_panels.pack_q4(exact.to(torch.bfloat16)) is None
     with_nan = exact.clone()
     with_nan[0, 0] = float("nan")
-    assert block_panels.pack_q4(with_nan) is None
+    assert narrow_panels.pack_q4(with_nan) is None
     constant = torch.full((16, 32), 0.25)  # d = 0: every value m
-    assert block_panels.pack_q4(constant) is not None
+    assert narrow_panels.pack_q4(constant) is not None
 
 
 def test_panel_linear_refuses_4bit_panels_that_do_not_fit() -> None:
     weight = _dequantized(*_blocks(32, 64, seed=4))
-    q4, panels = block_panels.pack_q4(weight), kernels.pack_panels(weight)
+    q4, panels = narrow_panels.pack_q4(weight), kernels.pack_panels(weight)
     assert q4 is not None
     with pytest.raises(ValueError, match="4-bit panels"):
-        kernels.panel_linear(torch.randn(2, 64), panels, None, 32, q4[:-1])
+        kernels.panel_linear(torch.randn(2, 64), panels, None, 32, q4[:-1], 4)
     with pytest.raises(ValueError, match="4-bit panels"):
         bf16 = kernels.pack_panels(weight.to(torch.bfloat16))
-        kernels.panel_linear(torch.randn(2, 64).to(torch.bfloat16), bf16, None, 32, q4)
+        kernels.panel_linear(torch.randn(2, 64).to(torch.bfloat16), bf16, None, 32, q4, 4)
 
 
 def test_the_bundled_models_layers_are_found_as_4bit_blocks() -> None:
@@ -144,8 +144,8 @@ def test_the_bundled_models_layers_are_found_as_4bit_blocks() -> None:
     layer = {name: w for name, w in state.items() if name.startswith("model.layers.0.")}
     linears = [w for name, w in layer.items() if name.endswith("proj.weight")]
     assert len(linears) == 7
-    assert all(block_panels.pack_q4(w) is not None for w in linears)
-    assert block_panels.pack_q4(state["model.embed_tokens.weight"][:64]) is None
+    assert all(narrow_panels.pack_q4(w) is not None for w in linears)
+    assert narrow_panels.pack_q4(state["model.embed_tokens.weight"][:64]) is None
 
 
 def test_decode_steps_on_4bit_panels_equal_the_float32_panels(
@@ -158,12 +158,12 @@ def test_decode_steps_on_4bit_panels_equal_the_float32_panels(
     try:
         model = load_model(llama_ckpt.path, torch.float32)
         blocks = {
-            name: block_panels.round_to_q4_blocks(value) if name.endswith("proj.weight") else value
+            name: narrow_panels.round_to_q4_blocks(value) if name.endswith("proj.weight") else value
             for name, value in model.state_dict().items()
         }
         model.load_state_dict(blocks)  # packs the linear weights again
         linears = [m for m in model.layers.modules() if isinstance(m, Linear)]
-        assert linears and all(m.packed.q4 is not None for m in linears)
+        assert linears and all(m.packed.bits == 4 for m in linears)
         tables = []
         layer_row = fused_decode._layer_row
 
@@ -175,17 +175,18 @@ def test_decode_steps_on_4bit_panels_equal_the_float32_panels(
         with monkeypatch.context() as patch:
             patch.setattr(fused_decode, "_layer_row", spy)
             on_4bit = greedy_decode_logits(model, [3, 11, 1, 17, 8], steps=6, seed=5)
-        columns = ("qkv_q4", "o_q4", "gate_up_q4", "down_q4")
-        assert tables and all(getattr(row, c) for row in tables for c in columns)
+        columns = ("qkv", "o", "gate_up", "down")
+        assert tables and all(getattr(row, f"{c}_narrow") for row in tables for c in columns)
+        assert all(getattr(row, f"{c}_bits") == 4 for row in tables for c in columns)
         sizes = (1, 4, 5, 8, 9, 16, 24, 25)
-        most = kernels.linear_q4_max_rows()
+        most = kernels.linear_narrow_max_rows(4)
         assert [model.row_tiles()(rows) for rows in sizes] == [
             _4bit_tiles(rows) if rows <= most else -(-rows // _float32_tile_rows())
             for rows in sizes
         ]
-        monkeypatch.setattr(kernels, "linear_q4_max_rows", lambda: 0)
+        monkeypatch.setattr(kernels, "linear_narrow_max_rows", lambda bits: 0)
         model.load_state_dict(blocks)  # packed again, without 4-bit panels
-        assert all(m.packed.q4 is None for m in linears)
+        assert all(m.packed.narrow is None for m in linears)
         on_float32 = greedy_decode_logits(model, [3, 11, 1, 17, 8], steps=6, seed=5)
     finally:
         torch.set_num_threads(threads)
@@ -198,10 +199,10 @@ def test_a_calibration_tells_4bit_weights_from_float32_ones() -> None:
     panels it times read them): two models of the same shapes, one of 4-bit blocks, do not
     share an entry."""
     gen = torch.Generator().manual_seed(6)
-    four_bit = pack_weight(block_panels.round_to_q4_blocks(torch.randn(64, 64, generator=gen)))
+    four_bit = pack_weight(narrow_panels.round_to_q4_blocks(torch.randn(64, 64, generator=gen)))
     plain = pack_weight(torch.randn(64, 64, generator=gen))
     assert four_bit is not None and plain is not None
-    assert four_bit.q4 is not None and plain.q4 is None
+    assert four_bit.bits == 4 and plain.narrow is None
     assert _calibration_key([four_bit])[0] != _calibration_key([plain])[0]
 
 
@@ -209,20 +210,20 @@ def test_a_calibration_tells_4bit_weights_from_float32_ones() -> None:
 
 
 def _q8_weight(n: int = 64, k: int = 96) -> PackedWeight:
-    weight = block_panels.round_to_q8_blocks(
+    weight = narrow_panels.round_to_q8_blocks(
         torch.randn(n, k, generator=torch.Generator().manual_seed(11))
     )
     packed = pack_weight(weight)
-    assert packed is not None and packed.q8 is not None and packed.q4 is None
-    assert packed.q8_rows == kernels.linear_q4_max_rows()
+    assert packed is not None and packed.narrow is not None and packed.bits == 8
+    assert packed.narrow_rows == kernels.linear_narrow_max_rows(8)
     return packed
 
 
 def _q4_weight(n: int = 64, k: int = 96) -> PackedWeight:
     d, m, q = _blocks(n, k, seed=4)
     packed = pack_weight(_dequantized(d, m, q))
-    assert packed is not None and packed.q4 is not None
-    assert packed.q4_rows == kernels.linear_q4_max_rows()
+    assert packed is not None and packed.narrow is not None and packed.bits == 4
+    assert packed.narrow_rows == kernels.linear_narrow_max_rows(4)
     return packed
 
 
@@ -231,10 +232,10 @@ def _timings(q4_loses_from: int | None):
     float32 pass 1.5 below `q4_loses_from` rows and 0.9 from there on."""
 
     def best(*passes):
-        quantized_calls, float32_calls = passes
-        rows = quantized_calls[0].args[0].shape[0]
-        assert any(v is not None for v in quantized_calls[0].keywords.values())
-        assert len(float32_calls[0].args) == 4 and not float32_calls[0].keywords
+        narrow_calls, float32_calls = passes
+        rows = narrow_calls[0].args[0].shape[0]
+        assert narrow_calls[0].args[4] is not None and narrow_calls[0].args[5] in (4, 8, 16)
+        assert len(float32_calls[0].args) == 4
         lost = q4_loses_from is not None and rows >= q4_loses_from
         return [1.0, 0.9 if lost else 1.5]
 
@@ -242,24 +243,28 @@ def _timings(q4_loses_from: int | None):
 
 
 @pytest.mark.parametrize(("loses_from", "expected"), [(32, 24), (16, 8), (64, 48), (None, None)])
-def test_the_4bit_row_limit_is_the_last_row_count_where_they_won(
+def test_the_narrow_row_limit_is_the_last_row_count_where_they_won(
     monkeypatch: pytest.MonkeyPatch, loses_from: int | None, expected: int | None
 ) -> None:
-    """`calibrate_block_rows`: the candidate before the first where the float32 panels are as fast,
-    half the first candidate where that is the first, the kernel's limit where the 4-bit panels
-    always win (or where no weight has them, without timing anything)."""
-    most = kernels.linear_q4_max_rows()
+    """`calibrate_narrow_rows`: the candidate before the first where the float32 panels are
+    as fast, half the first candidate where that is the first, the kernel's limit for the kind
+    where the narrow panels always win (or where no weight has them, timing nothing)."""
     monkeypatch.setattr(linear_module, "_best_passes", _timings(loses_from))
-    candidates = [r for r in linear_module.Q4_CALIBRATION_ROWS if r <= most]
-    if loses_from is not None and loses_from not in candidates:
-        expected = most  # an AVX2 kernel stops at 16 rows: never reached
-    assert calibrate_block_rows([_q4_weight()], 4) == (most if expected is None else expected)
-    assert calibrate_block_rows([_q8_weight()], 8) == (most if expected is None else expected)
+    b16 = pack_weight(torch.randn(64, 96).to(torch.bfloat16).float())
+    assert b16 is not None and b16.bits == 16
+    for bits, weight in ((4, _q4_weight()), (8, _q8_weight()), (16, b16)):
+        most = kernels.linear_narrow_max_rows(bits)
+        candidates = [r for r in linear_module.NARROW_CALIBRATION_ROWS if r <= most]
+        want = most if expected is None else expected
+        if loses_from is not None and loses_from not in candidates:
+            want = most  # an AVX2 kernel's blocks stop at 16 rows: never reached
+        assert calibrate_narrow_rows([weight], bits) == want, bits
     plain = pack_weight(torch.randn(64, 96))
-    assert plain is not None and plain.q4 is None and plain.q8 is None
+    assert plain is not None and plain.narrow is None
     monkeypatch.setattr(linear_module, "_best_passes", None)  # nothing timed
-    assert calibrate_block_rows([plain], 4) == most
-    assert calibrate_block_rows([_q4_weight()], 8) == most  # no 8-bit panels among them
+    most = kernels.linear_narrow_max_rows(4)
+    assert calibrate_narrow_rows([plain], 4) == most
+    assert calibrate_narrow_rows([_q4_weight()], 8) == most  # no 8-bit panels among them
 
 
 def test_inputs_beyond_the_4bit_row_limit_read_the_float32_panels(
@@ -269,13 +274,13 @@ def test_inputs_beyond_the_4bit_row_limit_read_the_float32_panels(
     not for 5 (its row tiles then the float32 tiles'; the fused decode step's table likewise),
     with the same outputs; packing it again keeps the limit."""
     packed = _q4_weight()
-    packed.q4_rows = 4
+    packed.narrow_rows = 4
     given: list[bool] = []
     panel_linear = kernels.panel_linear
 
-    def spy(x, tensor, bias, n, q4=None, q8=None):
-        given.append(q4 is not None)
-        return panel_linear(x, tensor, bias, n, q4, q8)
+    def spy(x, tensor, bias, n, narrow=None, bits=0):
+        given.append(narrow is not None)
+        return panel_linear(x, tensor, bias, n, narrow, bits)
 
     monkeypatch.setattr(kernels, "panel_linear", spy)
     x = torch.randn(5, 96)
@@ -283,13 +288,13 @@ def test_inputs_beyond_the_4bit_row_limit_read_the_float32_panels(
         assert torch.equal(packed(x[:rows], None), panel_linear(x[:rows], packed.tensor, None, 64))
     assert given == [True, True, False]
     assert packed.row_tiles(4) == _4bit_tiles(4)
-    assert packed.row_tiles(5) == kernels.linear_row_tiles(5, 96, torch.float32, False)
+    assert packed.row_tiles(5) == kernels.linear_row_tiles(5, 96, torch.float32)
     layer = Linear(96, 64, bias=False)
     layer.packed = packed
     assert fused_decode._linear_addresses(layer, torch.float32, 4, 96, 64)[2] != 0
     assert fused_decode._linear_addresses(layer, torch.float32, 5, 96, 64)[2] == 0
     again = pack_again(packed, packed.weight)
-    assert again is not None and again.q4 is not None and again.q4_rows == 4
+    assert again is not None and again.bits == 4 and again.narrow_rows == 4
 
 
 def test_a_calibrated_4bit_row_limit_is_cached_and_applied(
@@ -304,7 +309,7 @@ def test_a_calibrated_4bit_row_limit_is_cached_and_applied(
     limits_at_hand_over: list[list[tuple[int, int]]] = []
 
     def hand_over(packed):  # timed on the panels as they will run: the limits already set
-        limits_at_hand_over.append([(p.q4_rows, p.q8_rows) for p in packed])
+        limits_at_hand_over.append([(p.bits, p.narrow_rows) for p in packed])
         return 256
 
     monkeypatch.setattr(linear_module, "calibrate_onednn_rows", hand_over)
@@ -314,7 +319,7 @@ def test_a_calibrated_4bit_row_limit_is_cached_and_applied(
         calls.append((len(packed), bits))
         return 3 if bits == 4 else 5
 
-    monkeypatch.setattr(linear_module, "calibrate_block_rows", calibrate)
+    monkeypatch.setattr(linear_module, "calibrate_narrow_rows", calibrate)
     d, m, q = _blocks(64, 96, seed=8)
 
     def model() -> torch.nn.Module:
@@ -324,13 +329,13 @@ def test_a_calibrated_4bit_row_limit_is_cached_and_applied(
             layers[1].weight.copy_(eight_bit)
         return layers
 
-    eight_bit = block_panels.round_to_q8_blocks(torch.randn(64, 96))
+    eight_bit = narrow_panels.round_to_q8_blocks(torch.randn(64, 96))
     for _ in range(2):
         packed = linear_module.pack_weights(model())
-        assert [(p.q4_rows, p.q8_rows) for p in packed] == [(3, 0), (0, 5)]
-    assert calls == [(2, 4), (2, 8)] and limits_at_hand_over == [[(3, 0), (0, 5)]]
+        assert [(p.bits, p.narrow_rows) for p in packed] == [(4, 3), (8, 5)]
+    assert calls == [(2, 4), (2, 8), (2, 16)] and limits_at_hand_over == [[(4, 3), (8, 5)]]
     (entry,) = json.loads((tmp_path / "linear_calibration.json").read_text()).values()
-    assert (entry["q4_rows"], entry["q8_rows"]) == (3, 5)
+    assert entry["narrow_rows"] == {"4": 3, "8": 5, "16": 5}
 
 
 # --- 8-bit panels (Q8_0 blocks) ---------------------------------------------------------------
@@ -356,9 +361,9 @@ def test_the_8bit_layout_is_the_kernels() -> None:
     """17 rows (a padded second panel) of depth 64: per panel and block, d as float16, then
     byte c of step j = q(j, c); padded rows all zeros."""
     d, q = _q8_blocks(17, 64, seed=1)
-    packed = block_panels.pack_q8(_q8_dequantized(d, q))
+    packed = narrow_panels.pack_q8(_q8_dequantized(d, q))
     assert packed is not None and packed.dtype == torch.uint8
-    assert packed.numel() == kernels.q8_panels_bytes(17, 64) == 2 * 2 * 544
+    assert packed.numel() == kernels.narrow_panels_bytes(8, 17, 64) == 2 * 2 * 544
     expected: list[int] = []
     for panel in range(2):
         for block in range(2):
@@ -376,68 +381,73 @@ def test_8bit_panels_give_the_float32_panels_sums_bit_for_bit(n: int, k: int) ->
     bias and a column count that pads the last panel; the float32 panels zeroed where the
     8-bit ones run, so that they must be what is read."""
     weight = _q8_dequantized(*_q8_blocks(n, k, seed=n + k))
-    q8 = block_panels.pack_q8(weight)
-    assert q8 is not None and block_panels.pack_q4(weight) is None
+    q8 = narrow_panels.pack_q8(weight)
+    assert q8 is not None and narrow_panels.pack_q4(weight) is None
     panels = kernels.pack_panels(weight)
     gen = torch.Generator().manual_seed(2)
     bias = torch.randn(n, generator=gen)
-    most = kernels.linear_q4_max_rows()
+    most = kernels.linear_narrow_max_rows(4)
     for rows in [*range(1, 26), 33, 49, most, most + 1]:
         x = torch.randn(rows, k, generator=gen)
         want = kernels.panel_linear(x, panels, bias, n)
         read = torch.zeros_like(panels) if rows <= most else panels
-        assert torch.equal(kernels.panel_linear(x, read, bias, n, q8=q8), want), rows
+        assert torch.equal(kernels.panel_linear(x, read, bias, n, q8, 8), want), rows
 
 
 def test_weights_not_made_of_8bit_blocks_get_none() -> None:
     d, q = _q8_blocks(32, 64, seed=3)
     exact = _q8_dequantized(d, q)
-    assert block_panels.pack_q8(exact) is not None
+    assert narrow_panels.pack_q8(exact) is not None
     nudged = exact.clone()
     nudged[20, 40] = torch.nextafter(nudged[20, 40], torch.tensor(1.0))  # past the probe rows
-    assert block_panels.pack_q8(nudged) is None
-    assert block_panels.pack_q8(torch.randn(32, 64)) is None
-    assert block_panels.pack_q8(exact[:, :48]) is None  # not whole blocks
-    assert block_panels.pack_q8(exact.to(torch.bfloat16)) is None
+    assert narrow_panels.pack_q8(nudged) is None
+    assert narrow_panels.pack_q8(torch.randn(32, 64)) is None
+    assert narrow_panels.pack_q8(exact[:, :48]) is None  # not whole blocks
+    assert narrow_panels.pack_q8(exact.to(torch.bfloat16)) is None
     with_nan = exact.clone()
     with_nan[0, 0] = float("nan")
-    assert block_panels.pack_q8(with_nan) is None
+    assert narrow_panels.pack_q8(with_nan) is None
     negative_zero = exact.clone()
     negative_zero[0, :32] = -0.0  # d q is never -0.0
-    assert block_panels.pack_q8(negative_zero) is None
+    assert narrow_panels.pack_q8(negative_zero) is None
     zeros = torch.zeros(16, 32)  # d = 0
-    assert block_panels.pack_q8(zeros) is not None
+    assert narrow_panels.pack_q8(zeros) is not None
 
 
 def test_the_bundled_models_tied_head_is_found_as_8bit_blocks() -> None:
     """SmolLM2-135M's embedding (its tied LM head) is Q8_0 in the GGUF: dequantized as the
     loader does, it is found whole as 8-bit blocks, and its layers are not."""
     _, state = load_gguf(find_bundled_gguf())
-    assert block_panels.pack_q8(state["model.embed_tokens.weight"]) is not None
-    assert block_panels.pack_q8(state["model.layers.0.mlp.down_proj.weight"]) is None
+    assert narrow_panels.pack_q8(state["model.embed_tokens.weight"]) is not None
+    assert narrow_panels.pack_q8(state["model.layers.0.mlp.down_proj.weight"]) is None
 
 
-def test_decode_steps_on_8bit_panels_equal_the_float32_panels(
-    llama_ckpt, monkeypatch: pytest.MonkeyPatch
+def _to_bfloat16_values(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight rounded to bfloat16 values, kept in float32 (a bfloat16 checkpoint)."""
+    return weight.to(torch.bfloat16).float()
+
+
+@pytest.mark.parametrize(
+    ("rounding", "bits"), [(narrow_panels.round_to_q8_blocks, 8), (_to_bfloat16_values, 16)]
+)
+def test_decode_steps_on_narrow_panels_equal_the_float32_panels(
+    llama_ckpt, monkeypatch: pytest.MonkeyPatch, rounding, bits: int
 ) -> None:
-    """A model whose linear weights (and tied head) are 8-bit blocks: its fused decode steps
-    read the 8-bit panels and give the logits the float32 panels give, bit for bit."""
+    """A model whose matrices (linear weights and tied head) are 8-bit blocks, or bfloat16
+    values: its fused decode steps read those narrow panels and give the logits the float32
+    panels give, bit for bit."""
     threads = torch.get_num_threads()
     torch.set_num_threads(3)  # a team, split unevenly
     try:
         model = load_model(llama_ckpt.path, torch.float32)
-        blocks = {
-            name: block_panels.round_to_q8_blocks(value) if name.endswith("weight") else value
-            for name, value in model.state_dict().items()
-            if value.dim() == 2 or not name.endswith("weight")
-        }
-        blocks |= {n: v for n, v in model.state_dict().items() if n not in blocks}
-        model.load_state_dict(blocks)  # packs the linear weights again
+        state = model.state_dict()
+        narrow = {name: rounding(v) if v.dim() == 2 else v for name, v in state.items()}
+        model.load_state_dict(narrow)  # packs the linear weights again
         model.pack_weights()  # a tied head is packed with the model
         linears = [m for m in model.layers.modules() if isinstance(m, Linear)]
-        assert linears and all(m.packed.q8 is not None for m in linears)
+        assert linears and all(m.packed.bits == bits for m in linears)
         head = model._head_packed()
-        assert head is not None and head.q8 is not None
+        assert head is not None and head.bits == bits
         tables = []
         layer_row = fused_decode._layer_row
 
@@ -448,15 +458,57 @@ def test_decode_steps_on_8bit_panels_equal_the_float32_panels(
 
         with monkeypatch.context() as patch:
             patch.setattr(fused_decode, "_layer_row", spy)
-            on_8bit = greedy_decode_logits(model, [3, 11, 1, 17, 8], steps=6, seed=5)
-        columns = ("qkv_q8", "o_q8", "gate_up_q8", "down_q8")
-        assert tables and all(getattr(row, c) for row in tables for c in columns)
-        monkeypatch.setattr(kernels, "linear_q4_max_rows", lambda: 0)
-        model.load_state_dict(blocks)  # packed again, without 8-bit panels
+            on_narrow = greedy_decode_logits(model, [3, 11, 1, 17, 8], steps=6, seed=5)
+        columns = ("qkv", "o", "gate_up", "down")
+        assert tables and all(getattr(row, f"{c}_narrow") for row in tables for c in columns)
+        assert all(getattr(row, f"{c}_bits") == bits for row in tables for c in columns)
+        monkeypatch.setattr(kernels, "linear_narrow_max_rows", lambda bits: 0)
+        model.load_state_dict(narrow)  # packed again, without narrow panels
         model.pack_weights()
-        assert all(m.packed.q8 is None for m in linears) and model._head_packed().q8 is None
+        assert all(m.packed.narrow is None for m in linears)
+        assert model._head_packed().narrow is None
         on_float32 = greedy_decode_logits(model, [3, 11, 1, 17, 8], steps=6, seed=5)
     finally:
         torch.set_num_threads(threads)
-    for step, (got, want) in enumerate(zip(on_8bit, on_float32, strict=True)):
+    for step, (got, want) in enumerate(zip(on_narrow, on_float32, strict=True)):
         assert torch.equal(got, want), f"decode step {step} differs"
+
+
+# --- 16-bit panels (bfloat16 values) --------------------------------------------------------
+
+
+def test_the_16bit_layout_is_the_float32_panels_upper_halves() -> None:
+    weight = _to_bfloat16_values(torch.randn(37, 40))
+    b16 = narrow_panels.pack_b16(weight)
+    assert b16 is not None and b16.numel() == kernels.narrow_panels_bytes(16, 37, 40) == 3 * 40 * 32
+    upper = kernels.pack_panels(weight).view(torch.int32).bitwise_right_shift(16)
+    assert torch.equal(b16.view(torch.int16).view(-1), upper.to(torch.int16).view(-1))
+
+
+@pytest.mark.parametrize(("n", "k"), [(40, 64), (33, 90), (1000, 576)])
+def test_16bit_panels_give_the_float32_panels_sums_bit_for_bit(n: int, k: int) -> None:
+    """Row counts of one tile and of several, up to the panels' hand-over (no row limit of
+    their own), with a bias, a depth that is not whole blocks and a padded last panel; the
+    float32 panels zeroed, so that the 16-bit ones must be what is read."""
+    gen = torch.Generator().manual_seed(n + k)
+    weight = _to_bfloat16_values(torch.randn(n, k, generator=gen))
+    b16 = narrow_panels.pack_b16(weight)
+    assert b16 is not None and narrow_panels.pack(weight)[1] == 16
+    panels, read = kernels.pack_panels(weight), torch.zeros(-(-n // 16), k, 16)
+    bias = torch.randn(n, generator=gen)
+    for rows in [*range(1, 31), 57, 64, 100]:
+        x = torch.randn(rows, k, generator=gen)
+        want = kernels.panel_linear(x, panels, bias, n)
+        assert torch.equal(kernels.panel_linear(x, read, bias, n, b16, 16), want), rows
+
+
+def test_weights_not_made_of_bfloat16_values_get_no_16bit_panels() -> None:
+    weight = _to_bfloat16_values(torch.randn(40, 32))
+    assert narrow_panels.pack_b16(weight) is not None
+    nudged = weight.clone()
+    nudged[30, 3] = torch.nextafter(nudged[30, 3], torch.tensor(9.0))  # past the probe rows
+    assert narrow_panels.pack_b16(nudged) is None
+    assert narrow_panels.pack_b16(weight.to(torch.bfloat16)) is None  # float32 weights only
+    assert narrow_panels.pack(torch.randn(40, 32)) is None
+    four_bit = narrow_panels.round_to_q4_blocks(torch.randn(16, 32))
+    assert narrow_panels.pack(four_bit)[1] == 4  # the narrowest kind that holds it

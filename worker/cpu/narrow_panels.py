@@ -1,20 +1,22 @@
-"""Block panels: a float32 weight kept as the exact quantized blocks it is made of.
+"""Narrow panels: a float32 weight kept as the exact narrower values it is made of.
 
 A GGUF Q4_1 tensor dequantizes each 32-deep block of a row to `d q + m` (d and m float16, q
-integers 0..15), a Q8_0 one to `d q` (d float16, q integers -128..127): the float32 weights
-the model runs are those values, and a decode step of few rows waits on reading them
-(SmolLM2-135M's layers, Q4_1: 425 MB a step in float32, ~11 ms on a 2-core VM; its tied LM
-head, Q8_0: 113 MB). Where every block of a weight is exactly of one of those forms,
-`pack_q4` / `pack_q8` lay the blocks out for the panel kernel (`csrc/linear.c`), which makes
-each weight again in registers with one fused multiply-add (4-bit) or one multiply (8-bit)
-(d q is exact in float32, so the one rounding, if any, gives the float32 value) and sums the
-products exactly as the float32 panels do: 5 or 8.5 bits a weight instead of 32, the same
-outputs bit for bit.
+integers 0..15), a Q8_0 one to `d q` (d float16, q integers -128..127), and a checkpoint saved
+in bfloat16 holds bfloat16 values: the float32 weights the model runs are those values, and a
+decode step of few rows waits on reading them (SmolLM2-135M's layers, Q4_1: 425 MB a step in
+float32, ~11 ms on a 2-core VM; its tied LM head, Q8_0: 113 MB; a bfloat16 drafter run in
+float32 reads twice its bytes). Where every value of a weight is exactly of one of those forms,
+`pack` lays it out in that form for the panel kernel (`csrc/linear.c`), which makes each weight
+again in registers (4-bit: one fused multiply-add; 8-bit: one multiply; d q is exact in float32,
+so the one rounding, if any, gives the float32 value; 16-bit: a shift) and sums the products
+exactly as the float32 panels do: 5, 8.5 or 16 bits a weight instead of 32, the same outputs
+bit for bit. The kind is named by its bits (`kernels.NARROW_BITS`).
 
-The blocks are found, not assumed: for 4-bit m is a block's least value (where q = 0;
-d q >= 0) and d is tried at the float16 values around (max - m) / 15; for 8-bit d is tried
-around max |w| / 127 (and / 128); every value of the weight is checked to be remade exactly,
-and a weight with one block that is not gets no block panels.
+The forms are found, not assumed: for 4-bit m is a block's least value (where q = 0; d q >= 0)
+and d is tried at the float16 values around (max - m) / 15; for 8-bit d is tried around
+max |w| / 127 (and / 128); every value of the weight is checked to be remade exactly, and a
+weight with one value that is not gets no panels of that kind. 16-bit: every value's low 16
+bits are zero.
 """
 
 from __future__ import annotations
@@ -24,13 +26,36 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from specserve.worker.cpu.kernels import PANEL, Q4_BLOCK_BYTES, Q4_DEPTH, Q8_BLOCK_BYTES
+from specserve.worker.cpu import kernels
+from specserve.worker.cpu.kernels import BLOCK_DEPTH, PANEL, Q4_BLOCK_BYTES, Q8_BLOCK_BYTES
 
 _PROBE_ROWS = 16  # rows checked first: most weights that are not 4-bit fail there, cheaply
 
 
+def pack(weight: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """`weight`'s narrowest exact panels and their kind in bits (4, 8 or 16), or None where it
+    has none."""
+    for bits, packer in ((4, pack_q4), (8, pack_q8), (16, pack_b16)):
+        panels = packer(weight)
+        if panels is not None:
+            return panels, bits
+    return None
+
+
+def pack_b16(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight [N, K]`'s 16-bit panels (uint8, `kernels.narrow_panels_bytes(16, N, K)` bytes:
+    the float32 panels' upper halves), or None where a value is not a bfloat16."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or not weight.numel():
+        return None
+    bits = weight.detach().view(torch.int32)
+    if bits[:_PROBE_ROWS].bitwise_and(0xFFFF).any() or bits.bitwise_and(0xFFFF).any():
+        return None
+    panels = kernels.pack_panels(weight).view(torch.int32)
+    return panels.bitwise_right_shift(16).to(torch.int16).view(torch.uint8).view(-1)
+
+
 def pack_q4(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight [N, K]`'s 4-bit panels (uint8, `kernels.q4_panels_bytes(N, K)` bytes), or None
+    """`weight [N, K]`'s 4-bit panels (uint8, `kernels.narrow_panels_bytes(4, N, K)` bytes), or None
     where it is not float32 4-bit blocks exactly (or K is not a multiple of 32)."""
     if not _blockable(weight):
         return None
@@ -42,7 +67,7 @@ def pack_q4(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def pack_q8(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight [N, K]`'s 8-bit panels (uint8, `kernels.q8_panels_bytes(N, K)` bytes), or None
+    """`weight [N, K]`'s 8-bit panels (uint8, `kernels.narrow_panels_bytes(8, N, K)` bytes), or None
     where it is not float32 8-bit blocks exactly (or K is not a multiple of 32)."""
     if not _blockable(weight):
         return None
@@ -58,7 +83,7 @@ def _blockable(weight: torch.Tensor) -> bool:
     if weight.dtype != torch.float32 or weight.dim() != 2:
         return False
     n, k = weight.shape
-    return bool(n and k and not k % Q4_DEPTH)
+    return bool(n and k and not k % BLOCK_DEPTH)
 
 
 def round_to_q4_blocks(weight: torch.Tensor) -> torch.Tensor:
@@ -66,7 +91,7 @@ def round_to_q4_blocks(weight: torch.Tensor) -> torch.Tensor:
     again: per 32-deep block m = its least value and d = (max - m) / 15 as float16, q rounded
     to 0..15. Weights like the bundled model's, for tests and benchmarks."""
     n, k = weight.shape
-    w = weight.detach().float().reshape(n, k // Q4_DEPTH, Q4_DEPTH)
+    w = weight.detach().float().reshape(n, k // BLOCK_DEPTH, BLOCK_DEPTH)
     low = w.amin(-1)
     d, m = ((w.amax(-1) - low) / 15).half().float(), low.half().float()
     q = ((w - m[..., None]) / torch.where(d > 0, d, 1.0)[..., None]).round().clamp(0, 15)
@@ -77,7 +102,7 @@ def round_to_q8_blocks(weight: torch.Tensor) -> torch.Tensor:
     """A float32 `[N, K]` weight (K a multiple of 32) as a Q8_0 writer quantizes it, dequantized
     again: per 32-deep block d = max |w| / 127 as float16, q rounded to -127..127."""
     n, k = weight.shape
-    w = weight.detach().float().reshape(n, k // Q4_DEPTH, Q4_DEPTH)
+    w = weight.detach().float().reshape(n, k // BLOCK_DEPTH, BLOCK_DEPTH)
     d = (w.abs().amax(-1) / 127).half().float()
     q = (w / torch.where(d > 0, d, 1.0)[..., None]).round().clamp(-127, 127) + 0.0  # as integers
     return (d[..., None] * q).reshape(n, k)
@@ -87,7 +112,7 @@ def _blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     """(d, m) float16 `[N, K/32]` and q uint8 `[N, K]` with weight == d q + m exactly in
     float32, value for value; None where no such blocks exist."""
     n, k = weight.shape
-    w = weight.reshape(n, k // Q4_DEPTH, Q4_DEPTH)
+    w = weight.reshape(n, k // BLOCK_DEPTH, BLOCK_DEPTH)
     if not torch.isfinite(w).all():
         return None
     low = w.amin(-1)
@@ -124,7 +149,7 @@ def _layout(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         t = F.pad(t, (0, 0, 0, pad)).view(panels, PANEL, num_blocks).transpose(1, 2)
         return t.contiguous().view(torch.uint8)
 
-    pairs = F.pad(q, (0, 0, 0, pad)).view(panels, PANEL, num_blocks, Q4_DEPTH // 2, 2)
+    pairs = F.pad(q, (0, 0, 0, pad)).view(panels, PANEL, num_blocks, BLOCK_DEPTH // 2, 2)
     pairs = pairs.permute(0, 2, 3, 1, 4)  # [P, B, j, c, 2]
     codes = (pairs[..., 0] | (pairs[..., 1] << 4)).reshape(panels, num_blocks, -1)
     out = torch.cat([per_panel(d), per_panel(m), codes], dim=-1).contiguous()
@@ -137,7 +162,7 @@ def _q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None
     for value; None where no such blocks exist. The first guess settles nearly every block of a
     Q8_0 tensor; the others are tried on the blocks left only."""
     n, k = weight.shape
-    w = weight.reshape(-1, Q4_DEPTH)
+    w = weight.reshape(-1, BLOCK_DEPTH)
     if not torch.isfinite(w).all():
         return None
     top = w.abs().amax(-1)
@@ -168,7 +193,7 @@ def _q8_layout(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     panels = (n + pad) // PANEL
     scales = F.pad(d, (0, 0, 0, pad)).view(panels, PANEL, num_blocks).transpose(1, 2)
     scales = scales.contiguous().view(torch.uint8)  # [P, B, 32]
-    codes = F.pad(q, (0, 0, 0, pad)).view(panels, PANEL, num_blocks, Q4_DEPTH)
+    codes = F.pad(q, (0, 0, 0, pad)).view(panels, PANEL, num_blocks, BLOCK_DEPTH)
     codes = codes.permute(0, 2, 3, 1).contiguous().view(torch.uint8)  # [P, B, j, c]
     out = torch.cat([scales, codes.reshape(panels, num_blocks, -1)], dim=-1).contiguous()
     assert out.shape[-1] == Q8_BLOCK_BYTES
