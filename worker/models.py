@@ -394,7 +394,7 @@ class DecoderModel(nn.Module):
     def row_tiles(self) -> Callable[[int], int] | None:
         """Row tiles per step size where the decode step's linears run as panels (the layers'
         `PackedWeight.row_tiles`, whose bytes are most of a step's; they are packed alike,
-        4-bit panels or not), else None."""
+        narrow panels or not), else None."""
         packed = self.layers[0].mlp.gate_up_proj.packed if self.layers else None
         return packed.row_tiles if packed is not None and packed.panels else None
 

@@ -16,7 +16,7 @@ import torch
 
 from specserve.llm import LLM
 from specserve.shared.protocol import SamplingParams
-from specserve.worker.cpu import kernels
+from specserve.worker.cpu import kernels, narrow_panels
 from specserve.worker.cpu.greedy_screen import (
     MAX_CANDIDATES,
     WIDENED_MAX_LOGIT_ROWS,
@@ -135,6 +135,7 @@ def test_rows_it_cannot_promise_are_declined(copy: str) -> None:
     assert screen.argmax(torch.randn(4, DEPTH)) is not None
     # All columns alike: every one passes the test, more than the screen recomputes.
     same = pack_weight(torch.ones(MAX_CANDIDATES + 16, 64))
+    same.narrow_rows = 0  # read from its float32 panels (ones are also 4-bit blocks)
     assert GreedyScreen.of(same, copy).argmax(torch.randn(1, 64)) is None
 
 
@@ -152,6 +153,25 @@ def test_where_bfloat16_is_widened_the_screen_answers_only_few_rows() -> None:
     assert (beyond is None) == widened
     assert screen.pays(WIDENED_MAX_LOGIT_ROWS, exact=False)
     assert screen.pays(WIDENED_MAX_LOGIT_ROWS + 1, exact=False) == (not widened)
+
+
+@COPIES
+def test_a_head_that_reads_fewer_bits_itself_is_not_screened(copy: str) -> None:
+    """A head of 8-bit blocks reads 8.5 bits a weight where its narrow panels run: the screen
+    declines those rows (the head's own logits are exact and no dearer), and answers beyond
+    its limit; a head of bfloat16 values declines a bfloat16 copy, not an int8 one."""
+    torch.manual_seed(5)
+    head = pack_weight(narrow_panels.round_to_q8_blocks(torch.randn(VOCAB, DEPTH) * 0.05))
+    assert head is not None and head.bits == 8
+    head.narrow_rows = 4
+    screen = dataclasses.replace(GreedyScreen.of(head, copy), widened=False)
+    assert not screen.pays(4) and not screen.pays(1, exact=False)
+    assert screen.argmax(torch.randn(4, DEPTH)) is None
+    assert screen.pays(5) and screen.argmax(torch.randn(5, DEPTH)) is not None
+    halves = pack_weight((torch.randn(VOCAB, DEPTH) * 0.05).to(torch.bfloat16).float())
+    assert halves is not None and halves.bits == 16
+    screen = dataclasses.replace(GreedyScreen.of(halves, copy), widened=False)
+    assert screen.pays(1) == (copy == "int8")
 
 
 def test_only_a_float32_head_packed_as_panels_gets_a_screen() -> None:
@@ -234,9 +254,14 @@ def test_the_engines_greedy_output_is_the_same_with_and_without_it(
     engine_args: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The bundled model; a batch of greedy requests (the screen answers) and one with a
-    sampled request beside them (the full logits)."""
+    sampled request beside them (the full logits). Its tied head is 8-bit blocks, which it
+    reads itself where their panels run: they are switched off here so that the screen is
+    what answers."""
     llm = LLM("smollm2-135m", enable_prefix_caching=False, **engine_args)
     model = llm.engine.runner.model
+    head = model._head_packed()
+    assert head.bits == 8 and not model.greedy_screen().pays(1)
+    head.narrow_rows = 0
     prompts = [
         "List the planets of the solar system, one per line.",
         "Write a haiku about the sea.",

@@ -32,7 +32,11 @@ Only where it is exact: the head's float32 call would run the panel kernel at th
 (`PackedWeight.runs_panels`) and every value is finite. Which copy: bfloat16 where the CPU
 multiplies bfloat16 (AVX512_BF16), int8 where it would widen bfloat16 to float32 anyway (AVX2):
 there both copies multiply at float32's rate, so the screen answers steps of up to
-`WIDENED_MAX_ROWS` rows, which wait on the head's bytes. Drafters read the screen's logits as
+`WIDENED_MAX_ROWS` rows, which wait on the head's bytes. Nor where the head itself reads no more
+bytes a weight than the copy at that many rows (`linear.PackedWeight.narrow_for`): a head made
+of 8-bit blocks (SmolLM2's tied head, Q8_0 in its GGUF) read as those blocks gives every logit
+exactly from 8.5 bits a weight, fewer than the bfloat16 copy's 16 and about the int8 copy's 8,
+with no columns to recompute; a head of bfloat16 values (a drafter's) reads 16. Drafters read the screen's logits as
 they are (`logits`; on AVX2 up to `WIDENED_MAX_LOGIT_ROWS` rows): a draft needs no exact
 logits, since the target verifies it. An EAGLE-3 drafter's own float32 draft head has a screen
 of its own, whose `argmax` gives its greedy drafts (`Eagle3Drafter.greedy_drafts`).
@@ -68,6 +72,7 @@ WIDENED_MAX_LOGIT_ROWS = 24  # logits alone
 
 
 Copy = Literal["bfloat16", "int8"]
+COPY_BITS = {"bfloat16": 16, "int8": 8}  # what each copy reads a weight
 
 
 def _gamma(depth: int) -> float:
@@ -153,8 +158,11 @@ class GreedyScreen:
         return self.head.weight.shape[0]
 
     def pays(self, rows: int, exact: bool = True) -> bool:
-        """Whether reading the screen beats the float32 head at this many rows: for exact
-        greedy tokens (`argmax`), or for logits as they are (`exact=False`, drafts)."""
+        """Whether reading the screen beats the head at this many rows: for exact greedy tokens
+        (`argmax`), or for logits as they are (`exact=False`, drafts). Never where the head
+        reads no more bits a weight itself (its narrow panels)."""
+        if (self.head.narrow_for(rows)[1] or 32) <= COPY_BITS[self.copy]:
+            return False
         if not self.widened:
             return True
         return rows <= (WIDENED_MAX_ROWS if exact else WIDENED_MAX_LOGIT_ROWS)

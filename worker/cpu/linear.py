@@ -233,7 +233,7 @@ def pack_weight(weight: torch.Tensor, min_rows: int = 1) -> PackedWeight | None:
 
 
 def pack_again(packed: PackedWeight | None, weight: torch.Tensor) -> PackedWeight | None:
-    """`weight` packed with `packed`'s `min_rows`, hand-over and 4-bit and 8-bit row limits, if
+    """`weight` packed with `packed`'s `min_rows`, hand-over and narrow panels' row limit, if
     `packed` is in use (after `weight` was moved, cast or reloaded); None stays None."""
     if packed is None:
         return None
@@ -298,7 +298,7 @@ def pack_weights(module: nn.Module, calibrate: bool = True) -> list[PackedWeight
     """Call `pack_weights()` on every submodule that has one (each `Linear`, and e.g. a model
     whose LM head reuses its embedding); with `calibrate`, a model whose packed weights reach
     `CALIBRATE_MIN_BYTES` then times from how many rows on they beat `F.linear`, from how many
-    rows on panels should hand over to oneDNN, and up to how many rows 4-bit and 8-bit panels
+    rows on panels should hand over to oneDNN, and up to how many rows each kind of narrow panels
     pay."""
     packed = [p for m in module.modules() if hasattr(m, "pack_weights") for p in m.pack_weights()]
     nbytes = sum(p.weight.numel() * p.weight.element_size() for p in packed)
