@@ -36,10 +36,11 @@ there both copies multiply at float32's rate, so the screen answers steps of up 
 bytes a weight than the copy at that many rows (`linear.PackedWeight.narrow_for`): a head made
 of 8-bit blocks (SmolLM2's tied head, Q8_0 in its GGUF) read as those blocks gives every logit
 exactly from 8.5 bits a weight, fewer than the bfloat16 copy's 16 and about the int8 copy's 8,
-with no columns to recompute; a head of bfloat16 values (a drafter's) reads 16. Drafters read the screen's logits as
-they are (`logits`; on AVX2 up to `WIDENED_MAX_LOGIT_ROWS` rows): a draft needs no exact
-logits, since the target verifies it. An EAGLE-3 drafter's own float32 draft head has a screen
-of its own, whose `argmax` gives its greedy drafts (`Eagle3Drafter.greedy_drafts`).
+with no columns to recompute; a head of bfloat16 values (a drafter's) reads 16. Drafters read
+the screen's logits as they are (`logits`; on AVX2 up to `WIDENED_MAX_LOGIT_ROWS` rows): a draft
+needs no exact logits, since the target verifies it. An EAGLE-3 drafter's own float32 draft
+head has a screen of its own, whose `argmax` gives its greedy drafts
+(`Eagle3Drafter.greedy_drafts`).
 """
 
 from __future__ import annotations
