@@ -149,10 +149,11 @@ def _panel_case(rows: int, n: int, k: int, dtype: torch.dtype) -> tuple[torch.Te
 
 
 def _native_bf16_sums() -> dict[int, torch.Tensor]:
-    """This CPU's own bfloat16 panel results (vdpbf16ps, not on the tiles) by case, where it
-    has AVX512_BF16: the AVX2 body accumulates each pair in the same order."""
+    """This CPU's own bfloat16 panel results (not on the tiles) by case, where it has AVX-512:
+    vdpbf16ps with AVX512_BF16, else the pairs widened on 16 lanes; the AVX2 body accumulates
+    each pair in the same order."""
     native = kernels.linear_dtypes()
-    if torch.bfloat16 not in native or kernels.linear_widens_bfloat16():
+    if torch.bfloat16 not in native or kernels.linear_vector_bits() != 512:
         return {}
     tiles_from = kernels.linear_amx_min_rows() or 1 << 30
     return {
@@ -166,7 +167,7 @@ def _native_bf16_sums() -> dict[int, torch.Tensor]:
 def test_avx2_bodies_match_the_references(avx2_library, monkeypatch, prefill_calls) -> None:
     """The AVX2 multi-row attention (float32 and bfloat16) against the dense reference, and
     the AVX2 panel kernel against float64: float32, and bfloat16 widened to float32 (bit for
-    bit the AVX512_BF16 body's sums where this CPU has one); its 4-bit panels against its
+    bit the AVX-512 body's sums where this CPU has one); its 4-bit panels against its
     float32 ones, and its 8-bit and 16-bit panels likewise."""
     native_bf16 = _native_bf16_sums()
     monkeypatch.setattr(kernels, "load", lambda: avx2_library)

@@ -290,7 +290,7 @@ def test_model_packs_every_linear_and_its_lm_head(request: pytest.FixtureRequest
     tiles = model.row_tiles()
     assert (tiles is not None) == panels
     if panels:
-        size = 6 if kernels.linear_widens_bfloat16() else 28
+        size = 6 if kernels.linear_vector_bits() == 256 else 28
         assert [tiles(rows) for rows in (1, size, size + 1, 3 * size)] == [1, 1, 2, 3]
 
 
@@ -298,7 +298,7 @@ def test_model_packs_every_linear_and_its_lm_head(request: pytest.FixtureRequest
 def test_row_tiles_are_the_kernels_passes(dtype: torch.dtype) -> None:
     """Tiles of 28 rows with AVX-512, 6 with AVX2, 16 on AMX tiles (bfloat16 where K is a
     multiple of 32)."""
-    size = 6 if kernels.linear_widens_bfloat16() else 28
+    size = 6 if kernels.linear_vector_bits() == 256 else 28
     amx = dtype == torch.bfloat16 and kernels.linear_amx_min_rows() > 0
     for rows in (1, 2, 6, 7, 16, 17, 28, 29, 57, 100):
         expected = -(-rows // (16 if amx else size))

@@ -30,15 +30,19 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+def _avx2() -> bool:
+    return kernels.linear_vector_bits() == 256
+
+
 def _float32_tile_rows() -> int:
-    """Rows a float32 tile holds: 28 with AVX-512, 6 with AVX2 (which widens bfloat16)."""
-    return 6 if kernels.linear_widens_bfloat16() else 28
+    """Rows a float32 tile holds: 28 with AVX-512, 6 with AVX2."""
+    return 6 if _avx2() else 28
 
 
 def _4bit_tiles(rows: int) -> int:
     """The 4-bit panels' tiles: of up to 24 rows with AVX-512; with AVX2 one whole tile up to 4
     rows, else half-panel tiles of up to 8."""
-    if not kernels.linear_widens_bfloat16():
+    if not _avx2():
         return -(-rows // 24)
     return 1 if rows <= 4 else -(-rows // 8)
 

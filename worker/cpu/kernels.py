@@ -333,6 +333,7 @@ def open_library(path: Path) -> ctypes.CDLL:
         "linear_enable_amx": (ctypes.c_int, []),
         "linear_amx_min_rows": (i64, []),
         "linear_widens_bf16": (ctypes.c_int, []),
+        "linear_vector_bits": (ctypes.c_int, []),
         "linear_row_tiles": (i64, [i64, i64, flag, flag]),
         "panel_linear": (
             ctypes.c_int,
@@ -746,19 +747,26 @@ PANEL = 16  # output columns per weight panel (csrc/linear.c)
 
 
 def linear_dtypes() -> frozenset[torch.dtype]:
-    """The dtypes `panel_linear` runs on this CPU: float32 needs AVX-512 or AVX2 with FMA,
-    bfloat16 AVX512_BF16 or AVX2 with FMA (`linear_widens_bfloat16`); empty without the
-    kernels."""
+    """The dtypes `panel_linear` runs on this CPU: float32 and bfloat16 with AVX-512 or AVX2
+    with FMA (bfloat16 multiplied as such with AVX512_BF16, else widened to float32:
+    `linear_widens_bfloat16`); empty without the kernels."""
     lib = load()
     bits = lib.linear_kernel_dtypes() if lib is not None else 0
     return frozenset(dtype for bit, dtype in enumerate(DTYPES) if bits & (1 << bit))
 
 
 def linear_widens_bfloat16() -> bool:
-    """Whether `panel_linear` runs bfloat16 by widening it to float32 (AVX2 CPUs, which have no
-    bfloat16 arithmetic): half the bytes of float32 weights, at float32's multiply rate."""
+    """Whether `panel_linear` runs bfloat16 by widening it to float32 (CPUs without bfloat16
+    arithmetic: AVX2 ones, and AVX-512 ones without AVX512_BF16): half the bytes of float32
+    weights, at float32's multiply rate."""
     lib = load()
     return lib is not None and bool(lib.linear_widens_bf16())
+
+
+def linear_vector_bits() -> int:
+    """The panel kernel's vector width: 512 (AVX-512), 256 (AVX2), 0 without the kernel."""
+    lib = load()
+    return lib.linear_vector_bits() if lib is not None else 0
 
 
 def linear_amx_min_rows() -> int:

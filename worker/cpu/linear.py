@@ -194,7 +194,8 @@ def _panel_kernel_runs(weight: torch.Tensor) -> bool:
 
 def _onednn_runs(weight: torch.Tensor) -> bool:
     """A CPU fp32/bf16 matrix on a build with oneDNN (bf16 only on CPUs with the instructions
-    oneDNN's bf16 kernels need)."""
+    oneDNN's bf16 kernels need, and not where the panel kernel widens bfloat16: oneDNN
+    emulates it there, at a quarter of the panels' rate or less)."""
     if not (
         weight.device.type == "cpu"
         and weight.dtype in _PACKABLE_DTYPES
@@ -203,7 +204,11 @@ def _onednn_runs(weight: torch.Tensor) -> bool:
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     ):
         return False
-    return weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if weight.dtype != torch.bfloat16:
+        return True
+    if _panel_kernel_runs(weight) and kernels.linear_widens_bfloat16():
+        return False
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def pack_weight(weight: torch.Tensor, min_rows: int = 1) -> PackedWeight | None:

@@ -20,7 +20,8 @@
  * panels of that form (worker/cpu/narrow_panels.py), read instead and widened in registers to the
  * same float32 values, summed in the same order: the same outputs bit for bit from fewer bytes.
  * Their kind is given in bits: 4 (GGUF Q4_1 blocks), 8 (Q8_0 blocks), 16 (bfloat16 values).
- * bfloat16 products use the CPU's bfloat16 pair dot product (vdpbf16ps), accumulated in float32;
+ * bfloat16 products use the CPU's bfloat16 pair dot product (vdpbf16ps; without AVX512_BF16 the
+ * pairs are widened to float32, as on AVX2 below), accumulated in float32;
  * bias is added in float32 and the result rounded to bfloat16 once, as oneDNN's bf16 GEMM does.
  *
  * With AVX2 a panel is two 8-wide registers per row, so a tile holds 6 rows (12 accumulators)
@@ -166,8 +167,29 @@ TILES(tile_b16, TILES_B16, float, uint16_t, float, PANEL, LOAD_B16, FMA_F32, STO
     acc##i = _mm512_dpbf16_ps(acc##i, (__m512bh)_mm512_set1_epi32((int)a[i]), (__m512bh)w_k);
 
 /* bfloat16: inputs [K2][rows] as bfloat16 pairs, panel [K2][16][2]. */
-TILES(tile_bf16, TILES_BF16, uint32_t, uint16_t, uint16_t, 2 * PANEL,
+typedef uint32_t bf16_pair;
+TILES(tile_bf16, TILES_BF16, bf16_pair, uint16_t, uint16_t, 2 * PANEL,
       __m512i w_k = _mm512_loadu_si512(w_d);, DOT_BF16, STORE_BF16)
+#else
+/* AVX-512 without AVX512_BF16 (Intel servers up to Ice Lake, and VMs that hide the flag): a
+ * bfloat16 panel's pairs are widened to float32 in registers (by shifts) and each pair
+ * accumulates as vdpbf16ps does (acc += x1 w1, then acc += x0 w0; a product of two bfloat16 is
+ * exact in float32), the AVX2 body's sums on 16 lanes; the inputs are packed as float32 pairs.
+ * Half the bytes of float32 panels, at float32's multiply rate. */
+typedef struct {
+    float even, odd;
+} bf16_pair;
+#define WIDEN_PAIRS_512                                                                      \
+    const __m512i w_k = _mm512_loadu_si512(w_d);                                             \
+    const __m512 w_even = _mm512_castsi512_ps(_mm512_slli_epi32(w_k, 16));                   \
+    const __m512 w_odd =                                                                     \
+        _mm512_castsi512_ps(_mm512_and_si512(w_k, _mm512_set1_epi32((int)0xffff0000u)));
+#define PAIR_FMA_512(i)                                                                      \
+    acc##i = _mm512_fmadd_ps(_mm512_set1_ps(a[i].odd), w_odd, acc##i);                       \
+    acc##i = _mm512_fmadd_ps(_mm512_set1_ps(a[i].even), w_even, acc##i);
+TILES(tile_bf16, TILES_BF16, bf16_pair, uint16_t, uint16_t, 2 * PANEL, WIDEN_PAIRS_512,
+      PAIR_FMA_512, STORE_BF16)
+#define PAIRS_AS_FLOAT32 1
 #endif
 
 /* 4-bit panels (float32 rows only): a float32 weight whose every 32-deep block of a column is
@@ -311,11 +333,9 @@ static void panel_rows(const void *packed, const void *panels, const void *bias,
     for (int64_t r0 = 0, tile; r0 < rows; r0 += tile) {
         tile = tile_rows(rows - r0);
         if (is_bf16) {
-#if defined(__AVX512BF16__)
-            TILES_BF16[tile]((const uint32_t *)packed + r0 * depth,
+            TILES_BF16[tile]((const bf16_pair *)packed + r0 * depth,
                              (const uint16_t *)panels + p * panel_elems, depth, b,
                              (uint16_t *)y + r0 * n + p * PANEL, n, mask);
-#endif
         } else {
             TILES_F32[tile]((const float *)packed + r0 * depth,
                             (const float *)panels + p * panel_elems, depth, b,
@@ -876,16 +896,22 @@ static inline int64_t kind_tile_rows(int bits, int64_t rows, int64_t left) {
 #endif
 
 /* Bit 0: float32 is supported (AVX-512, or AVX2 with FMA); bit 1: bfloat16 (AVX512_BF16, or
- * AVX2 with FMA widening it to float32). */
+ * AVX-512 or AVX2 with FMA widening it to float32). */
 int linear_kernel_dtypes(void) {
-    int dtypes = 0;
 #if defined(LINEAR_SIMD)
-    dtypes |= 1;
-#if defined(__AVX512BF16__) || LINEAR_SIMD == 256
-    dtypes |= 2;
+    return 1 | 2;
+#else
+    return 0;
 #endif
+}
+
+/* The panel kernel's vector width in bits (512: AVX-512, 256: AVX2); 0 without it. */
+int linear_vector_bits(void) {
+#if defined(LINEAR_SIMD)
+    return LINEAR_SIMD;
+#else
+    return 0;
 #endif
-    return dtypes;
 }
 
 /* Ask the kernel for the AMX tile state (once per process; Linux grants it on request). Returns
@@ -910,7 +936,8 @@ int64_t linear_amx_min_rows(void) {
 #endif
 }
 
-/* 1 where bfloat16 panels are widened to float32 (AVX2: float32's multiply rate, half its bytes). */
+/* 1 where bfloat16 panels are widened to float32 (AVX2, AVX-512 without AVX512_BF16: float32's
+ * multiply rate, half its bytes). */
 int linear_widens_bf16(void) { return PAIRS_AS_FLOAT32; }
 
 /* The row tiles an input of `rows` rows by `k` makes (`bits`: of a weight with narrow panels of
