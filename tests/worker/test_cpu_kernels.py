@@ -137,6 +137,19 @@ def avx2_library(tmp_path_factory: pytest.TempPathFactory):
     return kernels.open_library(target)
 
 
+@pytest.fixture(scope="module")
+def widened_avx512_library(tmp_path_factory: pytest.TempPathFactory):
+    """The library built without AVX512_BF16 (`-mno-avx512bf16`), so that its AVX-512 body
+    widens bfloat16 as on CPUs without the instructions (on those it is the usual build)."""
+    if "avx512f" not in kernels._cpu_signature().split():
+        pytest.skip("no AVX-512 on this CPU")
+    tmp = tmp_path_factory.mktemp("widened-avx512-kernels")
+    target = tmp / "specserve_kernels-widened.so"
+    flags = (*kernels.COMPILE_FLAGS, "-mno-avx512bf16")
+    kernels._compile(kernels._compiler(), tmp, target, flags)
+    return kernels.open_library(target)
+
+
 PANEL_CASES = [(1, 50, 37), (3, 960, 576), (6, 960, 576), (17, 50, 37), (40, 960, 576)]
 
 
@@ -223,6 +236,26 @@ def test_avx2_bodies_match_the_references(avx2_library, monkeypatch, prefill_cal
             want = kernels.panel_linear(x, panels, bias, n)
             read = torch.zeros_like(panels)
             assert torch.equal(kernels.panel_linear(x, read, bias, n, b16, 16), want), (n, rows)
+
+
+def test_the_widened_avx512_bfloat16_body_sums_as_the_avx2_one(
+    avx2_library, widened_avx512_library, monkeypatch
+) -> None:
+    """Without AVX512_BF16 the AVX-512 body widens each bfloat16 pair and accumulates it in the
+    AVX2 body's order: the same outputs bit for bit, over one-row, multi-tile, odd-depth and
+    padded cases."""
+    outputs = {}
+    for name, library in (("avx2", avx2_library), ("avx512", widened_avx512_library)):
+        monkeypatch.setattr(kernels, "load", lambda library=library: library)
+        assert kernels.linear_widens_bfloat16() and torch.bfloat16 in kernels.linear_dtypes()
+        outputs[name] = [
+            kernels.panel_linear(x, kernels.pack_panels(w), b, n)
+            for rows, n, k in PANEL_CASES
+            for x, w, b in [_panel_case(rows, n, k, torch.bfloat16)]
+        ]
+    assert kernels.linear_vector_bits() == 512
+    for case, (got, want) in enumerate(zip(outputs["avx512"], outputs["avx2"], strict=True)):
+        assert torch.equal(got, want), PANEL_CASES[case]
 
 
 @needs_multi_row_kernel

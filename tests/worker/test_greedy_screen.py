@@ -29,7 +29,7 @@ from specserve.worker.sampler import argmax_rows
 
 pytestmark = pytest.mark.skipif(
     torch.bfloat16 not in kernels.linear_dtypes(),
-    reason="the greedy screen needs the bfloat16 panel kernel (AVX512_BF16, or AVX2 with FMA)",
+    reason="the greedy screen needs the bfloat16 panel kernel (AVX-512, or AVX2 with FMA)",
 )
 
 VOCAB, DEPTH = 4099, 576  # a partial last panel

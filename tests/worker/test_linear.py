@@ -559,3 +559,17 @@ def _timed(fake: FakeCalibration, busy: bool) -> Callable[[list[PackedWeight]], 
         return fake(packed)
 
     return calibrate
+
+
+def test_widened_bfloat16_weights_never_go_to_onednn() -> None:
+    """Where the panel kernel widens bfloat16 (no bfloat16 arithmetic), oneDNN would emulate it:
+    a bfloat16 weight then takes the panels at every row count, float32 ones keep oneDNN's
+    hand-over."""
+    if torch.bfloat16 not in kernels.linear_dtypes() or not kernels.linear_widens_bfloat16():
+        pytest.skip("the panel kernel multiplies bfloat16 here, or does not run it")
+    layer = Linear(64, 48, dtype=torch.bfloat16)
+    (packed,) = layer.pack_weights()
+    assert packed.panels and not packed.large_rows_onednn
+    assert packed.runs_panels(4096)
+    (float32,) = Linear(64, 48).pack_weights()
+    assert float32.large_rows_onednn == torch.backends.mkldnn.is_available()

@@ -30,14 +30,15 @@ row pass), and computes the passing columns' logits as the head's float32 panels
 
 Only where it is exact: the head's float32 call would run the panel kernel at this many rows
 (`PackedWeight.runs_panels`) and every value is finite. Which copy: bfloat16 where the CPU
-multiplies bfloat16 (AVX512_BF16), int8 where it would widen bfloat16 to float32 anyway (AVX2):
+multiplies bfloat16 (AVX512_BF16), int8 where it would widen bfloat16 to float32 anyway (AVX2,
+AVX-512 without AVX512_BF16):
 there both copies multiply at float32's rate, so the screen answers steps of up to
 `WIDENED_MAX_ROWS` rows, which wait on the head's bytes. Nor where the head itself reads no more
 bytes a weight than the copy at that many rows (`linear.PackedWeight.narrow_for`): a head made
 of 8-bit blocks (SmolLM2's tied head, Q8_0 in its GGUF) read as those blocks gives every logit
 exactly from 8.5 bits a weight, fewer than the bfloat16 copy's 16 and about the int8 copy's 8,
 with no columns to recompute; a head of bfloat16 values (a drafter's) reads 16. Drafters read
-the screen's logits as they are (`logits`; on AVX2 up to `WIDENED_MAX_LOGIT_ROWS` rows): a draft
+the screen's logits as they are (`logits`; widened, up to `WIDENED_MAX_LOGIT_ROWS` rows): a draft
 needs no exact logits, since the target verifies it. An EAGLE-3 drafter's own float32 draft
 head has a screen of its own, whose `argmax` gives its greedy drafts
 (`Eagle3Drafter.greedy_drafts`).
@@ -108,7 +109,8 @@ def _int8_bounds(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> 
 
 def default_copy() -> Copy | None:
     """The copy a screen reads on this CPU: bfloat16 where it multiplies bfloat16, int8 where
-    bfloat16 would be widened to float32 (AVX2); None without bfloat16 panels."""
+    bfloat16 would be widened to float32 (AVX2, AVX-512 without AVX512_BF16); None without
+    bfloat16 panels."""
     if torch.bfloat16 not in kernels.linear_dtypes():
         return None
     return "int8" if kernels.linear_widens_bfloat16() else "bfloat16"
@@ -125,7 +127,7 @@ class GreedyScreen:
     scale: torch.Tensor | None  # int8: each column's float32 scale
     column_bounds: torch.Tensor  # [V] float32 c_j, rounded up: |head_j - screen_j| <= c_j ||x||
     max_bound: float
-    widened: bool  # the copy multiplies at float32's rate: int8, or bfloat16 on AVX2
+    widened: bool  # the copy multiplies at float32's rate: int8, or bfloat16 widened
 
     @classmethod
     def of(cls, head: PackedWeight | None, copy: Copy | None = None) -> GreedyScreen | None:
@@ -161,7 +163,8 @@ class GreedyScreen:
     def pays(self, rows: int, exact: bool = True) -> bool:
         """Whether reading the screen beats the head at this many rows: for exact greedy tokens
         (`argmax`), or for logits as they are (`exact=False`, drafts). Never where the head
-        reads no more bits a weight itself (its narrow panels)."""
+        reads no more bits a weight itself, by nominal width (its narrow panels: 8-bit blocks,
+        8.5 bits with their scales, count as the int8 copy's 8, and are exact)."""
         if (self.head.narrow_for(rows)[1] or 32) <= COPY_BITS[self.copy]:
             return False
         if not self.widened:

@@ -3,26 +3,27 @@
 On CPU, torch's default `F.linear` runs a GEMM that reads the weight in its plain layout on
 every call, which is slow for the few rows of a decode step. So each weight gets a packed copy:
 
-- on AVX-512 CPUs (and on AVX2 ones with FMA, bfloat16 widened to float32), panels for
-  specserve's own kernel (`kernels.panel_linear`): it streams each weight once per tile of up
-  to 28 rows (6 with AVX2) at about the CPU's peak.
-  For SmolLM2's 121 matmuls (LM head included) on a 2-core AMD Zen 4: 23.6 ms at 16 rows in
-  float32 (oneDNN packed: 29.7 ms) and 13.1 ms in bfloat16 (17.3 ms); 11.8 ms (20.7 ms) at one
-  row; on par (+-10%) at 64 to 256 rows. On a 2-core AMD Zen 1 (AVX2, float32): 27.4 ms at one
-  row (34.3), 70.2 ms at 16 (91.6), 245 ms at 64 (261) (`bench/linear.py`,
-  docs/benchmarks.md). From `PANEL_MAX_ROWS` rows on (prompt chunks) oneDNN's GEMM on the
-  plain weight takes over: streaming each weight once per tile of rows stops paying there, and in a
-  real prefill between the model's other ops the panels ran at about 290 GFLOP/s where oneDNN
-  ran at about 450 (64 ShareGPT prompts: 1,000 prompt tokens/s against 1,540 in float32, 1,600
-  against 2,400 in bfloat16). oneDNN is reached through `F.linear` in bfloat16 and
-  `torch.ops.mkldnn._linear_pointwise` in float32, whose `F.linear` goes to a slower GEMM (860
-  tokens/s); both reorder the weight per call, which costs little beside a GEMM of that many
-  rows and needs no third copy of the weights. Where a CPU's GEMM library beats the panels
-  from fewer rows, the hand-over moves down (calibrated, below) and oneDNN gets a blocked copy
-  of each weight. On CPUs with AMX tiles (Intel Sapphire Rapids and later) the bfloat16
-  panels multiply on the tiles from 4 rows on (where K is a multiple of 32): on a 2-core
-  machine of that kind 15.4 ms at 16 rows and 24.9 at 64 (oneDNN: 19.1, 26.8; the AVX512_BF16
-  panels took 29.7 and 95.9).
+- on AVX-512 CPUs and AVX2 ones with FMA (bfloat16 widened to float32 where the CPU has no
+  bfloat16 arithmetic: AVX2, and AVX-512 without AVX512_BF16), panels for specserve's own kernel
+  (`kernels.panel_linear`): it streams each weight once per tile of up to 28 rows (6 with AVX2)
+  at about the CPU's peak. For SmolLM2's 121 matmuls (LM head included) on a 2-core AMD Zen 4:
+  23.6 ms at 16 rows in float32 (oneDNN packed: 29.7 ms) and 13.1 ms in bfloat16 (17.3 ms); 11.8
+  ms (20.7 ms) at one row; on par (+-10%) at 64 to 256 rows. On a 2-core AMD Zen 1 (AVX2,
+  float32): 27.4 ms at one row (34.3), 70.2 ms at 16 (91.6), 245 ms at 64 (261)
+  (`bench/linear.py`, docs/benchmarks.md). From `PANEL_MAX_ROWS` rows on (prompt chunks)
+  oneDNN's GEMM on the plain weight takes over (not for bfloat16 where the panels widen it:
+  oneDNN emulates it there, several times slower): streaming each weight once per tile of rows
+  stops paying there, and in a real prefill between the model's other ops the panels ran at
+  about 290 GFLOP/s where oneDNN ran at about 450 (64 ShareGPT prompts: 1,000 prompt tokens/s
+  against 1,540 in float32, 1,600 against 2,400 in bfloat16). oneDNN is reached through
+  `F.linear` in bfloat16 and `torch.ops.mkldnn._linear_pointwise` in float32, whose `F.linear`
+  goes to a slower GEMM (860 tokens/s); both reorder the weight per call, which costs little
+  beside a GEMM of that many rows and needs no third copy of the weights. Where a CPU's GEMM
+  library beats the panels from fewer rows, the hand-over moves down (calibrated, below) and
+  oneDNN gets a blocked copy of each weight. On CPUs with AMX tiles (Intel Sapphire Rapids and
+  later) the bfloat16 panels multiply on the tiles from 4 rows on (where K is a multiple of 32):
+  on a 2-core machine of that kind 15.4 ms at 16 rows and 24.9 at 64 (oneDNN: 19.1, 26.8; the
+  AVX512_BF16 panels took 29.7 and 95.9).
 - elsewhere, oneDNN's blocked layout (`torch.ops.mkldnn`), 1.5-3x faster than `F.linear` at
   16 rows (13.6 ms instead of 40.6 ms on a Zen 5 machine, 36 ms instead of 57 ms on an Intel
   one; see docs/benchmarks.md).
@@ -44,7 +45,10 @@ threads got less than `MIN_CALIBRATION_CPU_SHARE` of their time) is used but not
 
 The plain weight stays where it is, because drafters and tests read it; the packed copy is used
 by `forward` only, so a packed model holds its linear weights twice (three times where the
-hand-over was calibrated below `PANEL_MAX_ROWS`). CUDA, float16 and float64
+hand-over was calibrated below `PANEL_MAX_ROWS`), plus a float32 weight's narrow panels where
+its values have a narrower exact form (`narrow_panels`: a sixth, 17/64 or half of its bytes
+more; a bfloat16 checkpoint run in float32 thus holds 2.5 times its float32 bytes). CUDA,
+float16 and float64
 weights, and CPUs with neither path, keep `F.linear`.
 """
 
@@ -216,7 +220,8 @@ def pack_weight(weight: torch.Tensor, min_rows: int = 1) -> PackedWeight | None:
     used."""
     if _panel_kernel_runs(weight):
         panels = kernels.pack_panels(weight)
-        narrow, bits = narrow_panels.pack(weight) or (None, 0)
+        kinds = [bits for bits in kernels.NARROW_BITS if kernels.linear_narrow_max_rows(bits)]
+        narrow, bits = narrow_panels.pack(weight, kinds, panels) or (None, 0)
         narrow_rows = kernels.linear_narrow_max_rows(bits) if narrow is not None else 0
         return PackedWeight(
             panels,

@@ -22,35 +22,47 @@ bits are zero.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from specserve.worker.cpu import kernels
-from specserve.worker.cpu.kernels import BLOCK_DEPTH, PANEL, Q4_BLOCK_BYTES, Q8_BLOCK_BYTES
+from specserve.worker.cpu.kernels import (
+    BLOCK_DEPTH,
+    NARROW_BITS,
+    PANEL,
+    Q4_BLOCK_BYTES,
+    Q8_BLOCK_BYTES,
+)
 
 _PROBE_ROWS = 16  # rows checked first: most weights that are not 4-bit fail there, cheaply
 
 
-def pack(weight: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """`weight`'s narrowest exact panels and their kind in bits (4, 8 or 16), or None where it
-    has none."""
-    for bits, packer in ((4, pack_q4), (8, pack_q8), (16, pack_b16)):
-        panels = packer(weight)
-        if panels is not None:
-            return panels, bits
+def pack(
+    weight: torch.Tensor, kinds: Sequence[int] = NARROW_BITS, panels: torch.Tensor | None = None
+) -> tuple[torch.Tensor, int] | None:
+    """`weight`'s narrowest exact panels among `kinds` (bits: 4, 8, 16; those the kernel runs)
+    and their kind, or None where it has none; `panels`: its float32 panels if made already."""
+    packers = {4: pack_q4, 8: pack_q8, 16: partial(pack_b16, panels=panels)}
+    for bits in sorted(kinds):
+        narrow = packers[bits](weight)
+        if narrow is not None:
+            return narrow, bits
     return None
 
 
-def pack_b16(weight: torch.Tensor) -> torch.Tensor | None:
+def pack_b16(weight: torch.Tensor, panels: torch.Tensor | None = None) -> torch.Tensor | None:
     """`weight [N, K]`'s 16-bit panels (uint8, `kernels.narrow_panels_bytes(16, N, K)` bytes:
-    the float32 panels' upper halves), or None where a value is not a bfloat16."""
+    the float32 panels' upper halves, from `panels` if given), or None where a value is not a
+    bfloat16."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or not weight.numel():
         return None
     bits = weight.detach().view(torch.int32)
     if bits[:_PROBE_ROWS].bitwise_and(0xFFFF).any() or bits.bitwise_and(0xFFFF).any():
         return None
-    panels = kernels.pack_panels(weight).view(torch.int32)
+    panels = (kernels.pack_panels(weight) if panels is None else panels).view(torch.int32)
     return panels.bitwise_right_shift(16).to(torch.int16).view(torch.uint8).view(-1)
 
 

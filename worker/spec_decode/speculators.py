@@ -583,8 +583,9 @@ def drafter_dtype(choice: str, path: str, target: DecoderModel) -> torch.dtype:
     target's (37 MB in float32 for the bundled EAGLE-3 drafter, 19 of them its draft LM head),
     and a 16-bit checkpoint loses nothing in bfloat16 but the rounding of its activations;
     drafts stay verified by the target, so what is generated does not change. Where the panels
-    widen bfloat16 to float32 (AVX2) the drafter keeps the target's dtype: its prompt chunks
-    would have no bfloat16 GEMM there."""
+    widen bfloat16 to float32 (AVX2, AVX-512 without AVX512_BF16) the drafter keeps the
+    target's dtype: bfloat16 would not be multiplied faster there, and a float32 drafter saved
+    in 16 bits reads its 16-bit panels (`narrow_panels`), half its bytes, exactly."""
     if choice != "auto":
         return resolve_dtype(choice)
     device = target.embed_tokens.weight.device

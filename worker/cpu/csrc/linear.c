@@ -259,9 +259,8 @@ static void (*const TILES_Q4[Q4_MAX_TILE + 1])(const float *, const uint8_t *, i
  * each step's 16 weights are made again with one multiply (d q is exact in float32) and summed
  * as the float32 tiles sum them, so the outputs are theirs bit for bit. Layout
  * (worker/cpu/narrow_panels.py): per panel of 16 columns, per 32-deep block, Q8_BLOCK_BYTES bytes:
- * d[16] as float16, then 32 steps of 16 codes, byte c of step j = q(j, c). Tiles as the 4-bit
- * ones (Q4_MAX_TILE rows), up to Q8_MAX_ROWS rows. */
-#define Q8_MAX_ROWS 64
+ * d[16] as float16, then 32 steps of 16 codes, byte c of step j = q(j, c). Tiles and row
+ * limit as the 4-bit ones (Q4_MAX_TILE, Q4_MAX_ROWS). */
 
 #define FMA_Q8(i) acc##i = _mm512_fmadd_ps(_mm512_set1_ps(a[j * R + i]), w, acc##i);
 #define TILE_Q8(ROWS)                                                                        \
