@@ -22,7 +22,7 @@ bits are zero.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
@@ -67,27 +67,32 @@ def pack_b16(weight: torch.Tensor, panels: torch.Tensor | None = None) -> torch.
 
 
 def pack_q4(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight [N, K]`'s 4-bit panels (uint8, `kernels.narrow_panels_bytes(4, N, K)` bytes), or None
-    where it is not float32 4-bit blocks exactly (or K is not a multiple of 32)."""
-    if not _blockable(weight):
-        return None
-    weight = weight.detach()
-    if _blocks(weight[:_PROBE_ROWS]) is None:
-        return None
-    blocks = _blocks(weight)
-    return None if blocks is None else _layout(*blocks)
+    """`weight [N, K]`'s 4-bit panels (uint8, `kernels.narrow_panels_bytes(4, N, K)` bytes), or
+    None where it is not float32 4-bit blocks exactly (or K is not a multiple of 32)."""
+    return _pack_blocks(weight, _blocks, _layout)
 
 
 def pack_q8(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight [N, K]`'s 8-bit panels (uint8, `kernels.narrow_panels_bytes(8, N, K)` bytes), or None
-    where it is not float32 8-bit blocks exactly (or K is not a multiple of 32)."""
+    """`weight [N, K]`'s 8-bit panels (uint8, `kernels.narrow_panels_bytes(8, N, K)` bytes), or
+    None where it is not float32 8-bit blocks exactly (or K is not a multiple of 32)."""
+    return _pack_blocks(weight, _q8_blocks, _q8_layout)
+
+
+def _pack_blocks(
+    weight: torch.Tensor,
+    find: Callable[[torch.Tensor], tuple[torch.Tensor, ...] | None],
+    layout: Callable[..., torch.Tensor],
+) -> torch.Tensor | None:
+    """`layout(*find(weight))` for a float32 matrix of whole 32-deep blocks, trying its first
+    rows first (most weights that are not such blocks fail there, cheaply); None where `find`
+    finds none."""
     if not _blockable(weight):
         return None
     weight = weight.detach()
-    if _q8_blocks(weight[:_PROBE_ROWS]) is None:
+    if find(weight[:_PROBE_ROWS]) is None:
         return None
-    blocks = _q8_blocks(weight)
-    return None if blocks is None else _q8_layout(*blocks)
+    blocks = find(weight)
+    return None if blocks is None else layout(*blocks)
 
 
 def _blockable(weight: torch.Tensor) -> bool:

@@ -343,30 +343,18 @@ static void panel_rows(const void *packed, const void *panels, const void *bias,
     }
 }
 
-/* Panel p of y for every row from 4-bit panels (`q4`, depth k a multiple of Q4_DEPTH): the
- * packed inputs as for float32, in tiles of up to Q4_MAX_TILE rows. */
-static void q4_rows(const float *packed, const uint8_t *q4, const void *bias, float *y,
-                    int64_t rows, int64_t n, int64_t k, int64_t p) {
-    const int64_t blocks = k / Q4_DEPTH;
+/* Panel p of y for every row from 4-bit or 8-bit panels (`bits`; depth k a multiple of
+ * Q4_DEPTH): the packed inputs as for float32, in tiles of up to Q4_MAX_TILE rows. */
+static void block_rows(const float *packed, const uint8_t *blocks, int bits, const void *bias,
+                       float *y, int64_t rows, int64_t n, int64_t k, int64_t p) {
+    const int64_t depth = k / Q4_DEPTH;
+    const uint8_t *panel = blocks + p * depth * (bits == 4 ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES);
     const __mmask16 mask = column_mask(n, p);
     const __m512 b = bias_f32(bias, p, mask, 0);
     for (int64_t r0 = 0, tile; r0 < rows; r0 += tile) {
         tile = q4_tile_rows(rows, rows - r0);
-        TILES_Q4[tile](packed + r0 * k, q4 + p * blocks * Q4_BLOCK_BYTES, blocks, b,
-                       y + r0 * n + p * PANEL, n, mask);
-    }
-}
-
-/* Panel p of y for every row from 8-bit panels (`q8`), as `q4_rows`. */
-static void q8_rows(const float *packed, const uint8_t *q8, const void *bias, float *y,
-                    int64_t rows, int64_t n, int64_t k, int64_t p) {
-    const int64_t blocks = k / Q8_DEPTH;
-    const __mmask16 mask = column_mask(n, p);
-    const __m512 b = bias_f32(bias, p, mask, 0);
-    for (int64_t r0 = 0, tile; r0 < rows; r0 += tile) {
-        tile = q4_tile_rows(rows, rows - r0);
-        TILES_Q8[tile](packed + r0 * k, q8 + p * blocks * Q8_BLOCK_BYTES, blocks, b,
-                       y + r0 * n + p * PANEL, n, mask);
+        (bits == 4 ? TILES_Q4 : TILES_Q8)[tile](packed + r0 * k, panel, depth, b,
+                                                y + r0 * n + p * PANEL, n, mask);
     }
 }
 
@@ -815,11 +803,12 @@ static void b16_rows(const float *packed, const uint16_t *b16, const void *bias,
     }
 }
 #if defined(LINEAR_Q4)
-/* Panel p of y for every row from 4-bit panels: whole tiles, or each tile in its two halves. */
-static void q4_rows(const float *packed, const uint8_t *q4, const void *bias, float *y,
-                    int64_t rows, int64_t n, int64_t k, int64_t p) {
-    const int64_t blocks = k / Q4_DEPTH, valid = n - p * PANEL;
-    const uint8_t *panel = q4 + p * blocks * Q4_BLOCK_BYTES;
+/* Panel p of y for every row from 4-bit or 8-bit panels (`bits`): whole tiles, or each tile in
+ * its two halves. */
+static void block_rows(const float *packed, const uint8_t *blocks, int bits, const void *bias,
+                       float *y, int64_t rows, int64_t n, int64_t k, int64_t p) {
+    const int64_t depth = k / Q4_DEPTH, valid = n - p * PANEL;
+    const uint8_t *panel = blocks + p * depth * (bits == 4 ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES);
     const __m256i masks[2] = {lanes_below(valid), lanes_below(valid - 8)};
     __m256 b[2];
     bias_f32(bias, p, valid, 0, &b[0], &b[1]);
@@ -827,35 +816,13 @@ static void q4_rows(const float *packed, const uint8_t *q4, const void *bias, fl
         tile = q4_tile_rows(rows, rows - r0);
         float *y_tile = y + r0 * n + p * PANEL;
         if (rows <= Q4_WHOLE_ROWS) {
-            TILES_Q4_WHOLE[tile](packed + r0 * k, panel, blocks, b[0], b[1], y_tile, n,
-                                 masks[0], masks[1]);
+            (bits == 4 ? TILES_Q4_WHOLE : TILES_Q8_WHOLE)[tile](
+                packed + r0 * k, panel, depth, b[0], b[1], y_tile, n, masks[0], masks[1]);
             continue;
         }
         for (int half = 0; half < 2 && 8 * half < valid; half++)
-            TILES_Q4_HALF[tile](packed + r0 * k, panel, blocks, half, b[half], y_tile + 8 * half,
-                                n, masks[half]);
-    }
-}
-
-/* Panel p of y for every row from 8-bit panels, as `q4_rows`. */
-static void q8_rows(const float *packed, const uint8_t *q8, const void *bias, float *y,
-                    int64_t rows, int64_t n, int64_t k, int64_t p) {
-    const int64_t blocks = k / Q8_DEPTH, valid = n - p * PANEL;
-    const uint8_t *panel = q8 + p * blocks * Q8_BLOCK_BYTES;
-    const __m256i masks[2] = {lanes_below(valid), lanes_below(valid - 8)};
-    __m256 b[2];
-    bias_f32(bias, p, valid, 0, &b[0], &b[1]);
-    for (int64_t r0 = 0, tile; r0 < rows; r0 += tile) {
-        tile = q4_tile_rows(rows, rows - r0);
-        float *y_tile = y + r0 * n + p * PANEL;
-        if (rows <= Q4_WHOLE_ROWS) {
-            TILES_Q8_WHOLE[tile](packed + r0 * k, panel, blocks, b[0], b[1], y_tile, n,
-                                 masks[0], masks[1]);
-            continue;
-        }
-        for (int half = 0; half < 2 && 8 * half < valid; half++)
-            TILES_Q8_HALF[tile](packed + r0 * k, panel, blocks, half, b[half], y_tile + 8 * half,
-                                n, masks[half]);
+            (bits == 4 ? TILES_Q4_HALF : TILES_Q8_HALF)[tile](
+                packed + r0 * k, panel, depth, half, b[half], y_tile + 8 * half, n, masks[half]);
     }
 }
 #endif
@@ -1029,8 +996,8 @@ void panel_linear_team(const void *x, int64_t x_stride, const void *panels, cons
     for (int64_t p = 0; p < (n + PANEL - 1) / PANEL; p++) {
         switch (kind) {
 #if defined(LINEAR_Q4)
-        case 4: q4_rows(packed, narrow, bias, y, rows, n, k, p); break;
-        case 8: q8_rows(packed, narrow, bias, y, rows, n, k, p); break;
+        case 4:
+        case 8: block_rows(packed, narrow, kind, bias, y, rows, n, k, p); break;
 #endif
         case 16: b16_rows(packed, narrow, bias, y, rows, n, k, p); break;
         default: panel_rows(packed, panels, bias, y, rows, n, depth, p, is_bf16);
