@@ -153,52 +153,6 @@ def test_the_bundled_models_layers_are_found_as_4bit_blocks() -> None:
     assert narrow_panels.pack_q4(state["model.embed_tokens.weight"][:64]) is None
 
 
-def test_decode_steps_on_4bit_panels_equal_the_float32_panels(
-    llama_ckpt, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A model whose linear weights are 4-bit blocks: its fused decode steps read the 4-bit
-    panels and give the logits the float32 panels give, bit for bit."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(3)  # a team, split unevenly
-    try:
-        model = load_model(llama_ckpt.path, torch.float32)
-        blocks = {
-            name: narrow_panels.round_to_q4_blocks(value) if name.endswith("proj.weight") else value
-            for name, value in model.state_dict().items()
-        }
-        model.load_state_dict(blocks)  # packs the linear weights again
-        linears = [m for m in model.layers.modules() if isinstance(m, Linear)]
-        assert linears and all(m.packed.bits == 4 for m in linears)
-        tables = []
-        layer_row = fused_decode._layer_row
-
-        def spy(*args, **kwargs):
-            row = layer_row(*args, **kwargs)
-            tables.append(row)
-            return row
-
-        with monkeypatch.context() as patch:
-            patch.setattr(fused_decode, "_layer_row", spy)
-            on_4bit = greedy_decode_logits(model, [3, 11, 1, 17, 8], steps=6, seed=5)
-        columns = ("qkv", "o", "gate_up", "down")
-        assert tables and all(getattr(row, f"{c}_narrow") for row in tables for c in columns)
-        assert all(getattr(row, f"{c}_bits") == 4 for row in tables for c in columns)
-        sizes = (1, 4, 5, 8, 9, 16, 24, 25)
-        most = kernels.linear_narrow_max_rows(4)
-        assert [model.row_tiles()(rows) for rows in sizes] == [
-            _4bit_tiles(rows) if rows <= most else -(-rows // _float32_tile_rows())
-            for rows in sizes
-        ]
-        monkeypatch.setattr(kernels, "linear_narrow_max_rows", lambda bits: 0)
-        model.load_state_dict(blocks)  # packed again, without 4-bit panels
-        assert all(m.packed.narrow is None for m in linears)
-        on_float32 = greedy_decode_logits(model, [3, 11, 1, 17, 8], steps=6, seed=5)
-    finally:
-        torch.set_num_threads(threads)
-    for step, (got, want) in enumerate(zip(on_4bit, on_float32, strict=True)):
-        assert torch.equal(got, want), f"decode step {step} differs"
-
-
 def test_a_calibration_tells_4bit_weights_from_float32_ones() -> None:
     """The hand-over's cached calibration is keyed by whether weights have 4-bit panels (the
     panels it times read them): two models of the same shapes, one of 4-bit blocks, do not
@@ -433,14 +387,19 @@ def _to_bfloat16_values(weight: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("rounding", "bits"), [(narrow_panels.round_to_q8_blocks, 8), (_to_bfloat16_values, 16)]
+    ("rounding", "bits"),
+    [
+        (narrow_panels.round_to_q4_blocks, 4),
+        (narrow_panels.round_to_q8_blocks, 8),
+        (_to_bfloat16_values, 16),
+    ],
 )
 def test_decode_steps_on_narrow_panels_equal_the_float32_panels(
     llama_ckpt, monkeypatch: pytest.MonkeyPatch, rounding, bits: int
 ) -> None:
-    """A model whose matrices (linear weights and tied head) are 8-bit blocks, or bfloat16
-    values: its fused decode steps read those narrow panels and give the logits the float32
-    panels give, bit for bit."""
+    """A model whose matrices (linear weights and tied head) are 4-bit or 8-bit blocks, or
+    bfloat16 values: its fused decode steps read those narrow panels (their row tiles priced as
+    the kernel makes them) and give the logits the float32 panels give, bit for bit."""
     threads = torch.get_num_threads()
     torch.set_num_threads(3)  # a team, split unevenly
     try:
@@ -467,6 +426,11 @@ def test_decode_steps_on_narrow_panels_equal_the_float32_panels(
         columns = ("qkv", "o", "gate_up", "down")
         assert tables and all(getattr(row, f"{c}_narrow") for row in tables for c in columns)
         assert all(getattr(row, f"{c}_bits") == bits for row in tables for c in columns)
+        sizes, most = (1, 4, 5, 8, 9, 16, 24, 25), kernels.linear_narrow_max_rows(bits)
+        assert [model.row_tiles()(rows) for rows in sizes] == [
+            _4bit_tiles(rows) if bits < 16 and rows <= most else -(-rows // _float32_tile_rows())
+            for rows in sizes
+        ]
         monkeypatch.setattr(kernels, "linear_narrow_max_rows", lambda bits: 0)
         model.load_state_dict(narrow)  # packed again, without narrow panels
         model.pack_weights()
