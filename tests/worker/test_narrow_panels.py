@@ -114,19 +114,23 @@ def test_4bit_row_tiles_are_the_kernels_passes() -> None:
     assert kernels.linear_row_tiles(25, 48, torch.float32, bits=4) == -(-25 // f32_tile)
 
 
-def test_weights_not_made_of_4bit_blocks_get_none() -> None:
-    d, m, q = _blocks(32, 64, seed=3)
-    exact = _dequantized(d, m, q)
-    assert narrow_panels.pack_q4(exact) is not None
+def _refuses_what_is_not_blocks(pack, exact: torch.Tensor) -> None:
+    """`pack` takes the exact `[32, 64]` weight and refuses it nudged by one ulp past the probe
+    rows, random values, a depth of partial blocks, bfloat16 and a NaN."""
+    assert pack(exact) is not None
     nudged = exact.clone()
     nudged[20, 40] = torch.nextafter(nudged[20, 40], torch.tensor(1.0))  # past the probe rows
-    assert narrow_panels.pack_q4(nudged) is None
-    assert narrow_panels.pack_q4(torch.randn(32, 64)) is None
-    assert narrow_panels.pack_q4(exact[:, :48]) is None  # not whole blocks
-    assert narrow_panels.pack_q4(exact.to(torch.bfloat16)) is None
+    assert pack(nudged) is None
+    assert pack(torch.randn(32, 64)) is None
+    assert pack(exact[:, :48]) is None  # not whole blocks
+    assert pack(exact.to(torch.bfloat16)) is None
     with_nan = exact.clone()
     with_nan[0, 0] = float("nan")
-    assert narrow_panels.pack_q4(with_nan) is None
+    assert pack(with_nan) is None
+
+
+def test_weights_not_made_of_4bit_blocks_get_none() -> None:
+    _refuses_what_is_not_blocks(narrow_panels.pack_q4, _dequantized(*_blocks(32, 64, seed=3)))
     constant = torch.full((16, 32), 0.25)  # d = 0: every value m
     assert narrow_panels.pack_q4(constant) is not None
 
@@ -354,18 +358,8 @@ def test_8bit_panels_give_the_float32_panels_sums_bit_for_bit(n: int, k: int) ->
 
 
 def test_weights_not_made_of_8bit_blocks_get_none() -> None:
-    d, q = _q8_blocks(32, 64, seed=3)
-    exact = _q8_dequantized(d, q)
-    assert narrow_panels.pack_q8(exact) is not None
-    nudged = exact.clone()
-    nudged[20, 40] = torch.nextafter(nudged[20, 40], torch.tensor(1.0))  # past the probe rows
-    assert narrow_panels.pack_q8(nudged) is None
-    assert narrow_panels.pack_q8(torch.randn(32, 64)) is None
-    assert narrow_panels.pack_q8(exact[:, :48]) is None  # not whole blocks
-    assert narrow_panels.pack_q8(exact.to(torch.bfloat16)) is None
-    with_nan = exact.clone()
-    with_nan[0, 0] = float("nan")
-    assert narrow_panels.pack_q8(with_nan) is None
+    exact = _q8_dequantized(*_q8_blocks(32, 64, seed=3))
+    _refuses_what_is_not_blocks(narrow_panels.pack_q8, exact)
     negative_zero = exact.clone()
     negative_zero[0, :32] = -0.0  # d q is never -0.0
     assert narrow_panels.pack_q8(negative_zero) is None
