@@ -85,25 +85,6 @@ def test_the_layout_is_the_kernels() -> None:
     assert packed.tolist() == expected
 
 
-@pytest.mark.parametrize(("n", "k"), [(40, 64), (33, 96), (960, 576), (64, 1536)])
-def test_4bit_panels_give_the_float32_panels_sums_bit_for_bit(n: int, k: int) -> None:
-    """Row counts of one 4-bit tile (1-24 with AVX-512; with AVX2 whole tiles of 1-4 rows and
-    half tiles of 5-8), of several, the most the 4-bit panels take and one more (the float32
-    panels then run), with a bias and a column count that pads the last panel."""
-    weight = _dequantized(*_blocks(n, k, seed=n + k))
-    q4 = narrow_panels.pack_q4(weight)
-    assert q4 is not None
-    panels = kernels.pack_panels(weight)
-    gen = torch.Generator().manual_seed(2)
-    bias = torch.randn(n, generator=gen)
-    most = kernels.linear_narrow_max_rows(4)
-    for rows in [*range(1, 26), 33, 49, most, most + 1]:
-        x = torch.randn(rows, k, generator=gen)
-        want = kernels.panel_linear(x, panels, bias, n)
-        read = torch.zeros_like(panels) if rows <= most else panels  # the 4-bit ones must be read
-        assert torch.equal(kernels.panel_linear(x, read, bias, n, q4, 4), want), rows
-
-
 def test_4bit_row_tiles_are_the_kernels_passes() -> None:
     """The 4-bit tiles up to the most rows the 4-bit panels take, the float32 panels' tiles
     beyond, and where K is not whole blocks (the speculation policy prices them)."""
@@ -338,23 +319,30 @@ def test_the_8bit_layout_is_the_kernels() -> None:
     assert packed.tolist() == expected
 
 
-@pytest.mark.parametrize(("n", "k"), [(40, 64), (33, 96), (1000, 576)])
-def test_8bit_panels_give_the_float32_panels_sums_bit_for_bit(n: int, k: int) -> None:
-    """Row counts of one tile, of several, the most the 8-bit panels take and one more, with a
-    bias and a column count that pads the last panel; the float32 panels zeroed where the
-    8-bit ones run, so that they must be what is read."""
-    weight = _q8_dequantized(*_q8_blocks(n, k, seed=n + k))
-    q8 = narrow_panels.pack_q8(weight)
-    assert q8 is not None and narrow_panels.pack_q4(weight) is None
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("n", "k"), [(40, 64), (33, 96), (1000, 576), (64, 1536)])
+def test_block_panels_give_the_float32_panels_sums_bit_for_bit(bits: int, n: int, k: int) -> None:
+    """Row counts of one tile (1-24 with AVX-512; with AVX2 whole tiles of 1-4 rows and half
+    tiles of 5-8), of several, the most the block panels take and one more (the float32 panels
+    then run), with a bias and a column count that pads the last panel; the float32 panels
+    zeroed where the block ones run, so that they must be what is read."""
+    if bits == 4:
+        weight = _dequantized(*_blocks(n, k, seed=n + k))
+        blocks = narrow_panels.pack_q4(weight)
+    else:
+        weight = _q8_dequantized(*_q8_blocks(n, k, seed=n + k))
+        blocks = narrow_panels.pack_q8(weight)
+        assert narrow_panels.pack_q4(weight) is None
+    assert blocks is not None
     panels = kernels.pack_panels(weight)
     gen = torch.Generator().manual_seed(2)
     bias = torch.randn(n, generator=gen)
-    most = kernels.linear_narrow_max_rows(8)
+    most = kernels.linear_narrow_max_rows(bits)
     for rows in [*range(1, 26), 33, 49, most, most + 1]:
         x = torch.randn(rows, k, generator=gen)
         want = kernels.panel_linear(x, panels, bias, n)
         read = torch.zeros_like(panels) if rows <= most else panels
-        assert torch.equal(kernels.panel_linear(x, read, bias, n, q8, 8), want), rows
+        assert torch.equal(kernels.panel_linear(x, read, bias, n, blocks, bits), want), rows
 
 
 def test_weights_not_made_of_8bit_blocks_get_none() -> None:
