@@ -129,29 +129,55 @@ def _blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     """(d, m) float16 `[N, K/32]` and q uint8 `[N, K]` with weight == d q + m exactly in
     float32, value for value; None where no such blocks exist."""
     n, k = weight.shape
-    w = weight.reshape(n, k // BLOCK_DEPTH, BLOCK_DEPTH)
+    w = weight.reshape(-1, BLOCK_DEPTH)
     if not torch.isfinite(w).all():
         return None
     low = w.amin(-1)
     m = low.half()
     if not torch.equal(m.float(), low):
         return None
-    guess = ((w.amax(-1) - low) / 15).half()
-    step = guess.view(torch.int16)
-    found = torch.zeros(low.shape, dtype=torch.bool)
-    d = torch.zeros_like(m)
-    q = torch.zeros(w.shape, dtype=torch.uint8)
-    for candidate in (guess, (step + 1).view(torch.half), (step - 1).view(torch.half)):
-        scale = candidate.float()[..., None]
-        codes = ((w - low[..., None]) / scale).round().nan_to_num(0.0).clamp(0, 15)
-        remade = scale * codes + low[..., None]  # the bits compared: -0.0 is not +0.0
-        exact = (remade.view(torch.int32) == w.view(torch.int32)).all(-1) & ~found
-        d[exact] = candidate[exact]
-        q[exact] = codes[exact].to(torch.uint8)
-        found |= exact
-    if not found.all():
-        return None
-    return d, m, q.reshape(n, k)
+    spread = w.amax(-1) - low
+
+    def remake(rows: torch.Tensor, blocks: torch.Tensor, scale: torch.Tensor):
+        base = low[blocks, None]
+        codes = ((rows - base) / scale).round_().nan_to_num_(0.0).clamp_(0, 15)
+        return codes, scale * codes + base
+
+    guesses = [partial(_nudged, spread / 15, offset) for offset in (0, 1, -1)]
+    found = _find_scales(w, guesses, remake, torch.uint8)
+    return None if found is None else (found[0].view(n, -1), m.view(n, -1), found[1].view(n, k))
+
+
+def _nudged(values: torch.Tensor, offset: int, blocks: torch.Tensor) -> torch.Tensor:
+    """`values[blocks]` as float16, moved by `offset` float16 steps."""
+    return ((values[blocks]).half().view(torch.int16) + offset).view(torch.half)
+
+
+def _find_scales(
+    w: torch.Tensor,
+    guesses: Sequence[Callable[[torch.Tensor], torch.Tensor]],
+    remake: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]],
+    code_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each block (row) of `w [B, 32]`'s float16 scale d and codes q: the guesses are tried in
+    turn on the blocks not yet settled (`guess(blocks)`: their candidate scales; `remake(rows,
+    blocks, scale)`: their codes and the values those give), and a block is settled where
+    every value is remade bit for bit (-0.0 is not +0.0); None where one never is. The first
+    guess settles nearly every block of a real tensor, without a copy of it."""
+    d = torch.zeros(w.shape[0], dtype=torch.half)
+    q = torch.zeros(w.shape, dtype=code_dtype)
+    left = torch.arange(w.shape[0])
+    for guess in guesses:
+        if not left.numel():
+            break
+        rows = w if left.numel() == w.shape[0] else w[left]
+        candidate = guess(left)
+        codes, remade = remake(rows, left, candidate.float()[:, None])
+        exact = (remade.view(torch.int32) == rows.view(torch.int32)).all(-1)
+        d[left[exact]] = candidate[exact]
+        q[left[exact]] = codes[exact].to(code_dtype)
+        left = left[~exact]
+    return None if left.numel() else (d, q)
 
 
 def _layout(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -176,30 +202,23 @@ def _layout(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def _q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """d float16 `[N, K/32]` and q int8 `[N, K]` with weight == d q exactly in float32, value
-    for value; None where no such blocks exist. The first guess settles nearly every block of a
-    Q8_0 tensor; the others are tried on the blocks left only."""
+    for value; None where no such blocks exist."""
     n, k = weight.shape
     w = weight.reshape(-1, BLOCK_DEPTH)
     if not torch.isfinite(w).all():
         return None
     top = w.abs().amax(-1)
-    d = torch.zeros(top.shape, dtype=torch.half)
-    q = torch.zeros(w.shape, dtype=torch.int8)
-    left = torch.arange(top.numel())
-    for levels, offset in itertools.product((127, 128), (0, 1, -1)):
-        if not left.numel():
-            break
-        every = left.numel() == top.numel()  # the first try: no copy of the weight
-        rows, magnitudes = (w, top) if every else (w[left], top[left])
-        candidate = ((magnitudes / levels).half().view(torch.int16) + offset).view(torch.half)
-        scale = candidate.float()[:, None]
+
+    def remake(rows: torch.Tensor, blocks: torch.Tensor, scale: torch.Tensor):
         codes = (rows / scale).round_().nan_to_num_(0.0).clamp_(-128, 127).add_(0.0)  # no -0.0
-        remade = scale * codes  # the bits compared: -0.0 is not +0.0
-        exact = (remade.view(torch.int32) == rows.view(torch.int32)).all(-1)
-        d[left[exact]] = candidate[exact]
-        q[left[exact]] = codes[exact].to(torch.int8)
-        left = left[~exact]
-    return None if left.numel() else (d.view(n, -1), q.view(n, k))
+        return codes, scale * codes
+
+    guesses = [
+        partial(_nudged, top / levels, offset)
+        for levels, offset in itertools.product((127, 128), (0, 1, -1))
+    ]
+    found = _find_scales(w, guesses, remake, torch.int8)
+    return None if found is None else (found[0].view(n, -1), found[1].view(n, k))
 
 
 def _q8_layout(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
