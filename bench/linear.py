@@ -101,7 +101,7 @@ def main() -> None:
             narrow = [narrow_panels.pack(w) for w in weights]
             halves = [w.to(torch.bfloat16).float() for w in weights]
             b16 = halves, [kernels.pack_panels(w) for w in halves]
-            b16_narrow = [(narrow_panels.pack_b16(w), 16) for w in halves]
+            b16_narrow = [(narrow_panels.pack_b16(w, p), 16) for w, p in zip(*b16, strict=True)]
         try:
             onednn = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
         except RuntimeError as err:  # bfloat16 weights need AVX-512 or AVX-NE-CONVERT there

@@ -220,18 +220,18 @@ def pack_weight(weight: torch.Tensor, min_rows: int = 1) -> PackedWeight | None:
     used."""
     if _panel_kernel_runs(weight):
         panels = kernels.pack_panels(weight)
-        kinds = [bits for bits in kernels.NARROW_BITS if kernels.linear_narrow_max_rows(bits)]
+        limits = {bits: kernels.linear_narrow_max_rows(bits) for bits in kernels.NARROW_BITS}
+        kinds = [bits for bits, rows in limits.items() if rows]  # those the kernel runs
         narrow, bits = narrow_panels.pack(weight, kinds, panels) or (None, 0)
-        narrow_rows = kernels.linear_narrow_max_rows(bits) if narrow is not None else 0
         return PackedWeight(
             panels,
             weight,
             min_rows,
             panels=True,
             large_rows_onednn=_onednn_runs(weight),
-            narrow=narrow if narrow_rows else None,
-            bits=bits if narrow_rows else 0,
-            narrow_rows=narrow_rows,
+            narrow=narrow,
+            bits=bits,
+            narrow_rows=limits.get(bits, 0),
         )
     if not _onednn_runs(weight):
         return None

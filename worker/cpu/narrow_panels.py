@@ -187,17 +187,21 @@ def _layout(d: torch.Tensor, m: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     n, num_blocks = d.shape
     pad = -n % PANEL
     panels = (n + pad) // PANEL
-
-    def per_panel(t: torch.Tensor) -> torch.Tensor:  # [N, B] float16 -> [P, B, 32] bytes
-        t = F.pad(t, (0, 0, 0, pad)).view(panels, PANEL, num_blocks).transpose(1, 2)
-        return t.contiguous().view(torch.uint8)
-
     pairs = F.pad(q, (0, 0, 0, pad)).view(panels, PANEL, num_blocks, BLOCK_DEPTH // 2, 2)
     pairs = pairs.permute(0, 2, 3, 1, 4)  # [P, B, j, c, 2]
     codes = (pairs[..., 0] | (pairs[..., 1] << 4)).reshape(panels, num_blocks, -1)
-    out = torch.cat([per_panel(d), per_panel(m), codes], dim=-1).contiguous()
+    out = torch.cat([_per_panel(d), _per_panel(m), codes], dim=-1).contiguous()
     assert out.shape[-1] == Q4_BLOCK_BYTES
     return out.view(-1)
+
+
+def _per_panel(scales: torch.Tensor) -> torch.Tensor:
+    """`[N, B]` float16 scales as the panels hold them: `[P, B, 32]` bytes, a panel's 16 rows'
+    values per block, padded rows zeros."""
+    n, num_blocks = scales.shape
+    pad = -n % PANEL
+    per_panel = F.pad(scales, (0, 0, 0, pad)).view(-1, PANEL, num_blocks).transpose(1, 2)
+    return per_panel.contiguous().view(torch.uint8)
 
 
 def _q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -227,10 +231,8 @@ def _q8_layout(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     n, num_blocks = d.shape
     pad = -n % PANEL
     panels = (n + pad) // PANEL
-    scales = F.pad(d, (0, 0, 0, pad)).view(panels, PANEL, num_blocks).transpose(1, 2)
-    scales = scales.contiguous().view(torch.uint8)  # [P, B, 32]
     codes = F.pad(q, (0, 0, 0, pad)).view(panels, PANEL, num_blocks, BLOCK_DEPTH)
     codes = codes.permute(0, 2, 3, 1).contiguous().view(torch.uint8)  # [P, B, j, c]
-    out = torch.cat([scales, codes.reshape(panels, num_blocks, -1)], dim=-1).contiguous()
+    out = torch.cat([_per_panel(d), codes.reshape(panels, num_blocks, -1)], dim=-1).contiguous()
     assert out.shape[-1] == Q8_BLOCK_BYTES
     return out.view(-1)
