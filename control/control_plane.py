@@ -621,6 +621,7 @@ class ControlPlane:
             PROTOCOL_VERSION,
             model=self.args.model,
             live_workers=len(self.workers),
+            peer_workers=self.peers.reachable_workers() if self.peers is not None else 0,
             max_model_len=min(lens, default=None),
             requests_in_flight=len(self.frontend.requests),
         )
@@ -678,9 +679,12 @@ class ControlPlane:
         started = req.sent_first or req.output_token_ids  # the peer would start it over
         if self.peers is None or req.resumed or req.stays or started:
             return False
-        if req.sampling.prompt_logprobs is not None:  # computed in full anyway: no hit to win
-            return False
-        target = self.peers.target(away, here)
+        target = None
+        if req.sampling.prompt_logprobs is None:  # else computed in full anyway: no hit to win
+            target = self.peers.target(away, here)
+        stranded = not self._live_worker_here()
+        if target is None and stranded:  # served elsewhere now rather than here later
+            target = self.peers.any_target()
         if target is None:
             return False
         msg = GenerateRequest(
@@ -705,8 +709,12 @@ class ControlPlane:
             worker=target.worker_id,
             cached_tokens=target.cached_tokens,
             here=here,
+            no_live_worker_here=stranded,
         )
         return True
+
+    def _live_worker_here(self) -> bool:
+        return any(not w.failed for w in self.workers.values())
 
     def _other_planes(self) -> bool:
         """Whether another plane's workers could take a request from here (forwarding is on
@@ -782,6 +790,9 @@ class ControlPlane:
             owners = self.index.other_planes_workers()
             if owners is not None:
                 self.peers.set_owners(owners)
+            if self.placement.pending and not self._live_worker_here():
+                for req in self.placement.take_pending():  # forwarded now where they can be
+                    self._place(req)
         for link in self.peers.lost():
             for request_id in list(link.requests):
                 req = self.frontend.requests.get(request_id)

@@ -7,6 +7,8 @@ When another plane's worker holds at least `min_tokens` more of a prompt than an
 the request goes to that plane over a DEALER socket this plane keeps per peer, as a client
 would send it (with CURVE, under the control plane's own key, which every plane admits on its
 client port), marked `forwarded` so that the peer serves it itself and never forwards it again.
+A plane with no live worker of its own (all of them restarting, say) forwards every new request
+it can to a connected plane that has one, rather than holding it until one of its own returns.
 
 The peer's outputs reach the client unchanged, and the frontend records the tokens and text they
 carry. If the peer dies (its connection drops, or it misses ZeroMQ heartbeats), shuts down, or
@@ -18,6 +20,7 @@ forwarded request is scheduled by the plane that owns the worker.
 from __future__ import annotations
 
 import socket
+from collections import Counter
 from dataclasses import dataclass, field
 
 import structlog
@@ -102,6 +105,26 @@ class PeerLinks:
             if best is None or tokens > best.cached_tokens:
                 best = Target(link.url, worker_id, tokens)
         return best
+
+    def any_target(self) -> Target | None:
+        """Where to forward a request that no worker here can take (this plane has none live):
+        a worker of a connected plane, on the plane with the fewest forwarded requests
+        outstanding per worker."""
+        per_plane = Counter(self.owners.values())
+        best: tuple[float, Target] | None = None
+        for worker_id, url in sorted(self.owners.items()):
+            link = self.links.get(url)
+            if link is None or not link.connected:
+                continue
+            load = len(link.requests) / per_plane[url]
+            if best is None or load < best[0]:
+                best = (load, Target(url, worker_id, 0))
+        return None if best is None else best[1]
+
+    def reachable_workers(self) -> int:
+        """The other planes' workers on connected planes: what requests can be forwarded to."""
+        connected = {url for url, link in self.links.items() if link.connected}
+        return sum(1 for url in self.owners.values() if url in connected)
 
     def send(self, url: str, msg: protocol.Message) -> bool:
         """False when the peer cannot take it now (IMMEDIATE: nothing queues for a peer whose

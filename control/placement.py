@@ -70,7 +70,7 @@ class Placement:
         """`place` for a burst, with one index round trip for all of it; returns the requests
         that failed, each with its error (ValueError: refused; anything else is a bug that
         fails that request alone)."""
-        if all(w.failed for w in self.workers.values()):
+        if all(w.failed for w in self.workers.values()) and not self.other_planes():
             for req in reqs:
                 self.pending.append(req)
                 req.worker_id = None
@@ -107,7 +107,7 @@ class Placement:
         here = max(cached.values(), default=0)
         if self.forward is not None and self.forward(req, away, here):
             return
-        if self._awaits_holder(req, away, here):
+        if not candidates or self._awaits_holder(req, away, here):
             self.pending.append(req)
             req.worker_id = None
             return

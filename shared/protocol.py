@@ -424,6 +424,9 @@ class ServiceStatus(msgspec.Struct, frozen=True, tag="service_status", forbid_un
     live_workers: int
     max_model_len: int | None  # the smallest of the live workers' (None without workers)
     requests_in_flight: int
+    # Other control planes' live workers this plane forwards requests to when none of its own
+    # is live (forwarding on, their plane connected).
+    peer_workers: int = 0
 
 
 class ErrorReply(msgspec.Struct, frozen=True, tag="error", forbid_unknown_fields=True):

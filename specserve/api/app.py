@@ -2,7 +2,8 @@
 
 Any number of these can run beside one control plane. Each keeps one `AsyncClient` (one DEALER
 socket, every request multiplexed on it) and polls the control plane's `ServiceStatus` for
-`/health` and for refusing work fast (503) while no worker is live.
+`/health` and for refusing work fast (503) while no worker is live (its own or, through
+forwarding, another control plane's).
 """
 
 from __future__ import annotations
@@ -336,7 +337,9 @@ def create_app(settings: ApiSettings) -> FastAPI:
         if status is None:
             return JSONResponse({"status": "unavailable", "reason": state.status_error}, 503)
         body = {"status": "ok", "live_workers": status.live_workers, "model": status.model}
-        if status.live_workers == 0:
+        if status.peer_workers:
+            body["peer_workers"] = status.peer_workers
+        if not _can_serve(status):
             return JSONResponse({**body, "status": "no live worker"}, 503)
         return JSONResponse(body)
 
@@ -434,7 +437,7 @@ def _admit(state: ApiState, model: str | None) -> Formatter:
             "not_found_error", "model",
         )  # fmt: skip
     status = state.status
-    if status is None or status.live_workers == 0:
+    if status is None or not _can_serve(status):
         reason = state.status_error if status is None else "no worker is live"
         raise ApiError(503, f"the service cannot serve now: {reason}", "service_unavailable")
     limit = state.settings.max_concurrent_requests
@@ -444,6 +447,11 @@ def _admit(state: ApiState, model: str | None) -> Formatter:
             f"(--max-concurrent-requests {limit}); retry later", "rate_limit_error",
         )  # fmt: skip
     return formatter
+
+
+def _can_serve(status: ServiceStatus) -> bool:
+    """A live worker of the control plane's own, or of another plane it forwards to."""
+    return status.live_workers + status.peer_workers > 0
 
 
 def _max_tokens(state: ApiState, requested: int | None, param: str = "max_tokens") -> int:

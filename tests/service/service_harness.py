@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -73,6 +74,13 @@ def stop_up(up: subprocess.Popen, redis_url: str, model: str, timeout_s: float =
         up.kill()
         up.wait()
     drop_model_keys(redis_url, model)
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
 
 
 def wait_healthy(api: str, timeout_s: float = 120.0, want: int = 200) -> httpx.Response:

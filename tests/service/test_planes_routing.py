@@ -7,15 +7,19 @@ Real processes, sockets and Redis throughout.
 
 from __future__ import annotations
 
+import concurrent.futures
 import re
+import subprocess
+import sys
 import time
 
-from service_harness import WORKER_ENGINE, ControlProcess
+from service_harness import WORKER_ENGINE, ControlProcess, wait_for, wait_healthy
 from test_control_failover import uninterrupted
 
 from specserve.cache_index import Namespace, connect, list_workers
 from specserve.cache_index.schema import key_model_name
-from specserve.client import Client
+from specserve.client import Client, get_status
+from specserve.launch.local_redis import free_port
 from specserve.shared.protocol import SamplingParams
 
 PREFIX = [(11 * j) % 250 + 1 for j in range(64)]  # 16 blocks of 4
@@ -77,3 +81,44 @@ def test_a_prefix_family_lands_on_its_worker_whichever_plane_it_reaches(
             tokens.extend(out.token_ids)
     assert tokens == uninterrupted(llama_ckpt, [family(9)], [long])[0]
     assert re.search(r"request.taken_back\s.*connection dropped", b.log.read_text())
+
+
+def test_a_plane_whose_workers_are_down_serves_through_another(planes, llama_ckpt, tmp_path):
+    """A plane whose only worker died holds a new request while no other plane has a live
+    worker, forwards it as soon as one does, forwards the next at once, and says in its status
+    (and through an HTTP API's /health) that it can serve: no 503 while another plane could."""
+    a = planes("a")
+    own = planes.workers([a], "a0")
+    a.wait_workers(1)
+    b = planes("b")  # no worker yet
+    own.workers["a0"].kill()
+    wait_for(lambda: get_status(a.url).live_workers == 0, 20, "a0 was never removed")
+    assert get_status(a.url).peer_workers == 0
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool, Client(a.url, timeout=60) as client:
+        held = pool.submit(client.generate, family(0), GREEDY)
+        time.sleep(1.0)
+        assert not held.done()  # nowhere to go yet: held, not refused
+        planes.workers([b], "b0")
+        b.wait_workers(1)
+        first = held.result(timeout=60)
+        second = client.generate(family(1), GREEDY)
+    expected = uninterrupted(llama_ckpt, [family(0), family(1)], [GREEDY] * 2)
+    assert [first.token_ids, second.token_ids] == expected
+    assert (first.worker_id, second.worker_id) == ("b0", "b0")
+    forwarded = re.findall(r"request.forwarded\s.*no_live_worker_here=(\w+)", a.log.read_text())
+    assert forwarded == ["True", "True"]
+    status = get_status(a.url)
+    assert (status.live_workers, status.peer_workers) == (0, 1)
+
+    port = free_port()
+    api = subprocess.Popen(
+        [sys.executable, "-m", "specserve.cli", "api", "--control", a.url, "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=(tmp_path / "api.log").open("wb"),
+    )  # fmt: skip
+    try:
+        health = wait_healthy(f"http://127.0.0.1:{port}", timeout_s=60).json()
+        assert (health["status"], health["live_workers"], health["peer_workers"]) == ("ok", 0, 1)
+    finally:
+        api.terminate()
+        api.wait(30)

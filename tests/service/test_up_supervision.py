@@ -7,11 +7,10 @@ import asyncio
 import os
 import re
 import signal
-import time
 
 import httpx
 import pytest
-from service_harness import start_up, stop_up, up_ports, wait_healthy
+from service_harness import start_up, stop_up, up_ports, wait_for, wait_healthy
 
 from specserve.client import AsyncClient, SamplingParams, get_status
 from specserve.shared.cpus import SPIN_COUNT, usable_cpus
@@ -31,13 +30,6 @@ def expected(llama_ckpt) -> list[list[int]]:
 def child_pids(lines: list[str]) -> dict[str, int]:
     """The newest pid `up` reported for each child."""
     return {n: int(p) for n, p in re.findall(r"started (\S+) \(pid (\d+)\)", "".join(lines))}
-
-
-def wait_for(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.2)
 
 
 def streams_with_a_kill(urls: str | list[str], keys: str, pid: int) -> list[list[int]]:
