@@ -84,6 +84,7 @@ from specserve.shared.protocol import (
     Released,
     RequestOutput,
     Reregister,
+    Resume,
     ServiceStatus,
     StatusRequest,
     StepResult,
@@ -675,18 +676,29 @@ class ControlPlane:
 
     def _forward(self, req: ClientRequest, away: dict[str, int], here: int) -> bool:
         """Send `req` to the plane whose worker holds enough more of its tokens than any worker
-        here; its outputs are relayed (`_on_peer_frame`). False: it is placed here."""
-        started = req.sent_first or req.output_token_ids  # the peer would start it over
-        if self.peers is None or req.resumed or req.stays or started:
+        here; its outputs are relayed (`_on_peer_frame`). False: it is placed here.
+
+        Where no worker here is live, to any plane with a live worker, whatever it caches: a
+        request under way (its worker died) goes on there from what its client has (`Resume`,
+        as a client's own resume would), or, not streamed, starts over there (its client has
+        nothing yet)."""
+        if self.peers is None or req.stays:
             return False
-        target = None
-        if req.sampling.prompt_logprobs is None:  # else computed in full anyway: no hit to win
-            target = self.peers.target(away, here)
         stranded = not self._live_worker_here()
+        under_way = req.resumed or req.sent_first or bool(req.output_token_ids)
+        prompt_logprobs = req.sampling.prompt_logprobs is not None  # computed in full anyway
+        if under_way and (not stranded or prompt_logprobs):
+            return False  # waits for a worker here (or for the one holding its KV)
+        target = None if under_way or prompt_logprobs else self.peers.target(away, here)
         if target is None and stranded:  # served elsewhere now rather than here later
             target = self.peers.any_target()
         if target is None:
             return False
+        resume = None
+        if under_way and req.stream:
+            resume = Resume(list(req.output_token_ids), req.sent_chars)
+        elif under_way:
+            self.frontend.start_over(req)
         msg = GenerateRequest(
             PROTOCOL_VERSION,
             req.request_id,
@@ -695,6 +707,7 @@ class ControlPlane:
             stream=req.stream,
             cache_salt=req.cache_salt,
             priority=req.priority,
+            resume=resume,
             forwarded=True,
         )
         if not self.peers.send(target.url, msg):
@@ -710,6 +723,7 @@ class ControlPlane:
             cached_tokens=target.cached_tokens,
             here=here,
             no_live_worker_here=stranded,
+            under_way=under_way,
         )
         return True
 
@@ -777,7 +791,7 @@ class ControlPlane:
         log.warning("request.taken_back", request_id=req.request_id, peer=req.forwarded_to, why=why)
         req.forwarded_to, req.stays = None, True  # never sent back and forth
         if req.output_token_ids:
-            self.frontend.continue_from(req, req.relayed_chars)
+            self.frontend.continue_from(req, req.sent_chars)
         self._place(req)
 
     def _peers_tick(self, now: float) -> None:

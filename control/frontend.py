@@ -77,7 +77,7 @@ class ClientRequest:
     # came back from the plane it was forwarded to (which refused it, stopped or died).
     stays: bool = False
     forwarded_to: str | None = None  # served by the control plane at this URL, relayed here
-    relayed_chars: int = 0  # characters of text relayed to the client from that plane
+    sent_chars: int = 0  # characters of text its client has (streamed from here or relayed)
     hold_until: float | None = None  # waiting (resumed) for the worker that holds its KV
     client_key: str = ""  # the client's authenticated CURVE key ("" without authentication)
 
@@ -212,6 +212,7 @@ class Frontend:
         their text, to go on from there (resumed by its client, or taken back from a control
         plane it was forwarded to): the text not yet sent is held and goes out first."""
         req.resumed = True
+        req.sent_chars = max(num_text_chars, 0)
         self.metrics.resumed.inc()
         done = req.output_token_ids
         if self.tokenizer is None or not done:
@@ -226,6 +227,14 @@ class Frontend:
             if text:
                 break
         req.held_text = text[max(num_text_chars, 0) :]
+
+    @staticmethod
+    def start_over(req: ClientRequest) -> None:
+        """Forget the output of `req`, which is not streamed (its client has none of it), so
+        that it can be served again from its prompt."""
+        assert not req.stream
+        req.output_token_ids, req.logprobs, req.text = [], [], []
+        req.offsets, req.held_text = None, ""
 
     def prompt_token_ids(
         self, msg: GenerateRequest, vocab_size: int, limit: PromptLimit | None = None
@@ -390,7 +399,7 @@ class Frontend:
         plane counts the request in its metrics; this one counts it as forwarded.)"""
         if req.stream:
             req.output_token_ids.extend(out.token_ids)
-            req.relayed_chars += len(out.text or "")
+            req.sent_chars += len(out.text or "")
         req.sent_first = True
         if out.finished:
             self._forget(req)
@@ -500,6 +509,8 @@ class Frontend:
     ) -> RequestOutput:
         first = not req.sent_first
         req.sent_first = True
+        if req.stream:
+            req.sent_chars += len(text or "")
         prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, None
         worker = req.worker_id if req.worker_id != req.announced_worker else None
         req.announced_worker = req.worker_id

@@ -102,7 +102,7 @@ def test_a_plane_whose_workers_are_down_serves_through_another(planes, llama_ckp
         planes.workers([b], "b0")
         b.wait_workers(1)
         first = held.result(timeout=60)
-        second = client.generate(family(1), GREEDY)
+        second = client.generate(family(1), GREEDY)  # the thread is done with the client
     expected = uninterrupted(llama_ckpt, [family(0), family(1)], [GREEDY] * 2)
     assert [first.token_ids, second.token_ids] == expected
     assert (first.worker_id, second.worker_id) == ("b0", "b0")
@@ -110,6 +110,30 @@ def test_a_plane_whose_workers_are_down_serves_through_another(planes, llama_ckp
     assert forwarded == ["True", "True"]
     status = get_status(a.url)
     assert (status.live_workers, status.peer_workers) == (0, 1)
+
+    # Requests under way on a's new worker when it dies go on at b's at once: the stream
+    # from the tokens its client has, the one not streamed (its client has nothing) from its
+    # prompt; each equal to a run without the failure.
+    second = planes.workers([a], "a1")
+    a.wait_workers(1)
+    lone = [(7 * j) % 250 + 1 for j in range(40)]  # no prefix b0 holds: served by a1
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    with (
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+        Client(a.url, timeout=60) as client,
+        Client(a.url, timeout=60) as other,  # a Client is for one thread
+    ):
+        whole = pool.submit(other.generate, lone, long)
+        stream = client.stream(lone, long)
+        first_out = next(stream)
+        second.workers["a1"].kill()
+        tokens = list(first_out.token_ids) + [t for out in stream for t in out.token_ids]
+        unstreamed = whole.result(timeout=60)
+    assert first_out.worker_id == "a1" and len(first_out.token_ids) < 200
+    assert unstreamed.worker_id == "b0"
+    assert tokens == unstreamed.token_ids == uninterrupted(llama_ckpt, [lone], [long])[0]
+    under_way = re.findall(r"request.forwarded\s.*under_way=(\w+)", a.log.read_text())
+    assert under_way[2:] == ["True", "True"]
 
     port = free_port()
     api = subprocess.Popen(
