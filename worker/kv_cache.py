@@ -95,6 +95,9 @@ class PagedKVCache:
             else torch.zeros(shape, dtype=dtype, device=device)
             for layer in sorted(self.group_of_layer)
         }
+        # What the CPU's fused decode step keeps for this cache: its tables of layer addresses
+        # (`fused_decode.stack_for`), which die with it.
+        self.decode_stacks: dict[tuple[object, ...], object] = {}
 
     def layer(self, layer: int) -> torch.Tensor:
         return self.layers[layer]

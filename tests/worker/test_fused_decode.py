@@ -167,6 +167,59 @@ def test_new_weights_are_picked_up(llama_ckpt, fused_results, monkeypatch) -> No
     assert all(torch.equal(a, b) for a, b in zip(swapped, _decode_run(other, steps=2), strict=True))
 
 
+def test_a_stack_is_kept_until_what_it_reads_changes(llama_ckpt, monkeypatch) -> None:
+    """Steps of one row count on one KV cache share one table of addresses; a weight packed
+    again, a norm's `.data` swapped, a norm given a new Parameter and a packed weight given
+    another row limit each make a new one, and every step still equals the layer path."""
+    model = load_model(llama_ckpt.path, torch.float32)
+    other = load_model(llama_ckpt.path, torch.float32)  # the same weights, layer by layer
+    drivers = {m: PagedDriver(m, block_size=4) for m in (model, other)}
+    seqs = {m: [drivers[m].new_seq(p) for p in prompts(PROMPT_LENGTHS, seed=3)] for m in drivers}
+    for m, driver in drivers.items():
+        driver.prefill(seqs[m])
+    made: list[fused_decode.LayerStack | None] = []
+    real = fused_decode.LayerStack.of.__func__
+
+    def counting(cls, *args, **kwargs):
+        made.append(real(cls, *args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(fused_decode.LayerStack, "of", classmethod(counting))
+
+    def step(tables_made: int) -> None:
+        before = len(made)
+        fused = drivers[model].step([(s, 1) for s in seqs[model]])
+        assert len(made) - before == tables_made
+        with monkeypatch.context() as layers:
+            _layer_by_layer(layers)
+            reference = drivers[other].step([(s, 1) for s in seqs[other]])
+        assert torch.equal(fused, reference)
+        for m in drivers:
+            for seq, row in zip(seqs[m], reference, strict=True):
+                drivers[m]._append(seq, int(row.argmax()))
+
+    step(1)
+    step(0)
+    step(0)
+    for m in drivers:
+        m.layers[1].mlp.down_proj.repack()  # a new packed copy
+    step(1)
+    for m in drivers:
+        norm = m.layers[0].input_layernorm
+        norm.weight.data = norm.weight.detach() * 1.5  # new storage, same Parameter
+    step(1)
+    for m in drivers:
+        m.norm.weight = torch.nn.Parameter(m.norm.weight.detach() * 0.5)
+    step(1)
+    step(0)
+    packed = model.layers[0].attn.qkv_proj.packed
+    assert packed is not None
+    packed.min_rows = 64  # five rows now go layer by layer
+    step(1)
+    assert made[-1] is None
+    step(0)
+
+
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
 def test_steps_the_kernel_cannot_run_go_layer_by_layer(
     llama_ckpt, qwen3_hybrid_ckpt, fused_results

@@ -104,6 +104,21 @@ MIN_CALIBRATION_CPU_SHARE = 0.8
 MIN_JUDGED_CALIBRATION_S = 0.2  # shorter ones (small models) are too brief to judge, and cheap
 
 
+_packing_generation = 0
+
+
+def packing_generation() -> int:
+    """A count that changes whenever a packed weight is made or changed (its row limits, its
+    hand-over) or a `Linear` takes another weight, bias or packed copy: a table of packed
+    weights' addresses (`fused_decode.stack_for`) holds while it stays the same."""
+    return _packing_generation
+
+
+def _packing_changed() -> None:
+    global _packing_generation
+    _packing_generation += 1
+
+
 @dataclass(eq=False)
 class PackedWeight:
     """`weight` laid out for a CPU GEMM (`tensor`): panels for `kernels.panel_linear`, else
@@ -125,6 +140,10 @@ class PackedWeight:
     narrow: torch.Tensor | None = None
     bits: int = 0
     narrow_rows: int = 0
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        _packing_changed()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not self.panels:
@@ -286,6 +305,11 @@ class Linear(nn.Linear):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.register_load_state_dict_post_hook(lambda module, _: module.repack())
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name in ("packed", "weight", "bias"):
+            _packing_changed()
 
     def pack_weights(self) -> list[PackedWeight]:
         self.packed = pack_weight(self.weight)

@@ -340,7 +340,7 @@ class Eagle3Drafter(HiddenStateDrafter[Eagle3Config]):
     def _stack(self, rows: int, kv_cache: PagedKVCache) -> fused_decode.LayerStack | None:
         """The layers for the CPU kernels at `rows` rows, the first reading `attention_input`."""
         config = self.config.layer
-        return fused_decode.LayerStack.of(
+        return fused_decode.stack_for(
             self.layers, self.norm, config, self.dtype, rows, kv_cache, 2 * config.hidden_size
         )
 
