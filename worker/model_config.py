@@ -8,6 +8,7 @@ per-layer attention type decided the way the installed transformers decides it (
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -110,9 +111,10 @@ class ModelConfig:
             eos_token_ids=_eos_ids(hf.get("eos_token_id")),
         )
 
-    @property
+    @functools.cached_property
     def kv_groups(self) -> tuple[KVLayerGroup, ...]:
         """Full-attention layers first, then sliding-window layers; empty groups are dropped.
+        (Made once: every step asks for it, a few times.)
 
         The control plane must order its KV groups the same way (`kv_group_specs`).
         """
