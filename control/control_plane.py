@@ -413,8 +413,8 @@ class ControlPlane:
             log.warning("worker.rejected", worker=clip(info.worker_id), reason=str(exc))
             self._send_worker(identity, Rejected(PROTOCOL_VERSION, str(exc)))
             return
-        if old is not None:  # the same connection registering again
-            self._remove_worker(old, "re-registered")
+        if old is not None:  # the same connection registering again: its requests wait for it
+            self._remove_worker(old, "re-registered", hold=True)
         adopted = self._adopt_kept(info, msg, scheduler)
         namespace = Namespace.for_cache(key_model_name(info.model), scheduler.kv.config)
         worker = WorkerHandle(
@@ -579,8 +579,9 @@ class ControlPlane:
         if result_at is not None:
             self.metrics.step_gap.observe(time.monotonic() - result_at)
 
-    def _remove_worker(self, worker: WorkerHandle, reason: str) -> None:
-        """Drop a dead (or replaced) worker and resume its requests elsewhere."""
+    def _remove_worker(self, worker: WorkerHandle, reason: str, hold: bool = False) -> None:
+        """Drop a dead (or replaced) worker and resume its requests elsewhere (`hold`: held
+        for its next registration, which follows at once)."""
         if self.workers.get(worker.worker_id) is not worker:
             return
         del self.workers[worker.worker_id]
@@ -595,7 +596,10 @@ class ControlPlane:
             req = requests[request_id]
             req.num_resumptions += 1
             self.metrics.resumed.inc()
-            self._place(req)
+            if hold:
+                self.placement.hold(req)
+            else:
+                self._place(req)
         if worker.leaving:
             self._send_worker(worker.identity, Released(PROTOCOL_VERSION))
         worker.scheduler.kv.pool.release()
@@ -658,7 +662,11 @@ class ControlPlane:
         accepted, self._accepted = self._accepted, []
         requests = self.frontend.requests
         live = [req for req in accepted if requests.get(req.request_id) is req]  # not aborted
-        for req, exc in self.placement.place_many(live):
+        self._place_burst(live)
+
+    def _place_burst(self, reqs: list[ClientRequest]) -> None:
+        """Place `reqs` with one index round trip; refuse those no worker can serve."""
+        for req, exc in self.placement.place_many(reqs):
             if isinstance(exc, ValueError):
                 self.frontend.refuse(req, str(exc))
                 continue
@@ -697,8 +705,6 @@ class ControlPlane:
         resume = None
         if under_way and req.stream:
             resume = Resume(list(req.output_token_ids), req.sent_chars)
-        elif under_way:
-            self.frontend.start_over(req)
         msg = GenerateRequest(
             PROTOCOL_VERSION,
             req.request_id,
@@ -712,6 +718,8 @@ class ControlPlane:
         )
         if not self.peers.send(target.url, msg):
             return False
+        if under_way and not req.stream:
+            self.frontend.start_over(req)  # the peer serves it from its prompt
         self.peers.links[target.url].requests.add(req.request_id)
         req.forwarded_to, req.worker_id = target.url, None
         self.metrics.forwarded.inc()
@@ -778,8 +786,29 @@ class ControlPlane:
             if msg.finished and link is not None:
                 link.requests.discard(req.request_id)
             self.frontend.relay(req, msg)
+        elif isinstance(msg, ErrorReply) and not self._live_worker_here():
+            self._refused_by_peer(req, msg)
         elif isinstance(msg, RequestOutput | ErrorReply):
             self._serve_here(req, msg.error if isinstance(msg, RequestOutput) else msg.message)
+
+    def _refused_by_peer(self, req: ClientRequest, msg: ErrorReply) -> None:
+        """A plane with no live worker of its own had `req` refused by the plane it forwarded
+        it to: for what the request is ("invalid"), its client is told, since nothing here
+        could serve it either; for now ("overloaded"), it is held and forwarded again at the
+        next look at the other planes (or served by a worker here, if one comes first)."""
+        assert req.forwarded_to is not None and self.peers is not None
+        link = self.peers.links.get(req.forwarded_to)
+        if link is not None:
+            link.requests.discard(req.request_id)
+        log.warning("request.refused_by_peer", request_id=req.request_id, peer=req.forwarded_to,
+                    code=msg.code, why=msg.message)  # fmt: skip
+        req.forwarded_to = None
+        if msg.code == "invalid":
+            self.frontend.refuse(req, msg.message)
+            return
+        if req.output_token_ids:
+            self.frontend.continue_from(req, req.sent_chars)
+        self.placement.hold(req)
 
     def _serve_here(self, req: ClientRequest, why: str | None) -> None:
         """Take back a forwarded request whose plane refused it, stopped or died: it goes on
@@ -804,9 +833,9 @@ class ControlPlane:
             owners = self.index.other_planes_workers()
             if owners is not None:
                 self.peers.set_owners(owners)
-            if self.placement.pending and not self._live_worker_here():
-                for req in self.placement.take_pending():  # forwarded now where they can be
-                    self._place(req)
+            stranded = self.placement.pending and not self._live_worker_here()
+            if stranded and self.peers.reachable_workers():
+                self._place_burst(self.placement.take_pending())  # forwarded now, if they can be
         for link in self.peers.lost():
             for request_id in list(link.requests):
                 req = self.frontend.requests.get(request_id)

@@ -72,8 +72,7 @@ class Placement:
         fails that request alone)."""
         if all(w.failed for w in self.workers.values()) and not self.other_planes():
             for req in reqs:
-                self.pending.append(req)
-                req.worker_id = None
+                self.hold(req)
             return []
         token_ids = [req.prompt_token_ids + req.output_token_ids for req in reqs]
         hashes = [
@@ -105,11 +104,13 @@ class Placement:
         cached = self._cached_tokens(hashes, len(token_ids), indexed)
         away = _away_tokens(hashes, len(token_ids), indexed, self.workers)
         here = max(cached.values(), default=0)
+        if self._awaits_holder(req, away, here):  # before forwarding: its KV is on its way here
+            self.hold(req)
+            return
         if self.forward is not None and self.forward(req, away, here):
             return
-        if not candidates or self._awaits_holder(req, away, here):
-            self.pending.append(req)
-            req.worker_id = None
+        if not candidates:
+            self.hold(req)
             return
         decision = self.router.choose(candidates, len(token_ids), cached)
         worker = self.workers[decision.worker_id]
@@ -154,6 +155,11 @@ class Placement:
             req.hold_until = now + self.resume_hold_s
             log.info("request.awaits_holder", request_id=req.request_id, away=max(away.values()))
         return True
+
+    def hold(self, req: ClientRequest) -> None:
+        """Keep `req` until a worker can take it (`take_pending`)."""
+        self.pending.append(req)
+        req.worker_id = None
 
     def expired_holds(self, now: float) -> list[ClientRequest]:
         """The held requests whose wait for their KV's worker is over, to place anywhere."""

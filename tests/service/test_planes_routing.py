@@ -13,12 +13,13 @@ import subprocess
 import sys
 import time
 
+import pytest
 from service_harness import WORKER_ENGINE, ControlProcess, wait_for, wait_healthy
 from test_control_failover import uninterrupted
 
 from specserve.cache_index import Namespace, connect, list_workers
 from specserve.cache_index.schema import key_model_name
-from specserve.client import Client, get_status
+from specserve.client import Client, RequestFailed, get_status
 from specserve.launch.local_redis import free_port
 from specserve.shared.protocol import SamplingParams
 
@@ -110,6 +111,12 @@ def test_a_plane_whose_workers_are_down_serves_through_another(planes, llama_ckp
     assert forwarded == ["True", "True"]
     status = get_status(a.url)
     assert (status.live_workers, status.peer_workers) == (0, 1)
+    # What the plane it went to refuses as invalid reaches the client at once: with no worker
+    # of its own, a knew no bound to check it against, and none here could serve it later.
+    too_long = [(3 * j) % 250 + 1 for j in range(300)]  # the workers' max_model_len is 256
+    with Client(a.url, timeout=30) as client, pytest.raises(RequestFailed, match="max_model_len"):
+        client.generate(too_long, GREEDY)
+    assert re.search(r"request.refused_by_peer\s.*code=invalid", a.log.read_text())
 
     # Requests under way on a's new worker when it dies go on at b's at once: the stream
     # from the tokens its client has, the one not streamed (its client has nothing) from its
@@ -133,7 +140,7 @@ def test_a_plane_whose_workers_are_down_serves_through_another(planes, llama_ckp
     assert unstreamed.worker_id == "b0"
     assert tokens == unstreamed.token_ids == uninterrupted(llama_ckpt, [lone], [long])[0]
     under_way = re.findall(r"request.forwarded\s.*under_way=(\w+)", a.log.read_text())
-    assert under_way[2:] == ["True", "True"]
+    assert under_way == ["False"] * 3 + ["True"] * 2
 
     port = free_port()
     api = subprocess.Popen(

@@ -169,8 +169,9 @@ def test_new_weights_are_picked_up(llama_ckpt, fused_results, monkeypatch) -> No
 
 def test_a_stack_is_kept_until_what_it_reads_changes(llama_ckpt, monkeypatch) -> None:
     """Steps of one row count on one KV cache share one table of addresses; a weight packed
-    again, a norm's `.data` swapped, a norm given a new Parameter and a packed weight given
-    another row limit each make a new one, and every step still equals the layer path."""
+    again, a norm's `.data` swapped, a norm given a new Parameter, a linear replaced by another
+    module and a packed weight given another row limit each make a new one, and every step
+    still equals the layer path."""
     model = load_model(llama_ckpt.path, torch.float32)
     other = load_model(llama_ckpt.path, torch.float32)  # the same weights, layer by layer
     drivers = {m: PagedDriver(m, block_size=4) for m in (model, other)}
@@ -212,6 +213,13 @@ def test_a_stack_is_kept_until_what_it_reads_changes(llama_ckpt, monkeypatch) ->
         m.norm.weight = torch.nn.Parameter(m.norm.weight.detach() * 0.5)
     step(1)
     step(0)
+    for m in drivers:
+        mlp = m.layers[1].mlp
+        down = linear.Linear(mlp.down_proj.in_features, mlp.down_proj.out_features, bias=False)
+        down.weight = torch.nn.Parameter(mlp.down_proj.weight.detach() * 1.25)
+        down.pack_weights()
+        mlp.down_proj = down  # a new module: the old one's panels may be freed
+    step(1)
     packed = model.layers[0].attn.qkv_proj.packed
     assert packed is not None
     packed.min_rows = 64  # five rows now go layer by layer

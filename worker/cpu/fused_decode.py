@@ -108,7 +108,8 @@ class LayerStack:
     qkv_in: int  # the first layer's q/k/v input width
     table: torch.Tensor  # [layers, DecodeLayer]
     caches: torch.Tensor  # each layer's KV cache address
-    kv_cache: PagedKVCache
+    block_size: int  # the KV cache's (not the cache itself: it keeps this stack)
+    num_blocks: int
     # The parameters the kernel reads in place (norm weights, biases) as (module, name,
     # address): the table holds while each is still there (a Parameter can be replaced, or
     # its `.data` swapped, behind its module's back).
@@ -142,7 +143,10 @@ class LayerStack:
             (module, name, module._parameters[name].data_ptr())
             for module, name in _read_in_place(layers, norm)
         )
-        return cls(layers, norm, config, dtype, rows, qkv_in, table_t, caches, kv_cache, in_place)
+        return cls(
+            layers, norm, config, dtype, rows, qkv_in, table_t, caches,
+            kv_cache.block_size, kv_cache.num_blocks, in_place,
+        )  # fmt: skip
 
     def current(self) -> bool:
         """Whether the parameters read in place are still where the table says."""
@@ -196,8 +200,8 @@ class LayerStack:
                 kv_heads=config.num_kv_heads,
                 head_dim=config.head_dim,
                 inter=config.intermediate_size,
-                block_size=self.kv_cache.block_size,
-                num_blocks=self.kv_cache.num_blocks,
+                block_size=self.block_size,
+                num_blocks=self.num_blocks,
                 is_bf16=int(self.dtype == torch.bfloat16),
                 attn_input=0 if attn_input is None else attn_input.data_ptr(),
                 attn_in=self.qkv_in,
@@ -235,7 +239,7 @@ class LayerStack:
         )
         bad_rows, failed = errors.tolist()
         if bad_rows:
-            raise IndexError(kernels.kv_rows_error(bad_rows, self.kv_cache.num_blocks))
+            raise IndexError(kernels.kv_rows_error(bad_rows, self.num_blocks))
         if failed:
             raise RuntimeError(kernels.attention_error(failed))
         if status == 1:
@@ -259,6 +263,8 @@ def stack_for(
     every linear's panels, limits and sizes, 1.2-1.7 ms a step for SmolLM2's 30 layers on a
     2-core Zen 3 VM, where a batch-1 step took 9.5-12 ms. (A None kept under an id that a later
     object reuses only sends that step down the layer-by-layer path.)"""
+    if not layers:
+        return None
     kept = kv_cache.decode_stacks
     generation = packing_generation()
     if kept.get("generation") != generation:

@@ -109,14 +109,22 @@ _packing_generation = 0
 
 def packing_generation() -> int:
     """A count that changes whenever a packed weight is made or changed (its row limits, its
-    hand-over) or a `Linear` takes another weight, bias or packed copy: a table of packed
-    weights' addresses (`fused_decode.stack_for`) holds while it stays the same."""
+    hand-over), a `Linear` takes another packed copy, or any module another submodule or
+    parameter: a table of packed weights' addresses (`fused_decode.stack_for`) holds while it
+    stays the same."""
     return _packing_generation
 
 
-def _packing_changed() -> None:
+def _packing_changed(*_hook_args: object) -> None:
     global _packing_generation
     _packing_generation += 1
+
+
+# Any module given another submodule or parameter (`layer.mlp = ...`, `norm.weight =
+# nn.Parameter(...)`) may drop what a table points at: torch's process-wide registration hooks
+# count it (a swap of a tensor's `.data` registers nothing; `fused_decode` checks those).
+nn.modules.module.register_module_module_registration_hook(_packing_changed)
+nn.modules.module.register_module_parameter_registration_hook(_packing_changed)
 
 
 @dataclass(eq=False)
@@ -308,7 +316,7 @@ class Linear(nn.Linear):
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
-        if name in ("packed", "weight", "bias"):
+        if name == "packed":  # weight and bias are parameters: the hooks above count them
             _packing_changed()
 
     def pack_weights(self) -> list[PackedWeight]:
