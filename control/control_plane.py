@@ -692,7 +692,7 @@ class ControlPlane:
         nothing yet)."""
         if self.peers is None or req.stays:
             return False
-        stranded = not self._live_worker_here()
+        stranded = not self.placement.has_live_worker()
         under_way = req.resumed or req.sent_first or bool(req.output_token_ids)
         prompt_logprobs = req.sampling.prompt_logprobs is not None  # computed in full anyway
         if under_way and (not stranded or prompt_logprobs):
@@ -735,9 +735,6 @@ class ControlPlane:
         )
         return True
 
-    def _live_worker_here(self) -> bool:
-        return any(not w.failed for w in self.workers.values())
-
     def _other_planes(self) -> bool:
         """Whether another plane's workers could take a request from here (forwarding is on
         and the index names some)."""
@@ -748,9 +745,7 @@ class ControlPlane:
         or here."""
         if req.forwarded_to is not None and self.peers is not None:
             self.peers.send(req.forwarded_to, AbortRequest(PROTOCOL_VERSION, req.request_id))
-            link = self.peers.links.get(req.forwarded_to)
-            if link is not None:
-                link.requests.discard(req.request_id)
+            self.peers.done(req.forwarded_to, req.request_id)
             req.forwarded_to = None
             return
         self.placement.withdraw(req)
@@ -782,11 +777,10 @@ class ControlPlane:
         if req is None or req.forwarded_to != url:
             return  # finished, aborted or taken back already
         if isinstance(msg, RequestOutput) and not msg.resumable:
-            link = self.peers.links.get(url) if self.peers is not None else None
-            if msg.finished and link is not None:
-                link.requests.discard(req.request_id)
+            if msg.finished and self.peers is not None:
+                self.peers.done(url, req.request_id)
             self.frontend.relay(req, msg)
-        elif isinstance(msg, ErrorReply) and not self._live_worker_here():
+        elif isinstance(msg, ErrorReply) and not self.placement.has_live_worker():
             self._refused_by_peer(req, msg)
         elif isinstance(msg, RequestOutput | ErrorReply):
             self._serve_here(req, msg.error if isinstance(msg, RequestOutput) else msg.message)
@@ -797,9 +791,7 @@ class ControlPlane:
         could serve it either; for now ("overloaded"), it is held and forwarded again at the
         next look at the other planes (or served by a worker here, if one comes first)."""
         assert req.forwarded_to is not None and self.peers is not None
-        link = self.peers.links.get(req.forwarded_to)
-        if link is not None:
-            link.requests.discard(req.request_id)
+        self.peers.done(req.forwarded_to, req.request_id)
         log.warning("request.refused_by_peer", request_id=req.request_id, peer=req.forwarded_to,
                     code=msg.code, why=msg.message)  # fmt: skip
         req.forwarded_to = None
@@ -814,9 +806,7 @@ class ControlPlane:
         """Take back a forwarded request whose plane refused it, stopped or died: it goes on
         here from what its client already has."""
         assert req.forwarded_to is not None and self.peers is not None
-        link = self.peers.links.get(req.forwarded_to)
-        if link is not None:
-            link.requests.discard(req.request_id)
+        self.peers.done(req.forwarded_to, req.request_id)
         log.warning("request.taken_back", request_id=req.request_id, peer=req.forwarded_to, why=why)
         req.forwarded_to, req.stays = None, True  # never sent back and forth
         if req.output_token_ids:
@@ -833,8 +823,8 @@ class ControlPlane:
             owners = self.index.other_planes_workers()
             if owners is not None:
                 self.peers.set_owners(owners)
-            stranded = self.placement.pending and not self._live_worker_here()
-            if stranded and self.peers.reachable_workers():
+            waiting = self.placement.pending and not self.placement.has_live_worker()
+            if waiting and self.peers.reachable_workers():
                 self._place_burst(self.placement.take_pending())  # forwarded now, if they can be
         for link in self.peers.lost():
             for request_id in list(link.requests):

@@ -126,6 +126,13 @@ class PeerLinks:
         connected = {url for url, link in self.links.items() if link.connected}
         return sum(1 for url in self.owners.values() if url in connected)
 
+    def done(self, url: str, request_id: str) -> None:
+        """`request_id`, forwarded over `url`'s link, no longer waits on it (finished, aborted
+        or taken back)."""
+        link = self.links.get(url)
+        if link is not None:
+            link.requests.discard(request_id)
+
     def send(self, url: str, msg: protocol.Message) -> bool:
         """False when the peer cannot take it now (IMMEDIATE: nothing queues for a peer whose
         connection is down)."""

@@ -70,7 +70,7 @@ class Placement:
         """`place` for a burst, with one index round trip for all of it; returns the requests
         that failed, each with its error (ValueError: refused; anything else is a bug that
         fails that request alone)."""
-        if all(w.failed for w in self.workers.values()) and not self.other_planes():
+        if not self.has_live_worker() and not self.other_planes():
             for req in reqs:
                 self.hold(req)
             return []
@@ -155,6 +155,9 @@ class Placement:
             req.hold_until = now + self.resume_hold_s
             log.info("request.awaits_holder", request_id=req.request_id, away=max(away.values()))
         return True
+
+    def has_live_worker(self) -> bool:
+        return any(not w.failed for w in self.workers.values())
 
     def hold(self, req: ClientRequest) -> None:
         """Keep `req` until a worker can take it (`take_pending`)."""

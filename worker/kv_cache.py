@@ -97,7 +97,7 @@ class PagedKVCache:
         }
         # What the CPU's fused decode step keeps for this cache: its tables of layer addresses
         # (`fused_decode.stack_for`), which die with it.
-        self.decode_stacks: dict[tuple[object, ...], object] = {}
+        self.decode_stacks: dict[object, object] = {}  # and the packing generation they hold for
 
     def layer(self, layer: int) -> torch.Tensor:
         return self.layers[layer]

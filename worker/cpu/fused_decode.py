@@ -94,6 +94,10 @@ def run_layers(
     return stack.run(x, cos, sin, groups[0], aux_layers, attn_input)
 
 
+# Parameters a table points at where they are: (module, parameter name, address).
+InPlace = list[tuple[nn.Module, str, int]]
+
+
 @dataclass(frozen=True, eq=False)
 class LayerStack:
     """A stack of layers checked for the kernel at one row count, with its table of weight
@@ -110,9 +114,9 @@ class LayerStack:
     caches: torch.Tensor  # each layer's KV cache address
     block_size: int  # the KV cache's (not the cache itself: it keeps this stack)
     num_blocks: int
-    # The parameters the kernel reads in place (norm weights, biases) as (module, name,
-    # address): the table holds while each is still there (a Parameter can be replaced, or
-    # its `.data` swapped, behind its module's back).
+    # The layers' parameters the kernel reads in place (norm weights, biases; the final norm
+    # is read at each step): the table holds while each is still there (a Parameter can be
+    # replaced, or its `.data` swapped, behind its module's back).
     in_place: tuple[tuple[nn.Module, str, int], ...]
 
     @classmethod
@@ -130,8 +134,11 @@ class LayerStack:
         cache does not fit the kernel."""
         if not _stack_fits(layers, norm, config, dtype, kv_cache):
             return None
+        in_place: InPlace = []
         table = [
-            _layer_row(layer, config, dtype, rows, qkv_in if i == 0 else config.hidden_size)
+            _layer_row(
+                layer, config, dtype, rows, qkv_in if i == 0 else config.hidden_size, in_place
+            )
             for i, layer in enumerate(layers)
         ]
         if any(row is None for row in table):
@@ -139,13 +146,9 @@ class LayerStack:
         layer_ids = [layer.attn.layer_id for layer in layers]
         caches = torch.tensor([kv_cache.layers[i].data_ptr() for i in layer_ids], dtype=torch.int64)
         table_t = torch.tensor(table, dtype=torch.int64)
-        in_place = tuple(
-            (module, name, module._parameters[name].data_ptr())
-            for module, name in _read_in_place(layers, norm)
-        )
         return cls(
             layers, norm, config, dtype, rows, qkv_in, table_t, caches,
-            kv_cache.block_size, kv_cache.num_blocks, in_place,
+            kv_cache.block_size, kv_cache.num_blocks, tuple(in_place),
         )  # fmt: skip
 
     def current(self) -> bool:
@@ -370,24 +373,6 @@ def _stack_fits(
     )
 
 
-def _read_in_place(layers: Sequence[DecoderLayer], norm: RMSNorm) -> list[tuple[nn.Module, str]]:
-    """The (module, parameter name) pairs whose tensors a stack's table points at directly:
-    every norm's weight and every linear's bias (the weights are read from their packed
-    copies, which `linear.packing_generation` follows)."""
-    read = [(norm, "weight")]
-    for layer in layers:
-        modules = layer._modules
-        attn, mlp = modules["attn"]._modules, modules["mlp"]._modules
-        norms = (
-            modules["input_layernorm"], modules["post_attention_layernorm"],
-            attn.get("q_norm"), attn.get("k_norm"),
-        )  # fmt: skip
-        read.extend((module, "weight") for module in norms if module is not None)
-        linears = (attn["qkv_proj"], attn["o_proj"], mlp["gate_up_proj"], mlp["down_proj"])
-        read.extend((lin, "bias") for lin in linears if lin._parameters["bias"] is not None)
-    return read
-
-
 def _given_input_fits(attn_input: torch.Tensor, x: torch.Tensor, width: int) -> bool:
     return (
         attn_input.dtype == x.dtype
@@ -399,11 +384,17 @@ def _given_input_fits(attn_input: torch.Tensor, x: torch.Tensor, width: int) -> 
 
 
 def _layer_row(
-    layer: DecoderLayer, config: ModelConfig, dtype: torch.dtype, rows: int, qkv_in: int
+    layer: DecoderLayer,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    rows: int,
+    qkv_in: int,
+    in_place: InPlace | None = None,
 ) -> DecodeLayer | None:
     """The layer's addresses, or None when a weight is not in the kernel's layout, dtype or
     size (e.g. a linear without panels, or one that uses `F.linear` or oneDNN for `rows`
-    rows).
+    rows); the parameters it points at in place (norm weights, biases) are noted in
+    `in_place`.
 
     Submodules and parameters are read from the modules' own dicts: `nn.Module`'s attribute
     lookup would cost ~0.3 us a time, and a step reads ~400 of them."""
@@ -413,24 +404,26 @@ def _layer_row(
     q_width = config.num_heads * head_dim
     qkv_width = q_width + 2 * config.num_kv_heads * head_dim
     qkv, qkv_bias, qkv_narrow, qkv_bits = _linear_addresses(
-        attn["qkv_proj"], dtype, rows, qkv_in, qkv_width
+        attn["qkv_proj"], dtype, rows, qkv_in, qkv_width, in_place
     )
-    o, o_bias, o_narrow, o_bits = _linear_addresses(attn["o_proj"], dtype, rows, q_width, hidden)
+    o, o_bias, o_narrow, o_bits = _linear_addresses(
+        attn["o_proj"], dtype, rows, q_width, hidden, in_place
+    )
     gate_up, gate_up_bias, gate_up_narrow, gate_up_bits = _linear_addresses(
-        mlp["gate_up_proj"], dtype, rows, hidden, 2 * inter
+        mlp["gate_up_proj"], dtype, rows, hidden, 2 * inter, in_place
     )
     down, down_bias, down_narrow, down_bits = _linear_addresses(
-        mlp["down_proj"], dtype, rows, inter, hidden
+        mlp["down_proj"], dtype, rows, inter, hidden, in_place
     )
     row = DecodeLayer(
-        input_norm=_norm_address(modules["input_layernorm"], dtype, hidden),
+        input_norm=_norm_address(modules["input_layernorm"], dtype, hidden, in_place),
         qkv=qkv,
         qkv_bias=qkv_bias,
-        q_norm=_norm_address(attn.get("q_norm"), dtype, head_dim),
-        k_norm=_norm_address(attn.get("k_norm"), dtype, head_dim),
+        q_norm=_norm_address(attn.get("q_norm"), dtype, head_dim, in_place),
+        k_norm=_norm_address(attn.get("k_norm"), dtype, head_dim, in_place),
         o=o,
         o_bias=o_bias,
-        post_norm=_norm_address(modules["post_attention_layernorm"], dtype, hidden),
+        post_norm=_norm_address(modules["post_attention_layernorm"], dtype, hidden, in_place),
         gate_up=gate_up,
         gate_up_bias=gate_up_bias,
         down=down,
@@ -449,7 +442,12 @@ def _layer_row(
 
 
 def _linear_addresses(
-    linear: Linear, dtype: torch.dtype, rows: int, in_features: int, out_features: int
+    linear: Linear,
+    dtype: torch.dtype,
+    rows: int,
+    in_features: int,
+    out_features: int,
+    in_place: InPlace | None = None,
 ) -> tuple[int | None, int | None, int, int]:
     """The panels, bias (0: none), narrow panels (0: none) and their kind (0: none) of a
     `Linear` that the layer path would run through the panel kernel for `rows` rows, with the
@@ -472,14 +470,27 @@ def _linear_addresses(
     )
     return (
         _address(packed.tensor, dtype, panels),
-        0 if bias is None else _address(bias, dtype, out_features),
+        0 if bias is None else _parameter_address(linear, "bias", dtype, out_features, in_place),
         narrow.data_ptr() if fits else 0,
         bits if fits else 0,
     )
 
 
-def _norm_address(norm: RMSNorm | None, dtype: torch.dtype, size: int) -> int | None:
-    return 0 if norm is None else _address(norm._parameters["weight"], dtype, size)
+def _norm_address(
+    norm: RMSNorm | None, dtype: torch.dtype, size: int, in_place: InPlace | None
+) -> int | None:
+    return 0 if norm is None else _parameter_address(norm, "weight", dtype, size, in_place)
+
+
+def _parameter_address(
+    module: nn.Module, name: str, dtype: torch.dtype, numel: int, in_place: InPlace | None
+) -> int | None:
+    """`_address` of a parameter the kernel reads where it is, noted with its module in
+    `in_place` (a table holds while it stays there: `LayerStack.current`)."""
+    address = _address(module._parameters[name], dtype, numel)
+    if address is not None and in_place is not None:
+        in_place.append((module, name, address))
+    return address
 
 
 def _address(tensor: torch.Tensor | None, dtype: torch.dtype, numel: int) -> int | None:
