@@ -185,6 +185,9 @@ class ControlPlane:
         check_exposure(args.bind, worker_bind, args.keys, args.insecure)
         keys = ServerKeys.load(args.keys) if args.keys else None
         self.authenticated = keys is not None
+        # Control planes link to each other with the service's own pair: a frame under this key
+        # comes from another plane.
+        self.plane_key = keys.pair.public.decode() if keys else None
         # Its own context: the ZAP handler is per context, and tests run several planes.
         self.ctx = zmq.Context()
         self._auth = start_authenticator(self.ctx, keys) if keys else None
@@ -607,9 +610,18 @@ class ControlPlane:
     # --- clients ----------------------------------------------------------------------------
 
     def _on_generate(self, client: bytes, msg: GenerateRequest, key: str = "") -> None:
+        # A plane forwarding a request names the client it serves: that client may resume it
+        # here. Anyone else's `origin_key` is ignored.
+        via_plane = msg.forwarded and key != "" and key == self.plane_key
         try:
             req = self.frontend.accept(
-                client, msg, self._vocab_size(), self._eos_token_ids(), self._prompt_limit(), key
+                client,
+                msg,
+                self._vocab_size(),
+                self._eos_token_ids(),
+                self._prompt_limit(),
+                msg.origin_key if via_plane else key,
+                via_plane,
             )
         except AlreadyResumed:
             log.debug("request.resent", request_id=msg.request_id)
@@ -715,6 +727,7 @@ class ControlPlane:
             priority=req.priority,
             resume=resume,
             forwarded=True,
+            origin_key=req.client_key,
         )
         if not self.peers.send(target.url, msg):
             return False

@@ -80,6 +80,9 @@ class ClientRequest:
     sent_chars: int = 0  # characters of text its client has (streamed from here or relayed)
     hold_until: float | None = None  # waiting (resumed) for the worker that holds its KV
     client_key: str = ""  # the client's authenticated CURVE key ("" without authentication)
+    # Forwarded here by another control plane: `client` is that plane's link and `client_key`
+    # the key of the client it serves, who may resume the request here if that plane dies.
+    via_plane: bool = False
 
 
 Send = Callable[[bytes, Message], bool]  # False when the peer is gone
@@ -129,9 +132,11 @@ class Frontend:
         worker_eos_token_ids: tuple[int, ...],
         prompt_limit: PromptLimit | None = None,
         client_key: str = "",
+        via_plane: bool = False,
     ) -> ClientRequest:
         """Validate and tokenize a new request, the one time it is checked, and track it;
-        ValueError naming what is wrong with it.
+        ValueError naming what is wrong with it. `via_plane`: another control plane forwarded
+        it for its client, whose key is `client_key`.
 
         Token ids (the prompt's and the stop ids) must lie below `vocab_size`, and the prompt
         within `prompt_limit`; placement and the scheduler take what is accepted here as valid.
@@ -156,6 +161,7 @@ class Frontend:
             request_id=request_id,
             client=client,
             client_key=client_key,
+            via_plane=via_plane,
             prompt_token_ids=prompt,
             sampling=self.with_stop_ids(msg.sampling, eos),
             stream=msg.stream,
@@ -167,9 +173,12 @@ class Frontend:
         if msg.resume is not None:
             self._resume(req, msg, vocab_size, prompt_limit)
         if old is not None:  # checked and valid: it replaces the request its client lost
-            log.info("request.taken_over", request_id=request_id)
+            log.info("request.taken_over", request_id=request_id, from_plane=old.via_plane)
             self._withdraw(old)
-            self._forget(old)
+            if old.via_plane:  # its plane may live on: it hears that the request moved here
+                self.finish(old, [], "abort", "its client resumed it on another connection")
+            else:
+                self._forget(old)
         self.requests[request_id] = req
         self.pending[client] += 1
         log.debug("request.accepted", request_id=request_id, prompt_tokens=len(prompt))
@@ -534,8 +543,9 @@ class Frontend:
 
 def _check_take_over(old: ClientRequest, client: bytes, key: str, msg: GenerateRequest) -> None:
     """A request id already in flight: only a resume from the same client on a new connection
-    may replace it (that connection is gone, and nothing more it sends will be read); anything
-    else is refused, and a resend on the same connection changes nothing (AlreadyResumed)."""
+    may replace it (that connection is gone, and nothing more it sends will be read), or from
+    the client another plane forwarded it for (that plane is gone); anything else is refused,
+    and a resend on the same connection changes nothing (AlreadyResumed)."""
     if msg.resume is None or old.client_key != key:
         raise ValueError(f"request id {msg.request_id!r} is already in flight")
     if old.client == client:

@@ -365,6 +365,10 @@ class GenerateRequest(msgspec.Struct, frozen=True, tag="generate", forbid_unknow
     # Sent on by another control plane whose index lookup found this plane's worker holding
     # more of its prefix: served here, never forwarded again.
     forwarded: bool = False
+    # Set by a forwarding control plane: the authenticated key of the client it serves, so
+    # that this client may resume the request here if that plane dies (read only from a
+    # control plane's connection).
+    origin_key: str = ""
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag="abort", forbid_unknown_fields=True):

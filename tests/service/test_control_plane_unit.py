@@ -549,3 +549,60 @@ def test_a_request_the_peer_refuses_is_served_here_and_never_sent_again(forwardi
     plane.answer("w0", plane.batches("w0")[-1], token=6)
     assert tokens(plane.outputs()) == [5, 6]
     assert plane.outputs()[-1].finished
+
+
+PLANE_KEY, CLIENT_KEY = "plane-key", "client-key"  # as authenticated CURVE keys read them
+
+
+def _forwarded(request_id: str, key: str, origin_key: str) -> GenerateRequest:
+    return GenerateRequest(P, request_id, prompt_token_ids=PROMPT, sampling=RESUMED,
+                           forwarded=True, origin_key=origin_key)  # fmt: skip
+
+
+def test_a_forwarded_request_is_resumed_by_its_client_when_its_plane_dies(plane):
+    """A request another plane forwarded here lives under that plane's connection. When that
+    plane dies, its client resumes the request here, possibly before this plane has found the
+    forwarding plane gone: the resume takes the request over (the forwarding plane named the
+    client's key), and the forwarding plane's copy ends with an abort. A client with another
+    key is refused, and `origin_key` from anyone but a plane is ignored."""
+    plane.plane_key = PLANE_KEY  # as a plane loaded with the service's keys
+    plane.register("w0")
+    plane._on_generate(b"plane-a", _forwarded("r", PLANE_KEY, CLIENT_KEY), PLANE_KEY)
+    plane._place_accepted()
+    plane._dispatch_all()
+    plane.answer("w0", plane.batches("w0")[-1], token=7)
+    assert tokens(plane.outputs(b"plane-a")) == [7]
+
+    resume = GenerateRequest(P, "r", prompt_token_ids=PROMPT, sampling=RESUMED,
+                             resume=Resume([7]))  # fmt: skip
+    plane._on_generate(b"intruder", resume, "another-key")
+    refused = "request id 'r' is already in flight"
+    assert [o.message for o in plane.outputs(b"intruder")] == [refused]
+
+    plane._on_generate(b"c1", resume, CLIENT_KEY)
+    plane._place_accepted()
+    (last,) = plane.outputs(b"plane-a")[1:]
+    assert (last.finished, last.finish_reason) == (True, "abort")
+    assert plane.frontend.requests["r"].client == b"c1"
+    in_flight = plane.batches("w0")[-1]  # the old copy's next token, dispatched before
+    plane.answer("w0", in_flight, token=99)  # dropped: that copy was withdrawn
+    batch = plane.batches("w0")[-1]
+    (moved,) = batch.new_requests
+    assert (moved.request_id, moved.token_ids) == ("r", [*PROMPT, 7])
+    assert batch.finished == [in_flight.running[0].handle]
+    plane.answer("w0", batch, token=8)
+    plane._dispatch_all()
+    plane.answer("w0", plane.batches("w0")[-1], token=9)
+    plane._dispatch_all()
+    plane.answer("w0", plane.batches("w0")[-1], token=10)
+    assert tokens(plane.outputs(b"c1")) == [8, 9, 10]  # max_tokens 4 with the 7 it had
+    assert plane.outputs(b"c1")[-1].finished
+    assert len(plane.outputs(b"plane-a")) == 2  # nothing more went to the forwarding plane
+
+    # A client claiming to forward for CLIENT_KEY is not a plane: the request is its own.
+    plane._on_generate(b"spoof", _forwarded("s", "spoof-key", CLIENT_KEY), "spoof-key")
+    plane._place_accepted()
+    assert plane.frontend.requests["s"].client_key == "spoof-key"
+    take = GenerateRequest(P, "s", prompt_token_ids=PROMPT, sampling=RESUMED, resume=Resume([]))
+    plane._on_generate(b"c1", take, CLIENT_KEY)
+    assert plane.outputs(b"c1")[-1].message == "request id 's' is already in flight"
