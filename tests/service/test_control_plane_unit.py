@@ -606,3 +606,29 @@ def test_a_forwarded_request_is_resumed_by_its_client_when_its_plane_dies(plane)
     take = GenerateRequest(P, "s", prompt_token_ids=PROMPT, sampling=RESUMED, resume=Resume([]))
     plane._on_generate(b"c1", take, CLIENT_KEY)
     assert plane.outputs(b"c1")[-1].message == "request id 's' is already in flight"
+
+
+def test_a_plane_with_no_live_worker_holds_a_request_its_peer_is_too_busy_for(forwarding_plane):
+    """A plane with no live worker forwards a request to a peer that refuses it as overloaded:
+    the request is held (not refused, not served here) and forwarded again at the next look at
+    the other planes, whose answer reaches the client."""
+    plane = forwarding_plane
+    plane.peers.links[PEER].connected = True
+    plane.peers.lost = lambda: []  # the link double has no connection to lose
+    plane.index.other_planes_workers = lambda: {"x9": PEER}
+    plane._peers_tick(time.monotonic())  # reads the other planes' workers
+    plane.generate("r", list(range(1, 30)), max_tokens=2)
+    assert [m.request_id for m in plane.to_peer] == ["r"]
+    busy = ErrorReply(P, "this client already has 1024 requests in flight", "r", "overloaded")
+    plane._on_peer_frame(PEER, encode(busy))
+    assert plane.outputs() == []  # held: its client hears nothing yet
+    req = plane.frontend.requests["r"]
+    assert req.forwarded_to is None and req in plane.placement.pending
+
+    plane._peers_tick(time.monotonic() + control_plane.OWNERS_REFRESH_S)
+    assert [m.request_id for m in plane.to_peer] == ["r", "r"]
+    assert req.forwarded_to == PEER
+    out = RequestOutput(P, "r", [5, 6], None, finished=True, finish_reason="length")
+    plane._on_peer_frame(PEER, encode(out))
+    assert tokens(plane.outputs()) == [5, 6] and plane.outputs()[-1].finished
+    assert "r" not in plane.frontend.requests
