@@ -612,7 +612,7 @@ class ControlPlane:
     def _on_generate(self, client: bytes, msg: GenerateRequest, key: str = "") -> None:
         # A plane forwarding a request names the client it serves: that client may resume it
         # here. Anyone else's `origin_key` is ignored.
-        via_plane = msg.forwarded and key != "" and key == self.plane_key
+        via_plane = msg.forwarded and key == self.plane_key  # (None without authentication)
         try:
             req = self.frontend.accept(
                 client,

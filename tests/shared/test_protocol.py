@@ -153,10 +153,10 @@ def test_a_deeply_nested_frame_is_a_protocol_error_not_a_recursion_error(frame, 
 
 def test_limits_on_depth_and_objects_are_the_callers():
     frame = p.encode(p.GenerateRequest(1, "r", prompt_token_ids=list(range(100))))
-    objects = 1 + 13 + 13 + 100  # the map, its 13 keys and 13 values, the 100 ids
+    objects = 1 + 14 + 14 + 100  # the map, its 14 keys and 14 values, the 100 ids
     assert p.decode(frame, max_items=objects).prompt_token_ids == list(range(100))
     refused = rf"^frame refused \({len(frame)} bytes\): "
-    with pytest.raises(p.ProtocolError, match=refused + "more than 126 objects in one frame$"):
+    with pytest.raises(p.ProtocolError, match=refused + "more than 128 objects in one frame$"):
         p.decode(frame, max_items=objects - 1)
     with pytest.raises(p.ProtocolError, match=refused + "nested deeper than 1 levels$"):
         p.decode(frame, max_depth=1)
