@@ -554,7 +554,7 @@ def test_a_request_the_peer_refuses_is_served_here_and_never_sent_again(forwardi
 PLANE_KEY, CLIENT_KEY = "plane-key", "client-key"  # as authenticated CURVE keys read them
 
 
-def _forwarded(request_id: str, key: str, origin_key: str) -> GenerateRequest:
+def _forwarded(request_id: str, origin_key: str) -> GenerateRequest:
     return GenerateRequest(P, request_id, prompt_token_ids=PROMPT, sampling=RESUMED,
                            forwarded=True, origin_key=origin_key)  # fmt: skip
 
@@ -567,7 +567,7 @@ def test_a_forwarded_request_is_resumed_by_its_client_when_its_plane_dies(plane)
     key is refused, and `origin_key` from anyone but a plane is ignored."""
     plane.plane_key = PLANE_KEY  # as a plane loaded with the service's keys
     plane.register("w0")
-    plane._on_generate(b"plane-a", _forwarded("r", PLANE_KEY, CLIENT_KEY), PLANE_KEY)
+    plane._on_generate(b"plane-a", _forwarded("r", CLIENT_KEY), PLANE_KEY)
     plane._place_accepted()
     plane._dispatch_all()
     plane.answer("w0", plane.batches("w0")[-1], token=7)
@@ -600,7 +600,7 @@ def test_a_forwarded_request_is_resumed_by_its_client_when_its_plane_dies(plane)
     assert len(plane.outputs(b"plane-a")) == 2  # nothing more went to the forwarding plane
 
     # A client claiming to forward for CLIENT_KEY is not a plane: the request is its own.
-    plane._on_generate(b"spoof", _forwarded("s", "spoof-key", CLIENT_KEY), "spoof-key")
+    plane._on_generate(b"spoof", _forwarded("s", CLIENT_KEY), "spoof-key")
     plane._place_accepted()
     assert plane.frontend.requests["s"].client_key == "spoof-key"
     take = GenerateRequest(P, "s", prompt_token_ids=PROMPT, sampling=RESUMED, resume=Resume([]))

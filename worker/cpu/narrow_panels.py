@@ -86,7 +86,7 @@ def _pack_blocks(
     """`layout(*find(weight))` for a float32 matrix of whole 32-deep blocks, trying its first
     rows first (most weights that are not such blocks fail there, cheaply); None where `find`
     finds none."""
-    if not _blockable(weight):
+    if not blockable(weight):
         return None
     weight = weight.detach()
     if find(weight[:_PROBE_ROWS]) is None:
@@ -95,7 +95,7 @@ def _pack_blocks(
     return None if blocks is None else layout(*blocks)
 
 
-def _blockable(weight: torch.Tensor) -> bool:
+def blockable(weight: torch.Tensor) -> bool:
     """A float32 matrix whose rows are whole 32-deep blocks."""
     if weight.dtype != torch.float32 or weight.dim() != 2:
         return False

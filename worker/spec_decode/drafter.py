@@ -35,7 +35,7 @@ from torch import nn
 from specserve.shared.config import AttentionType
 from specserve.worker.attention.base import AttentionBackend, AttentionMetadata, SequenceStep
 from specserve.worker.cpu.linear import Linear
-from specserve.worker.cpu.narrow_panels import round_to_q8_blocks
+from specserve.worker.cpu.narrow_panels import blockable, round_to_q8_blocks
 from specserve.worker.kv_cache import PagedKVCache, bytes_per_block
 from specserve.worker.loader import read_safetensors, resolve_dtype
 from specserve.worker.model_config import KVLayerGroup, ModelConfig
@@ -202,14 +202,11 @@ class HiddenStateDrafter(nn.Module, Generic[_C]):
         drafts move a little (the bundled EAGLE-3 drafter's acceptance on 64 held-out prompts
         at K=5: 2.306 either way); what is generated does not, since the target verifies every
         draft. (The head is read through its screen's int8 copy already.)"""
-        for name, module in self.named_modules():
-            weight = module.weight if isinstance(module, Linear) else None
-            if weight is None or name.split(".")[-1] == "lm_head":
-                continue
-            if weight.dtype != torch.float32 or weight.shape[1] % 32:
-                continue
-            weight.copy_(round_to_q8_blocks(weight))
-            module.repack()
+        head = getattr(self, "lm_head", None)
+        for module in self.modules():
+            if isinstance(module, Linear) and module is not head and blockable(module.weight):
+                module.weight.copy_(round_to_q8_blocks(module.weight))
+                module.repack()
 
     def make_kv_cache(
         self, num_blocks: int, block_size: int, device: torch.device | str | None = None
