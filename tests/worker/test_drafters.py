@@ -344,6 +344,102 @@ def test_eagle3_greedy_chain_is_the_depth_by_depth_drafts_bit_for_bit(
         assert torch.equal(got, want)
 
 
+# Drafters whose greedy chain runs in one C call (`draft_chain`): a draft head of its own with
+# `d2t`, the norm before or after the residual, embeddings borrowed or the drafter's own.
+CHAIN_CASES = {
+    "d2t": ("eagle3", 100, False, False),
+    "norm-before-residual": ("speculators", 64, True, False),
+    "own-embeddings": ("speculators", 100, False, True),
+    "full-vocab-head": ("eagle3", None, False, False),  # no d2t: the Python chain
+}
+CHAIN_DTYPES = [
+    torch.float32,
+    pytest.param(
+        torch.bfloat16,
+        marks=pytest.mark.skipif(
+            torch.bfloat16 not in kernels.linear_dtypes(), reason="no bfloat16 panel kernel"
+        ),
+    ),
+]
+
+
+@pytest.mark.skipif(
+    torch.float32 not in kernels.linear_dtypes(), reason="no float32 panel kernel on this CPU"
+)
+@pytest.mark.parametrize("dtype", CHAIN_DTYPES)
+@pytest.mark.parametrize("case", list(CHAIN_CASES))
+def test_eagle3_draft_chain_in_one_call_is_the_python_chain_bit_for_bit(
+    case: str,
+    dtype: torch.dtype,
+    llama_target: Target,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the draft head has its own reduced vocabulary, `greedy_chain`'s depths run in one
+    C call (`LayerStack.run_chain`), for float32 and bfloat16 drafters (bfloat16 reading the
+    float32 target's embeddings rounded), and give the drafts and drafter K/V of the chain
+    run depth by depth from Python, bit for bit, on a team of three threads; a head over the
+    whole vocabulary keeps the Python chain. (A float32 draft head is otherwise read through
+    its screen, whose argmax is the head's own: the screen is put aside here.)"""
+    style, draft_vocab, nbr, own_embed = CHAIN_CASES[case]
+    path = write_random_eagle3(
+        tmp_path, llama_target.config, style, draft_vocab, seed=11,
+        aux_layer_ids=[1, 2, 4], norm_before_residual=nbr, with_embed_tokens=own_embed,
+    )  # fmt: skip
+    drafter = load_eagle3(path, llama_target.model, dtype)
+    monkeypatch.setattr(Eagle3Drafter, "head_screen", lambda self: None)
+    lens = [7, 5, 9]
+    tables = ([31, 7, 22, 3, 15], [12, 38, 5, 27, 9], [2, 4, 6, 8, 10])
+    calls: list[int] = []
+    run_chain = fused_decode.LayerStack.run_chain
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return run_chain(*args, **kwargs)
+
+    def chain(in_one_call: bool) -> tuple[list[torch.Tensor], PagedKVCache]:
+        cache = drafter.make_kv_cache(NUM_BLOCKS, BLOCK)
+        gen = torch.Generator().manual_seed(12)
+        meta = drafter.build_attn_metadata(
+            [SequenceStep(n, n, [tables[r]]) for r, n in enumerate(lens)], BLOCK, "cpu"
+        )
+        hidden = drafter.combine_hidden_states(torch.randn(sum(lens), 3 * 64, generator=gen))
+        ids = torch.randint(0, 256, (sum(lens),), generator=gen)
+        positions = torch.cat([torch.arange(n) for n in lens])
+        normed, prenorm = drafter(ids, hidden, positions, meta, cache)
+        last = torch.tensor(lens).cumsum(0) - 1
+        tokens, feed = drafter.greedy_drafts(normed[last]), prenorm[last]
+        before = feed.clone()
+        steps = [
+            SequenceStep(1, n + depth, [tables[r]])
+            for depth in range(1, 5)
+            for r, n in enumerate(lens)
+        ]
+        with monkeypatch.context() as patch:
+            patch.setattr(fused_decode.LayerStack, "run_chain", spy)
+            if not in_one_call:
+                patch.setattr(fused_decode, "draft_chain_table", lambda *args, **kwargs: None)
+            drafts = drafter.greedy_chain(tokens, feed, steps, cache)
+        assert torch.equal(feed, before)  # the caller's state is not written
+        assert drafts is not None and len(drafts) == 4
+        return [tokens, *drafts], cache
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        in_one_call, one_call_cache = chain(True)
+        assert calls == ([] if draft_vocab is None else [1])
+        python, python_cache = chain(False)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(calls) == (0 if draft_vocab is None else 1)
+    for got, want in zip(in_one_call, python, strict=True):
+        assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert len({tuple(t.tolist()) for t in python[1:]}) > 1  # the depths draft differently
+    for got, want in zip(one_call_cache.layers.values(), python_cache.layers.values(), strict=True):
+        assert torch.equal(got, want)
+
+
 def _check_eagle3_logits(
     drafter: Eagle3Drafter, normed: torch.Tensor, w: Weights, target: Target
 ) -> None:

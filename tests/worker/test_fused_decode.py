@@ -336,3 +336,69 @@ def test_a_verification_block_runs_fused_as_its_tokens_would_decode(
     # bit for bit where the panel kernel runs every row count; a linear layer that leaves few
     # rows to `F.linear` rounds them its own way
     torch.testing.assert_close(block_logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def _pointed_at(tables: torch.Tensor, part_rows: int) -> list[list[list[int]]]:
+    """What each part's KV group row of `group_tables` points at: its K rows, pages, first
+    key positions and lengths, and its page count and window."""
+    import ctypes
+
+    def read(address: int, count: int) -> list[int]:
+        return list((ctypes.c_int64 * count).from_address(address))
+
+    out = []
+    for part in tables.tolist():
+        ((k_rows, pages, max_pages, first_pos, seq_lens, window),) = part
+        out.append(
+            [
+                read(k_rows, part_rows),
+                read(pages, part_rows * max_pages),
+                read(first_pos, part_rows),
+                read(seq_lens, part_rows),
+                [max_pages, window],
+            ]
+        )
+    return out
+
+
+def test_decode_rows_point_at_what_the_metadata_holds() -> None:
+    """A drafter's kernel table made from its steps (`DecodeRows`) points at the same K rows,
+    pages, first key positions and lengths as `group_tables` over the attention metadata, for
+    decode steps and for blocks laid out as decode rows, split into parts as `group_tables`
+    splits them; steps that are not decode rows get none."""
+    from specserve.shared.config import AttentionType
+    from specserve.worker.attention.torch_backend import TorchAttentionBackend
+    from specserve.worker.kv_cache import PagedKVCache
+    from specserve.worker.model_config import KVLayerGroup
+
+    block = 4
+    group = KVLayerGroup(AttentionType.FULL, None, (0,))
+    cache = PagedKVCache((group,), 16, block, 1, 8, torch.float32, "cpu")
+    cases = [
+        (
+            [
+                SequenceStep(1, 6, [[3, 7]]),
+                SequenceStep(1, 1, [[9]]),
+                SequenceStep(1, 13, [[1, 2, 4, 5]]),
+            ],
+            1,
+        ),
+        ([SequenceStep(4, 11, [[2, 8, 6]]), SequenceStep(2, 3, [[5]])], 1),  # 6 decode rows
+        (
+            [SequenceStep(1, 5 + d, [[3, 7]]) for d in range(2)]
+            + [SequenceStep(1, 9 + d, [[4, 6, 10]]) for d in range(2)],
+            2,  # two depths of a draft chain
+        ),
+    ]
+    for steps, parts in cases:
+        rows = fused_decode.DecodeRows.of(steps, block, "cpu")
+        assert rows is not None
+        metadata = TorchAttentionBackend().build_metadata(steps, (group,), block, "cpu")
+        expected = fused_decode.group_tables(metadata, cache, parts)
+        assert expected is not None
+        part_rows = rows.rows // parts
+        assert _pointed_at(rows.tables(parts), part_rows) == _pointed_at(expected, part_rows)
+    long_chunk = [SequenceStep(20, 20, [[1, 2, 3, 4, 5]])]
+    block_of_draft = [SequenceStep(3, 9, [[1, 2, 3]], causal=False)]
+    for steps in (long_chunk, block_of_draft):
+        assert fused_decode.DecodeRows.of(steps, block, "cpu") is None

@@ -139,3 +139,28 @@ def test_greedy_shared_prefix(request: pytest.FixtureRequest, name: str) -> None
     driver.decode([a, b], NEW_TOKENS - 1)
     assert a.generated == hf_greedy(ref, first, NEW_TOKENS)
     assert b.generated == hf_greedy(ref, second, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_tables_hold_what_rope_cos_sin_computes(dtype: torch.dtype) -> None:
+    """The drafters' RoPE lookups equal `rope_cos_sin` bit for bit: positions inside the
+    tables, past them (the tables grow), and for another `inv_freq` (made again)."""
+    from specserve.worker.models import RopeTables, rope_cos_sin
+
+    tables = RopeTables()
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    other = 1.0 / (500000.0 ** (torch.arange(0, 32, 2).float() / 32))
+    generator = torch.Generator().manual_seed(0)
+    cases = [
+        (inv_freq, torch.tensor([0, 5, 1023])),
+        (inv_freq, torch.tensor([1024, 3, 4999])),  # past the first tables
+        (inv_freq, torch.randint(0, 20_000, (37,), generator=generator)),
+        (other, torch.tensor([7, 7, 8])),
+        (inv_freq, torch.tensor([9])),
+    ]
+    for freqs, positions in cases:
+        got, expected = tables(freqs, positions, dtype), rope_cos_sin(freqs, positions, dtype)
+        for table, direct in zip(got, expected, strict=True):
+            assert table.shape == direct.shape == (len(positions), 1, 2 * len(freqs))
+            assert table.dtype == dtype and table.is_contiguous()
+            assert torch.equal(table, direct)

@@ -332,6 +332,39 @@ def token_rows(
     ]
 
 
+@dataclass(frozen=True)
+class DecodeRowTables:
+    """One KV group's tables for a step of decode rows (one query each), as host lists: what
+    `_decode_metadata` puts in tensors, and what the CPU decode kernel reads
+    (`fused_decode.DecodeRows`, which a drafter's steps take without the rest)."""
+
+    pages: list[int]  # each row's K pages (V is the next), `max_pages` a row, padded
+    max_pages: int
+    first_key_pos: list[int]  # position of each row's first key
+    seq_lens: list[int]  # keys below this position exist
+    slots: list[int]  # where each row's token's K/V is written
+
+
+def decode_row_tables(
+    steps: Sequence[SequenceStep], group: int, block_size: int, window: int | None
+) -> DecodeRowTables:
+    """`DecodeRowTables` of group `group` for `steps`, every one a single query."""
+    spans = [kv_span(s, block_size, window) for s in steps]
+    max_pages = max(span.num_pages for span in spans)
+    pages: list[int] = []
+    for step, span in zip(steps, spans, strict=True):
+        table = step.block_tables[group]
+        own = [2 * table[span.first_block + p] for p in range(span.num_pages)]
+        pages += own + own[-1:] * (max_pages - span.num_pages)  # pad: re-read the last page
+    return DecodeRowTables(
+        pages=pages,
+        max_pages=max_pages,
+        first_key_pos=[span.first_block * block_size for span in spans],
+        seq_lens=[s.seq_len for s in steps],
+        slots=host_slot_mapping(steps, group, block_size),
+    )
+
+
 def _decode_metadata(
     steps: Sequence[SequenceStep],
     kv_groups: Sequence[KVLayerGroup],
@@ -343,27 +376,20 @@ def _decode_metadata(
     ~40 tensor ops (~0.4 ms of a ~20 ms CPU decode step at batch 16)."""
     batch = len(steps)
     rows = torch.arange(batch, device=device)
-    seq_lens = [s.seq_len for s in steps]
     groups = []
     for g, group in enumerate(kv_groups):
         window = group.sliding_window
-        spans = [kv_span(s, block_size, window) for s in steps]
-        max_pages = max(span.num_pages for span in spans)
-        pages: list[int] = []
-        for step, span in zip(steps, spans, strict=True):
-            table = step.block_tables[g]
-            own = [2 * table[span.first_block + p] for p in range(span.num_pages)]
-            pages += own + own[-1:] * (max_pages - span.num_pages)  # pad: re-read the last page
-        first_key_pos = torch.tensor([span.first_block * block_size for span in spans])
-        lens = torch.tensor(seq_lens)
-        k_pos = first_key_pos[:, None] + torch.arange(max_pages * block_size)[None]
+        tables = decode_row_tables(steps, g, block_size, window)
+        first_key_pos = torch.tensor(tables.first_key_pos)
+        lens = torch.tensor(tables.seq_lens)
+        k_pos = first_key_pos[:, None] + torch.arange(tables.max_pages * block_size)[None]
         mask = k_pos < lens[:, None]
         if window is not None:
             mask &= k_pos > (lens - 1 - window)[:, None]
-        k_pages = torch.tensor(pages, device=device)
+        k_pages = torch.tensor(tables.pages, device=device)
         groups.append(
             TorchGroupMetadata(
-                slot_mapping=torch.tensor(host_slot_mapping(steps, g, block_size), device=device),
+                slot_mapping=torch.tensor(tables.slots, device=device),
                 sliding_window=window,
                 batches=(
                     PaddedBatch(

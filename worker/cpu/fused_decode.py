@@ -17,12 +17,14 @@ attention backend's metadata. Verification blocks and short prompt chunks come a
 per token (`torch_backend.token_rows`). Anything else (longer prompt chunks, DFlash's
 non-causal blocks, FlashInfer, float64, a layer of another dtype) keeps the layer-by-layer path.
 
-The table of weight addresses (`LayerStack`) is read from the modules afresh every step (~0.2
-ms), or once for an EAGLE-3 draft chain's depths, with each tensor's dtype and size checked, so a
-weight that was moved, cast, reloaded or replaced is always the one used, and the C code never
-reads past a tensor. Its rows are built by column
-name (`kernels.DecodeLayer`, `DecodeGroup`, `DecodeDims`), whose order the library is checked
-against when it loads.
+The table of weight addresses (`LayerStack`) is made with each tensor's dtype and size
+checked, and kept until a weight is packed again or a parameter it reads in place moves
+(`stack_for`), so a weight that was moved, cast, reloaded or replaced is always the one used,
+and the C code never reads past a tensor. Its rows are built by column name
+(`kernels.DecodeLayer`, `DecodeGroup`, `DecodeDims`, and `DraftChain` for `run_chain`, an
+EAGLE-3 drafter's greedy depths in one call), whose order the library is checked against
+when it loads. A drafter's steps bring their KV tables made from the steps alone
+(`DecodeRows`), without the attention metadata of the layer path.
 """
 
 from __future__ import annotations
@@ -33,8 +35,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specserve.worker.attention.base import AttentionMetadata
-from specserve.worker.attention.torch_backend import PaddedBatch, TorchGroupMetadata
+from specserve.worker.attention.base import AttentionMetadata, SequenceStep, validate_steps
+from specserve.worker.attention.torch_backend import (
+    PaddedBatch,
+    TorchGroupMetadata,
+    decode_row_tables,
+    token_rows,
+)
 from specserve.worker.cpu import kernels
 from specserve.worker.cpu.kernels import PANEL, DecodeDims, DecodeGroup, DecodeLayer
 from specserve.worker.cpu.linear import Linear, packing_generation
@@ -162,6 +169,13 @@ class LayerStack:
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_input: torch.Tensor | None
     ) -> bool:
         """Whether a step's residual stream, RoPE tables and first-layer input fit the stack."""
+        return self._takes_stream(x, cos, sin) and (
+            self.qkv_in == self.config.hidden_size
+            if attn_input is None
+            else _given_input_fits(attn_input, x, self.qkv_in)
+        )
+
+    def _takes_stream(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
         shape = (self.rows, 1, self.config.head_dim)
         return (
             x.device.type == "cpu"
@@ -171,11 +185,6 @@ class LayerStack:
             and x.dtype == self.dtype
             and all(
                 t.dtype == self.dtype and t.is_contiguous() and t.shape == shape for t in (cos, sin)
-            )
-            and (
-                self.qkv_in == self.config.hidden_size
-                if attn_input is None
-                else _given_input_fits(attn_input, x, self.qkv_in)
             )
         )
 
@@ -190,36 +199,12 @@ class LayerStack:
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One step (inputs that `takes` accepts; `groups`: a `group_tables` row): the normed
         output and the captures of `aux_layers`, `x` left holding the residual stream."""
-        config, rows = self.config, self.rows
         captures = {i: torch.empty_like(x) for i in aux_layers}
         capture_table = torch.zeros(len(self.layers), dtype=torch.int64)
         for i, capture in captures.items():
             capture_table[i] = capture.data_ptr()
-        dims = torch.tensor(
-            DecodeDims(
-                rows=rows,
-                hidden=config.hidden_size,
-                heads=config.num_heads,
-                kv_heads=config.num_kv_heads,
-                head_dim=config.head_dim,
-                inter=config.intermediate_size,
-                block_size=self.block_size,
-                num_blocks=self.num_blocks,
-                is_bf16=int(self.dtype == torch.bfloat16),
-                attn_input=0 if attn_input is None else attn_input.data_ptr(),
-                attn_in=self.qkv_in,
-            ),
-            dtype=torch.int64,
-        )
-        if not (
-            groups.dtype == torch.int64
-            and groups.is_contiguous()
-            and groups.shape == (len(config.kv_groups), len(DecodeGroup._fields))
-        ):
-            raise ValueError(
-                f"decode_layers: a KV group table {tuple(groups.shape)} {groups.dtype} for "
-                f"{len(config.kv_groups)} groups"
-            )
+        dims = self._dims(0 if attn_input is None else attn_input.data_ptr())
+        self._check_groups(groups, 1)
         out = torch.empty_like(x)
         errors = torch.zeros(2, dtype=torch.int64)
         lib = kernels.load()
@@ -236,20 +221,159 @@ class LayerStack:
             self.norm.weight.data_ptr(),
             cos.data_ptr(),
             sin.data_ptr(),
-            config.rms_norm_eps,
-            config.head_dim**-0.5,
+            self.config.rms_norm_eps,
+            self.config.head_dim**-0.5,
             errors.data_ptr(),
         )
-        bad_rows, failed = errors.tolist()
+        self._raise_for("decode_layers", status, errors)
+        return out, [captures[i] for i in aux_layers]
+
+    def run_chain(
+        self,
+        x: torch.Tensor,
+        tokens: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        groups: torch.Tensor,
+        chain: kernels.DraftChain,
+    ) -> torch.Tensor:
+        """An EAGLE-3 drafter's next `chain.depths` greedy drafts in one call (`draft_chain` in
+        `csrc/decode_step.c`): `[depths, rows]` target ids, from the last drafts `tokens` and
+        the pre-norm state `x` that drafted them (left holding the last depth's). `cos`, `sin`:
+        the depths' RoPE rows, depth by depth; `groups`: `group_tables` of the depths."""
+        rows, depths = self.rows, chain.depths
+        if self.qkv_in != 2 * self.config.hidden_size or not self._takes_stream(
+            x, cos[:rows], sin[:rows]
+        ):
+            raise ValueError("draft_chain: the stack is not an EAGLE-3 drafter's at these rows")
+        shape = (depths * rows, 1, self.config.head_dim)
+        if (
+            cos.shape != shape
+            or sin.shape != shape
+            or not (cos.is_contiguous() and sin.is_contiguous())
+        ):
+            raise ValueError(f"draft_chain: RoPE rows {tuple(cos.shape)} for {depths} depths")
+        if tokens.dtype != torch.int64 or tokens.shape != (rows,) or not tokens.is_contiguous():
+            raise ValueError(f"draft_chain: tokens {tuple(tokens.shape)} {tokens.dtype}")
+        self._check_groups(groups, depths)
+        out = torch.empty((depths, rows), dtype=torch.int64)
+        errors = torch.zeros(3, dtype=torch.int64)
+        table = torch.tensor(chain, dtype=torch.int64)
+        dims = self._dims(0)
+        lib = kernels.load()
+        assert lib is not None  # LayerStack.of checked
+        status = lib.draft_chain(
+            self.table.data_ptr(),
+            len(self.layers),
+            self.caches.data_ptr(),
+            groups.data_ptr(),
+            dims.data_ptr(),
+            table.data_ptr(),
+            x.data_ptr(),
+            tokens.data_ptr(),
+            out.data_ptr(),
+            self.norm.weight.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            self.config.rms_norm_eps,
+            self.config.head_dim**-0.5,
+            errors.data_ptr(),
+        )
+        self._raise_for("draft_chain", status, errors)
+        return out
+
+    def _dims(self, attn_input: int) -> torch.Tensor:
+        config = self.config
+        return torch.tensor(
+            DecodeDims(
+                rows=self.rows,
+                hidden=config.hidden_size,
+                heads=config.num_heads,
+                kv_heads=config.num_kv_heads,
+                head_dim=config.head_dim,
+                inter=config.intermediate_size,
+                block_size=self.block_size,
+                num_blocks=self.num_blocks,
+                is_bf16=int(self.dtype == torch.bfloat16),
+                attn_input=attn_input,
+                attn_in=self.qkv_in,
+            ),
+            dtype=torch.int64,
+        )
+
+    def _check_groups(self, groups: torch.Tensor, parts: int) -> None:
+        """`groups` must be `parts` rows of `group_tables` for this stack's KV groups."""
+        shape = (len(self.config.kv_groups), len(DecodeGroup._fields))
+        if not (
+            groups.dtype == torch.int64
+            and groups.is_contiguous()
+            and groups.shape[-2:] == shape
+            and groups.numel() == parts * shape[0] * shape[1]
+        ):
+            raise ValueError(
+                f"decode_layers: a KV group table {tuple(groups.shape)} {groups.dtype} for "
+                f"{parts} x {len(self.config.kv_groups)} groups"
+            )
+
+    def _raise_for(self, kernel: str, status: int, errors: torch.Tensor) -> None:
+        bad_rows, failed, *bad_tokens = errors.tolist()
         if bad_rows:
             raise IndexError(kernels.kv_rows_error(bad_rows, self.num_blocks))
         if failed:
             raise RuntimeError(kernels.attention_error(failed))
+        if bad_tokens and bad_tokens[0]:
+            raise IndexError(f"{kernel}: {bad_tokens[0]} drafts outside the vocabularies")
         if status == 1:
-            raise MemoryError("decode_layers: no memory for the step's intermediates")
+            raise MemoryError(f"{kernel}: no memory for the step's intermediates")
         if status:
-            raise RuntimeError(f"decode_layers failed with status {status}")
-        return out, [captures[i] for i in aux_layers]
+            raise RuntimeError(f"{kernel} failed with status {status}")
+
+
+def draft_chain_table(
+    depths: int,
+    rows: int,
+    head: Linear,
+    embed: torch.Tensor,
+    input_norm: RMSNorm,
+    hidden_norm: RMSNorm,
+    norm_before_residual: bool,
+    draft_to_target: torch.Tensor,
+    dtype: torch.dtype,
+) -> kernels.DraftChain | None:
+    """`LayerStack.run_chain`'s table for an EAGLE-3 drafter of `dtype` at `rows` rows: its
+    draft head (`[draft_vocab, hidden]` panels, no bias), the embedding table its drafts are
+    read back through (float32 or bfloat16), the first layer's two norms and the draft ids'
+    target ids; None where a part does not fit the kernel."""
+    vocab, hidden = head.out_features, head.in_features
+    panels, bias, narrow, bits = _linear_addresses(head, dtype, rows, hidden, vocab)
+    if (
+        panels is None
+        or bias != 0
+        or embed.dtype not in (torch.float32, torch.bfloat16)
+        or embed.dim() != 2
+        or embed.shape[1] != hidden
+        or not _fits(embed, embed.dtype, embed.numel())
+        or not _fits(draft_to_target, torch.int64, vocab)
+    ):
+        return None
+    norms = [_norm_address(norm, dtype, hidden, None) for norm in (input_norm, hidden_norm)]
+    if None in norms:
+        return None
+    return kernels.DraftChain(
+        depths=depths,
+        num_groups=1,
+        embed=embed.data_ptr(),
+        embed_rows=embed.shape[0],
+        embed_bf16=int(embed.dtype == torch.bfloat16),
+        input_norm=norms[0],
+        hidden_norm=norms[1],
+        norm_before_residual=int(norm_before_residual),
+        head=panels,
+        head_narrow=narrow,
+        head_bits=bits,
+        draft_vocab=vocab,
+        draft_to_target=draft_to_target.data_ptr(),
+    )
 
 
 def stack_for(
@@ -310,6 +434,58 @@ def group_tables(
             ]
         )
     return torch.tensor(tables, dtype=torch.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class DecodeRows:
+    """The KV group table (`group_tables`' rows) of decode rows in one full-attention group,
+    made straight from their steps: a drafter's passes on the kernel read nothing else, and
+    at batch 1 the attention metadata of the layer path cost about half as much as the
+    drafter layer's own kernel call (~0.13 ms a pass, two passes an EAGLE-3 round)."""
+
+    values: torch.Tensor  # int64: each row's K row, first key position, length, then pages
+    rows: int
+    max_pages: int
+
+    @classmethod
+    def of(
+        cls, steps: Sequence[SequenceStep], block_size: int, device: torch.device | str
+    ) -> DecodeRows | None:
+        """The rows of `steps` (one block table each) where they run as decode rows on a CPU
+        (`token_rows`), else None."""
+        rows = token_rows(steps, device) if torch.device(device).type == "cpu" else None
+        if not rows:
+            return None
+        validate_steps(rows, 1, block_size)
+        tables = decode_row_tables(rows, 0, block_size, None)
+        k_rows = [slot // block_size * 2 * block_size + slot % block_size for slot in tables.slots]
+        values = k_rows + tables.first_key_pos + tables.seq_lens + tables.pages
+        return cls(torch.tensor(values, dtype=torch.int64), len(rows), tables.max_pages)
+
+    def tables(self, parts: int) -> torch.Tensor:
+        """`group_tables`' `[parts, 1, DecodeGroup]` for `parts` equal runs of the rows,
+        pointing into `values` (which the caller keeps with this object)."""
+        rows, step = self.rows, torch.int64.itemsize
+        assert rows % parts == 0
+        k_rows = self.values.data_ptr()
+        first_pos, seq_lens, pages = (k_rows + i * rows * step for i in (1, 2, 3))
+        part_rows = rows // parts
+        return torch.tensor(
+            [
+                [
+                    DecodeGroup(
+                        k_rows=k_rows + first * step,
+                        pages=pages + first * self.max_pages * step,
+                        max_pages=self.max_pages,
+                        first_pos=first_pos + first * step,
+                        seq_lens=seq_lens + first * step,
+                        window=0,
+                    )
+                ]
+                for first in range(0, rows, part_rows)
+            ],
+            dtype=torch.int64,
+        )
 
 
 def _decode_batches(metadata: AttentionMetadata) -> list[PaddedBatch] | None:

@@ -135,6 +135,24 @@ class DecodeDims(NamedTuple):
     attn_in: int  # ... its values a row
 
 
+class DraftChain(NamedTuple):
+    """`draft_chain`'s table: an EAGLE-3 drafter's greedy chain besides its layers."""
+
+    depths: int
+    num_groups: int  # KV group rows per depth in the group table
+    embed: int  # the token embedding table, [embed_rows, hidden]
+    embed_rows: int
+    embed_bf16: int  # the table's dtype (the drafter's may differ: cast as PyTorch casts)
+    input_norm: int  # the first layer's norm of the embeddings
+    hidden_norm: int  # ... and of the hidden state
+    norm_before_residual: int
+    head: int  # the draft head's panels, [draft_vocab, hidden]
+    head_narrow: int  # its narrow panels (0: none)
+    head_bits: int
+    draft_vocab: int
+    draft_to_target: int  # [draft_vocab] int64 target ids
+
+
 # The column order of each table `decode_layers` reads, by the number `decode_table_fields`
 # takes: the rows are built by name from these, and a library whose columns are named otherwise
 # is refused (a column out of place would read one weight as another, silently).
@@ -142,6 +160,7 @@ DECODE_TABLES: dict[str, tuple[str, ...]] = {
     "layer": DecodeLayer._fields,
     "group": DecodeGroup._fields,
     "dims": DecodeDims._fields,
+    "chain": DraftChain._fields,  # `draft_chain`'s own
 }
 
 
@@ -346,6 +365,7 @@ def open_library(path: Path) -> ctypes.CDLL:
             [_PTR, *[i64] * 5, *[_PTR] * 4, f32, _PTR, i64, _PTR, i64, flag],
         ),
         "decode_layers": (ctypes.c_int, [_PTR, i64, *[_PTR] * 9, f32, f32, _PTR]),
+        "draft_chain": (ctypes.c_int, [_PTR, i64, *[_PTR] * 10, f32, f32, _PTR]),
         "decode_table_fields": (ctypes.c_char_p, [ctypes.c_int]),
         "argmax_rows": (None, [_PTR, i64, i64, i64, _PTR, flag]),
         "screen_argmax": (

@@ -34,6 +34,8 @@ from torch import nn
 
 from specserve.shared.config import AttentionType
 from specserve.worker.attention.base import AttentionBackend, AttentionMetadata, SequenceStep
+from specserve.worker.attention.torch_backend import TorchAttentionBackend
+from specserve.worker.cpu import fused_decode
 from specserve.worker.cpu.linear import Linear
 from specserve.worker.cpu.narrow_panels import blockable, round_to_q8_blocks
 from specserve.worker.kv_cache import PagedKVCache, bytes_per_block
@@ -50,16 +52,34 @@ class LayerAttention:
     sliding_window: int | None = None
 
 
-@dataclass(frozen=True)
+CAUSAL = LayerAttention(causal=True)
+
+
 class DraftAttentionMetadata:
     """Per-layer metadata for one drafter forward (layers with equal kinds share an entry).
 
     Each entry has a single KV group (index 0), matching `DecoderLayer.group == 0` for every
-    drafter layer.
+    drafter layer. Where every layer attends causally over the whole context and the rows run
+    as decode rows on a CPU, `decode_rows` holds the table the CPU kernel reads, made from
+    the steps alone, and the per-layer metadata is built only if a layer path asks for it.
     """
 
-    num_tokens: int
-    per_layer: tuple[AttentionMetadata, ...]
+    def __init__(
+        self,
+        num_tokens: int,
+        build: Callable[[], tuple[AttentionMetadata, ...]],
+        decode_rows: fused_decode.DecodeRows | None = None,
+    ) -> None:
+        self.num_tokens = num_tokens
+        self.decode_rows = decode_rows
+        self._build = build
+        self._per_layer = None if decode_rows is not None else build()
+
+    @property
+    def per_layer(self) -> tuple[AttentionMetadata, ...]:
+        if self._per_layer is None:
+            self._per_layer = self._build()
+        return self._per_layer
 
 
 def draft_kv_groups(num_layers: int) -> tuple[KVLayerGroup, ...]:
@@ -104,22 +124,31 @@ def build_draft_metadata(
 
     `steps` carry exactly one block table each: the target's full-attention table. Sliding
     layers read that full table and apply the window in the mask, so no table entry needs to
-    be dropped for them.
+    be dropped for them. Steps that run as decode rows on a CPU, for layers that all attend
+    causally, get the CPU kernel's table at once and the rest on first use
+    (`DraftAttentionMetadata`).
     """
+    steps = list(steps)  # built later, perhaps
     for i, step in enumerate(steps):
         if len(step.block_tables) != 1:
             raise ValueError(
                 f"request {i}: drafter steps take one block table (the target's full-attention "
                 f"table), got {len(step.block_tables)}"
             )
-    built: dict[LayerAttention, AttentionMetadata] = {}
-    for kind in dict.fromkeys(layers):
-        kind_steps = [replace(s, causal=kind.causal) for s in steps]
-        attention = AttentionType.FULL if kind.sliding_window is None else AttentionType.SLIDING
-        group = KVLayerGroup(attention, kind.sliding_window, tuple(range(len(layers))))
-        built[kind] = backend.build_metadata(kind_steps, (group,), block_size, device)
-    num_tokens = sum(s.query_len for s in steps)
-    return DraftAttentionMetadata(num_tokens, tuple(built[kind] for kind in layers))
+
+    def build() -> tuple[AttentionMetadata, ...]:
+        built: dict[LayerAttention, AttentionMetadata] = {}
+        for kind in dict.fromkeys(layers):
+            kind_steps = [replace(s, causal=kind.causal) for s in steps]
+            attention = AttentionType.FULL if kind.sliding_window is None else AttentionType.SLIDING
+            group = KVLayerGroup(attention, kind.sliding_window, tuple(range(len(layers))))
+            built[kind] = backend.build_metadata(kind_steps, (group,), block_size, device)
+        return tuple(built[kind] for kind in layers)
+
+    decode_rows = None
+    if isinstance(backend, TorchAttentionBackend) and all(kind == CAUSAL for kind in layers):
+        decode_rows = fused_decode.DecodeRows.of(steps, block_size, device)
+    return DraftAttentionMetadata(sum(s.query_len for s in steps), build, decode_rows)
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from specserve.worker.attention.base import AttentionBackend, AttentionMetadata, SequenceStep
-from specserve.worker.cpu import fused_decode
+from specserve.worker.cpu import fused_decode, kernels
 from specserve.worker.cpu.greedy_screen import GreedyScreen, ScreenCache
 from specserve.worker.cpu.linear import Linear
 from specserve.worker.kv_cache import PagedKVCache, kv_write_rows
@@ -56,7 +56,7 @@ from specserve.worker.models import (
     DecoderLayer,
     DecoderModel,
     RMSNorm,
-    rope_cos_sin,
+    RopeTables,
     rope_inv_freq,
 )
 from specserve.worker.sampler import argmax_rows
@@ -230,6 +230,7 @@ class Eagle3Drafter(HiddenStateDrafter[Eagle3Config]):
             self.lm_head = Linear(hidden, draft_vocab_size, False, device, dtype)
         # Not buffers: built on the meta device and loaded with `assign=True` (as the target).
         self.inv_freq = rope_inv_freq(layer)
+        self.rope = RopeTables()
         self.draft_to_target: torch.Tensor | None = None  # [draft_vocab] target ids
         self._draft_ids_rise = False  # draft_to_target is increasing (see `greedy_drafts`)
         self._head_screen = ScreenCache()  # the draft head's (`greedy_drafts`)
@@ -281,7 +282,7 @@ class Eagle3Drafter(HiddenStateDrafter[Eagle3Config]):
             raise ValueError(f"context K/V alone needs a one-layer drafter ({self.num_layers})")
         first = self.layers[0]
         x, _ = first.attention_input(self.embed(input_ids), hidden.to(self.dtype))
-        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
+        cos, sin = self.rope(self.inv_freq, positions, self.dtype)
         rows = kv_write_rows(slot_mapping, kv_cache.block_size)
         first.attn.write_context_kv(x, cos, sin, kv_cache, rows)
 
@@ -302,13 +303,13 @@ class Eagle3Drafter(HiddenStateDrafter[Eagle3Config]):
                 f"EAGLE-3 forward: {num_tokens} ids, {hidden.shape[0]} hidden rows, "
                 f"{positions.shape[0]} positions, metadata for {attn_metadata.num_tokens} tokens"
             )
-        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
+        cos, sin = self.rope(self.inv_freq, positions, self.dtype)
         first, *rest = self.layers
-        metas = attn_metadata.per_layer
         embeds, hidden = self.embed(input_ids), hidden.to(self.dtype)
-        fused = self._one_call(embeds, hidden, cos, sin, metas, kv_cache)
+        fused = self._one_call(embeds, hidden, cos, sin, attn_metadata, kv_cache)
         if fused is not None:
             return fused
+        metas = attn_metadata.per_layer
         x = first(embeds, hidden, cos, sin, metas[0], kv_cache)
         for layer, meta in zip(rest, metas[1:], strict=True):
             x = layer(x, cos, sin, meta, kv_cache)
@@ -320,22 +321,35 @@ class Eagle3Drafter(HiddenStateDrafter[Eagle3Config]):
         hidden: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        metas: Sequence[AttentionMetadata],
+        attn_metadata: DraftAttentionMetadata,
         kv_cache: PagedKVCache,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`forward`'s layers in one call to the CPU kernels where the step fits them (one
         query a row, as a one-token draft step; panel weights): the same results bit for bit,
         without a dispatch, an allocation and a thread wake-up for each of a layer's ~12 small
         ops (about half of an EAGLE-3 draft step's time at batch 1 went to them)."""
-        if hidden.device.type != "cpu" or any(meta is not metas[0] for meta in metas):
+        if hidden.device.type != "cpu":
             return None
-        groups = fused_decode.group_tables(metas[0], kv_cache, 1)  # None: e.g. a prompt chunk
+        groups = self._decode_groups(attn_metadata, kv_cache, 1)  # None: e.g. a prompt chunk
         if groups is None:
             return None
         stack = self._stack(embeds.shape[0], kv_cache)
         if stack is None:
             return None
         return self._stack_step(stack, embeds, hidden, cos, sin, groups[0])
+
+    def _decode_groups(
+        self, attn_metadata: DraftAttentionMetadata, kv_cache: PagedKVCache, parts: int
+    ) -> torch.Tensor | None:
+        """The kernel's KV group tables of `parts` equal runs of the rows (`group_tables`),
+        from the steps where the metadata has them (`decode_rows`), else from the layers'
+        metadata; None where the rows are not decode rows of one metadata for every layer."""
+        if attn_metadata.decode_rows is not None:
+            return attn_metadata.decode_rows.tables(parts)
+        metas = attn_metadata.per_layer
+        if any(meta is not metas[0] for meta in metas):
+            return None
+        return fused_decode.group_tables(metas[0], kv_cache, parts)
 
     def _stack(self, rows: int, kv_cache: PagedKVCache) -> fused_decode.LayerStack | None:
         """The layers for the CPU kernels at `rows` rows, the first reading `attention_input`."""
@@ -377,9 +391,13 @@ class Eagle3Drafter(HiddenStateDrafter[Eagle3Config]):
         one's last draft (`tokens`) and the pre-norm state that drafted it (`hidden`):
         `steps` are the depths' one-token steps, depth by depth (`len(steps) // rows` of them,
         each request's rows in `tokens`' order). Each depth is `forward` then `greedy_drafts`,
-        bit for bit, in one kernel call; the metadata, the RoPE tables and the layer table are
-        made once for the chain. None where the chain does not fit the CPU kernels (nothing
-        written): the caller steps depth by depth."""
+        bit for bit; the metadata, the RoPE tables and the layer table are made once for the
+        chain. Where the draft head has its own vocabulary read without a screen (a bfloat16
+        drafter's), every depth runs in one C call (`LayerStack.run_chain`: at batch 1, K=3,
+        a round's proposing 2.62 -> 1.93 ms on a 2-core Zen 4, docs/benchmarks.md), else a
+        kernel call a depth with the head and the next embeddings between. None where the
+        chain does not fit the CPU kernels (nothing written): the caller steps depth by
+        depth."""
         rows = tokens.shape[0]
         if (
             hidden.device.type != "cpu"
@@ -389,18 +407,19 @@ class Eagle3Drafter(HiddenStateDrafter[Eagle3Config]):
         ):
             return None
         metadata = self.build_attn_metadata(steps, kv_cache.block_size, hidden.device)
-        meta = metadata.per_layer[0]
-        if any(m is not meta for m in metadata.per_layer):
-            return None
         depths = len(steps) // rows
-        groups = fused_decode.group_tables(meta, kv_cache, depths)
+        groups = self._decode_groups(metadata, kv_cache, depths)
         if groups is None:
             return None
         stack = self._stack(rows, kv_cache)
         if stack is None:
             return None
         positions = torch.tensor([step.seq_len - 1 for step in steps])
-        cos, sin = rope_cos_sin(self.inv_freq, positions, self.dtype)
+        cos, sin = self.rope(self.inv_freq, positions, self.dtype)
+        chain = self._chain_table(depths, rows)
+        if chain is not None and hidden.shape == (rows, self.config.layer.hidden_size):
+            x = hidden.to(self.dtype).clone(memory_format=torch.contiguous_format)
+            return list(stack.run_chain(x, tokens.contiguous(), cos, sin, groups, chain))
         drafts = []
         for depth in range(depths):
             part = slice(depth * rows, (depth + 1) * rows)
@@ -420,6 +439,29 @@ class Eagle3Drafter(HiddenStateDrafter[Eagle3Config]):
             tokens = self.greedy_drafts(normed)
             drafts.append(tokens)
         return drafts
+
+    def _chain_table(self, depths: int, rows: int) -> kernels.DraftChain | None:
+        """The table of `depths` depths for the draft chain's one C call, where each depth's
+        `greedy_drafts` is the draft head's argmax mapped to target ids (None where it reads
+        a screen or the whole vocabulary, or a part does not fit the kernel)."""
+        ids = self.draft_to_target
+        if self.lm_head is None or ids is None or not self._draft_ids_rise:
+            return None
+        if self.head_screen() is not None:
+            return None
+        embed = self.embed_tokens if self.embed_tokens is not None else self.target.embed_tokens
+        first = self.layers[0]
+        return fused_decode.draft_chain_table(
+            depths,
+            rows,
+            self.lm_head,
+            embed.weight,
+            first.input_layernorm,
+            first.hidden_norm,
+            first.norm_before_residual,
+            ids,
+            self.dtype,
+        )
 
     @torch.no_grad()
     def greedy_drafts(self, normed: torch.Tensor) -> torch.Tensor:

@@ -66,6 +66,16 @@ void argmax_rows(const void *x, int64_t stride, int64_t rows, int64_t cols, int6
     }
 }
 
+int64_t first_argmax(const void *row, int64_t cols, int is_bf16) {
+    if (cols < 1) return -1;
+    float chunk_max[(cols + CHUNK - 1) / CHUNK];
+    const int64_t best = row_argmax((const char *)row, cols, is_bf16, chunk_max);
+    if (best >= 0) return best;
+    for (int64_t i = 0; i < cols; i++) /* a row holding a NaN: torch.argmax picks the first */
+        if (is_nan(row, i, is_bf16)) return i;
+    return -1;
+}
+
 /* Whether a double is finite, from its bits (-ffast-math folds isfinite() to true). */
 static inline int finite_f64(double v) {
     uint64_t bits;

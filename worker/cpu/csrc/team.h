@@ -72,4 +72,8 @@ int64_t linear_packed_bytes(int64_t rows, int64_t k, int is_bf16);
 float panel_column_f32(const float *x, const float *panels, int64_t k, int64_t column);
 int linear_kernel_dtypes(void);
 
+/* torch.argmax of one row of `cols` values (sampling.c): the largest, the first one on ties,
+ * the first NaN in a row holding one; -1 for no values. */
+int64_t first_argmax(const void *row, int64_t cols, int is_bf16);
+
 #endif
