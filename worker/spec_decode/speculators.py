@@ -220,12 +220,13 @@ CONTEXT_ROWS_IN_PASS = 16
 @dataclass
 class _Deferred:
     start: int  # position of the first row put aside
-    rows: list[torch.Tensor]  # the target features of positions start.., one tensor per step
+    # the target features of positions start.., as (tensor, first row, rows) of the tensors
+    # that `_put_aside` copied each step's rows into: sliced and joined only when taken
+    rows: list[tuple[torch.Tensor, int, int]]
     num_rows: int  # their rows, counted as they are put aside (asked for every step)
 
-    def put_aside(self, rows: torch.Tensor) -> None:
-        self.rows.append(rows.clone())  # joined only when taken
-        self.num_rows += rows.shape[0]
+    def features(self) -> list[torch.Tensor]:
+        return [kept[first : first + n] for kept, first, n in self.rows]
 
 
 @dataclass(frozen=True)
@@ -284,24 +285,44 @@ class _DrafterSpeculator(Speculator, Generic[_D]):
         contexts = []
         self.backlog_rows_taken = 0
         self.context_write = None
+        aside: list[DraftInput] = []
         for inp in inputs:
-            rows = aux_hidden[inp.row_start : inp.row_start + inp.num_valid]
             backlog = self.deferred.get(inp.handle)
             held = backlog.num_rows if backlog is not None else 0
-            if inp.defer and not inp.num_drafts and held + rows.shape[0] <= MAX_DEFERRED_ROWS:
-                if backlog is None:
-                    backlog = self.deferred[inp.handle] = _Deferred(inp.start, [], 0)
-                backlog.put_aside(rows)
+            if inp.defer and not inp.num_drafts and held + inp.num_valid <= MAX_DEFERRED_ROWS:
+                aside.append(inp)
                 continue
             start = inp.start
+            rows = aux_hidden[inp.row_start : inp.row_start + inp.num_valid]
             if backlog is not None:
                 del self.deferred[inp.handle]
                 self.backlog_rows_taken += backlog.num_rows
                 start = backlog.start
-                rows = torch.cat([*backlog.rows, rows])
+                rows = torch.cat([*backlog.features(), rows])
             if rows.shape[0]:
                 contexts.append(_Context(inp, start, rows))
+        if aside:
+            self._put_aside(aside, aux_hidden)
         return contexts
+
+    def _put_aside(self, inputs: Sequence[DraftInput], aux_hidden: torch.Tensor) -> None:
+        """Keep `inputs`' verified rows for a later step, in one copy for all of them (a
+        request's rows are slices of it: at batch 16 a copy each cost ~0.1 ms a step)."""
+        index: list[int] = []
+        for inp in inputs:
+            index.extend(range(inp.row_start, inp.row_start + inp.num_valid))
+        if index and index[-1] - index[0] + 1 == len(index):  # one run of rows, as decodes are
+            kept = aux_hidden[index[0] : index[-1] + 1].clone()
+        else:
+            kept = aux_hidden.index_select(0, torch.tensor(index, device=aux_hidden.device))
+        first = 0
+        for inp in inputs:
+            backlog = self.deferred.get(inp.handle)
+            if backlog is None:
+                backlog = self.deferred[inp.handle] = _Deferred(inp.start, [], 0)
+            backlog.rows.append((kept, first, inp.num_valid))
+            backlog.num_rows += inp.num_valid
+            first += inp.num_valid
 
 
 class Eagle3Speculator(_DrafterSpeculator[Eagle3Drafter]):
