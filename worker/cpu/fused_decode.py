@@ -207,25 +207,8 @@ class LayerStack:
         self._check_groups(groups, 1)
         out = torch.empty_like(x)
         errors = torch.zeros(2, dtype=torch.int64)
-        lib = kernels.load()
-        assert lib is not None  # LayerStack.of checked
-        status = lib.decode_layers(
-            self.table.data_ptr(),
-            len(self.layers),
-            self.caches.data_ptr(),
-            capture_table.data_ptr(),
-            groups.data_ptr(),
-            dims.data_ptr(),
-            x.data_ptr(),
-            out.data_ptr(),
-            self.norm.weight.data_ptr(),
-            cos.data_ptr(),
-            sin.data_ptr(),
-            self.config.rms_norm_eps,
-            self.config.head_dim**-0.5,
-            errors.data_ptr(),
-        )
-        self._raise_for("decode_layers", status, errors)
+        step = (capture_table, groups, dims, x, out)
+        self._call("decode_layers", [t.data_ptr() for t in step], cos, sin, errors)
         return out, [captures[i] for i in aux_layers]
 
     def run_chain(
@@ -260,18 +243,27 @@ class LayerStack:
         errors = torch.zeros(3, dtype=torch.int64)
         table = torch.tensor(chain, dtype=torch.int64)
         dims = self._dims(0)
+        step = (groups, dims, table, x, tokens, out)
+        self._call("draft_chain", [t.data_ptr() for t in step], cos, sin, errors)
+        return out
+
+    def _call(
+        self,
+        kernel: str,
+        step: Sequence[int],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        errors: torch.Tensor,
+    ) -> None:
+        """`kernel` (`decode_layers` or `draft_chain`) on this stack's layers with the step's
+        own addresses `step` between their tables and the final norm; raises what it reports."""
         lib = kernels.load()
         assert lib is not None  # LayerStack.of checked
-        status = lib.draft_chain(
+        status = getattr(lib, kernel)(
             self.table.data_ptr(),
             len(self.layers),
             self.caches.data_ptr(),
-            groups.data_ptr(),
-            dims.data_ptr(),
-            table.data_ptr(),
-            x.data_ptr(),
-            tokens.data_ptr(),
-            out.data_ptr(),
+            *step,
             self.norm.weight.data_ptr(),
             cos.data_ptr(),
             sin.data_ptr(),
@@ -279,8 +271,7 @@ class LayerStack:
             self.config.head_dim**-0.5,
             errors.data_ptr(),
         )
-        self._raise_for("draft_chain", status, errors)
-        return out
+        self._raise_for(kernel, status, errors)
 
     def _dims(self, attn_input: int) -> torch.Tensor:
         config = self.config
