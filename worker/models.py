@@ -112,7 +112,8 @@ class RopeTables:
     MIN_POSITIONS = 1024
 
     def __init__(self) -> None:
-        self._key: tuple[torch.Tensor, torch.dtype] | None = None  # inv_freq itself, held
+        self._inv_freq: torch.Tensor | None = None  # what the tables were made from, held
+        self._dtype: torch.dtype | None = None
         self._cos = self._sin = torch.empty(0)
 
     def __call__(
@@ -121,13 +122,12 @@ class RopeTables:
         if positions.device.type != "cpu" or inv_freq.device.type != "cpu" or not len(positions):
             return rope_cos_sin(inv_freq, positions, dtype)
         furthest = int(positions.max())
-        key = (inv_freq, dtype)
-        same = self._key is not None and self._key[0] is inv_freq and self._key[1] == dtype
+        same = self._inv_freq is inv_freq and self._dtype == dtype
         held = self._cos.shape[0] if same else 0
         if furthest >= held:
             size = max(self.MIN_POSITIONS, furthest + 1, 2 * held)
             self._cos, self._sin = rope_cos_sin(inv_freq, torch.arange(size), dtype)
-            self._key = key
+            self._inv_freq, self._dtype = inv_freq, dtype
         return self._cos[positions], self._sin[positions]
 
 

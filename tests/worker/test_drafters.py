@@ -418,7 +418,7 @@ def test_eagle3_draft_chain_in_one_call_is_the_python_chain_bit_for_bit(
         with monkeypatch.context() as patch:
             patch.setattr(fused_decode.LayerStack, "run_chain", spy)
             if not in_one_call:
-                patch.setattr(fused_decode, "draft_chain_table", lambda *args, **kwargs: None)
+                patch.setattr(fused_decode.LayerStack, "chain_table", lambda *args, **kwargs: None)
             drafts = drafter.greedy_chain(tokens, feed, steps, cache)
         assert torch.equal(feed, before)  # the caller's state is not written
         assert drafts is not None and len(drafts) == 4

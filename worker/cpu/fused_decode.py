@@ -247,6 +247,52 @@ class LayerStack:
         self._call("draft_chain", [t.data_ptr() for t in step], cos, sin, errors)
         return out
 
+    def chain_table(
+        self,
+        depths: int,
+        head: Linear,
+        embed: torch.Tensor,
+        input_norm: RMSNorm,
+        hidden_norm: RMSNorm,
+        norm_before_residual: bool,
+        draft_to_target: torch.Tensor,
+    ) -> kernels.DraftChain | None:
+        """`run_chain`'s table of `depths` depths on this stack (an EAGLE-3 drafter's layers):
+        its draft head (`[draft_vocab, hidden]` panels, no bias), the embedding table its
+        drafts are read back through (float32 or bfloat16), the first layer's two norms and
+        the draft ids' target ids; None where a part does not fit the kernel."""
+        vocab, hidden = head.out_features, head.in_features
+        panels, bias, narrow, bits = _linear_addresses(head, self.dtype, self.rows, hidden, vocab)
+        if (
+            hidden != self.config.hidden_size
+            or panels is None
+            or bias != 0
+            or embed.dtype not in (torch.float32, torch.bfloat16)
+            or embed.dim() != 2
+            or embed.shape[1] != hidden
+            or not _fits(embed, embed.dtype, embed.numel())
+            or not _fits(draft_to_target, torch.int64, vocab)
+        ):
+            return None
+        norms = [_norm_address(n, self.dtype, hidden, None) for n in (input_norm, hidden_norm)]
+        if None in norms:
+            return None
+        return kernels.DraftChain(
+            depths=depths,
+            num_groups=len(self.config.kv_groups),
+            embed=embed.data_ptr(),
+            embed_rows=embed.shape[0],
+            embed_bf16=int(embed.dtype == torch.bfloat16),
+            input_norm=norms[0],
+            hidden_norm=norms[1],
+            norm_before_residual=int(norm_before_residual),
+            head=panels,
+            head_narrow=narrow,
+            head_bits=bits,
+            draft_vocab=vocab,
+            draft_to_target=draft_to_target.data_ptr(),
+        )
+
     def _call(
         self,
         kernel: str,
@@ -313,58 +359,11 @@ class LayerStack:
         if failed:
             raise RuntimeError(kernels.attention_error(failed))
         if bad_tokens and bad_tokens[0]:
-            raise IndexError(f"{kernel}: {bad_tokens[0]} drafts outside the vocabularies")
+            raise IndexError(f"{kernel}: {bad_tokens[0]} drafts outside the embedding table")
         if status == 1:
             raise MemoryError(f"{kernel}: no memory for the step's intermediates")
         if status:
             raise RuntimeError(f"{kernel} failed with status {status}")
-
-
-def draft_chain_table(
-    depths: int,
-    rows: int,
-    head: Linear,
-    embed: torch.Tensor,
-    input_norm: RMSNorm,
-    hidden_norm: RMSNorm,
-    norm_before_residual: bool,
-    draft_to_target: torch.Tensor,
-    dtype: torch.dtype,
-) -> kernels.DraftChain | None:
-    """`LayerStack.run_chain`'s table for an EAGLE-3 drafter of `dtype` at `rows` rows: its
-    draft head (`[draft_vocab, hidden]` panels, no bias), the embedding table its drafts are
-    read back through (float32 or bfloat16), the first layer's two norms and the draft ids'
-    target ids; None where a part does not fit the kernel."""
-    vocab, hidden = head.out_features, head.in_features
-    panels, bias, narrow, bits = _linear_addresses(head, dtype, rows, hidden, vocab)
-    if (
-        panels is None
-        or bias != 0
-        or embed.dtype not in (torch.float32, torch.bfloat16)
-        or embed.dim() != 2
-        or embed.shape[1] != hidden
-        or not _fits(embed, embed.dtype, embed.numel())
-        or not _fits(draft_to_target, torch.int64, vocab)
-    ):
-        return None
-    norms = [_norm_address(norm, dtype, hidden, None) for norm in (input_norm, hidden_norm)]
-    if None in norms:
-        return None
-    return kernels.DraftChain(
-        depths=depths,
-        num_groups=1,
-        embed=embed.data_ptr(),
-        embed_rows=embed.shape[0],
-        embed_bf16=int(embed.dtype == torch.bfloat16),
-        input_norm=norms[0],
-        hidden_norm=norms[1],
-        norm_before_residual=int(norm_before_residual),
-        head=panels,
-        head_narrow=narrow,
-        head_bits=bits,
-        draft_vocab=vocab,
-        draft_to_target=draft_to_target.data_ptr(),
-    )
 
 
 def stack_for(

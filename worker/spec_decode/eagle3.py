@@ -416,7 +416,7 @@ class Eagle3Drafter(HiddenStateDrafter[Eagle3Config]):
             return None
         positions = torch.tensor([step.seq_len - 1 for step in steps])
         cos, sin = self.rope(self.inv_freq, positions, self.dtype)
-        chain = self._chain_table(depths, rows)
+        chain = self._chain_table(stack, depths)
         if chain is not None and hidden.shape == (rows, self.config.layer.hidden_size):
             x = hidden.to(self.dtype).clone(memory_format=torch.contiguous_format)
             return list(stack.run_chain(x, tokens.contiguous(), cos, sin, groups, chain))
@@ -440,10 +440,12 @@ class Eagle3Drafter(HiddenStateDrafter[Eagle3Config]):
             drafts.append(tokens)
         return drafts
 
-    def _chain_table(self, depths: int, rows: int) -> kernels.DraftChain | None:
-        """The table of `depths` depths for the draft chain's one C call, where each depth's
-        `greedy_drafts` is the draft head's argmax mapped to target ids (None where it reads
-        a screen or the whole vocabulary, or a part does not fit the kernel)."""
+    def _chain_table(
+        self, stack: fused_decode.LayerStack, depths: int
+    ) -> kernels.DraftChain | None:
+        """The table of `depths` depths for the draft chain's one C call on `stack`, where
+        each depth's `greedy_drafts` is the draft head's argmax mapped to target ids (None
+        where it reads a screen or the whole vocabulary, or a part does not fit the kernel)."""
         ids = self.draft_to_target
         if self.lm_head is None or ids is None or not self._draft_ids_rise:
             return None
@@ -451,16 +453,14 @@ class Eagle3Drafter(HiddenStateDrafter[Eagle3Config]):
             return None
         embed = self.embed_tokens if self.embed_tokens is not None else self.target.embed_tokens
         first = self.layers[0]
-        return fused_decode.draft_chain_table(
+        return stack.chain_table(
             depths,
-            rows,
             self.lm_head,
             embed.weight,
             first.input_layernorm,
             first.hidden_norm,
             first.norm_before_residual,
             ids,
-            self.dtype,
         )
 
     @torch.no_grad()

@@ -228,8 +228,8 @@ static void embedding_row(void *dst, const void *embed, int embed_bf16, int64_t 
  * ids) and is left holding the last depth's; `tokens` gets [depths, rows] target ids. Depth
  * d reads the KV group rows `groups + d * num_groups` and RoPE rows `d * rows ..` of `cos`
  * and `sin`. `dims` as decode_layers takes them (attn_in: twice hidden; attn_input unused).
- * Returns decode_layers' codes; 3 also for a token outside the embedding table or a draft id
- * outside `draft_to_target` (`errors[2]`), the depths before it drafted. */
+ * Returns decode_layers' codes; 3 also for a token outside the embedding table (`errors[2]`:
+ * a `draft_to_target` entry past it), the depths before it drafted. */
 int draft_chain(const int64_t *layers, int64_t num_layers, const int64_t *caches,
                 const int64_t *groups, const int64_t *dims, const int64_t *chain, void *x,
                 const int64_t *first_tokens, int64_t *tokens, const void *final_norm,
@@ -286,16 +286,9 @@ int draft_chain(const int64_t *layers, int64_t num_layers, const int64_t *caches
                           (int)chain[C_HEAD_BITS], NULL, logits, rows, vocab, hidden, is_bf16,
                           s.packed);
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            const int64_t best = first_argmax(logits + (size_t)(r * vocab) * esize, vocab, is_bf16);
-            if (best < 0 || best >= vocab) {
-#pragma omp atomic
-                bad_tokens++;
-                continue;
-            }
-            tokens[d * rows + r] = draft_to_target[best];
-        }
-        if (bad_tokens) break;
+        for (int64_t r = 0; r < rows; r++) /* vocab >= 1: an index, never -1 */
+            tokens[d * rows + r] =
+                draft_to_target[first_argmax(logits + (size_t)(r * vocab) * esize, vocab, is_bf16)];
     }
     free(s.base);
     errors[0] = bad_rows, errors[1] = failed, errors[2] = bad_tokens;
