@@ -6,10 +6,10 @@ training never saw (the first user turns of ShareGPT V3's held-out chats):
 1. Acceptance: mean acceptance length and per-position acceptance rates for EAGLE-3 at
    K = 3, 5, 7 and DFlash at K+1 = 4, 8, 16 (the bundled drafters unless --eagle3/--dflash).
 2. Speed: output tokens/s at batch 1, 4 and 16 without speculation, with n-gram and with both
-   drafters, the engines interleaved (every other round in reverse order) and repeated; every
+   drafters, all engines in lockstep (`lockstep.py`: one step of each in turn, so the
+   machine's drift between and within runs cancels out of their ratios) and repeated; every
    speculative output is checked to be the non-speculative one, token for token. Each ratio
-   pairs a run with the plain run of the same round (the median and range of those ratios),
-   since the machine drifts between rounds.
+   pairs an engine's round with the plain engine's (the median and range of those ratios).
 3. The drafter's share of step time (time in the proposer over time in the worker's step).
 4. The speculation policy: each method with `--spec-policy fixed` (always K drafts) and
    `adaptive` (the default: drafts only where they pay), and what the adaptive one chose.
@@ -31,13 +31,14 @@ from dataclasses import dataclass
 from itertools import islice
 
 import torch
+from lockstep import lockstep
 from machine import cpu_model
 
 from specserve.llm import LLM
 from specserve.shared.logging import configure_logging
 from specserve.shared.tokenizer import load_tokenizer
 from specserve.training.corpus import read_sharegpt
-from specserve.training.evaluate import Generation, first_turn_prompts, measure
+from specserve.training.evaluate import first_turn_prompts, measure
 
 MODEL = "smollm2-135m"
 HELD_OUT = 200  # `specserve train-drafter --held-out` default: chats no drafter trained on
@@ -113,11 +114,11 @@ def speed_table(
     batches: Sequence[int],
     repeats: int,
 ) -> None:
-    print("\n## Output tokens/s (greedy; median of repeats, engines interleaved)\n")
+    print("\n## Output tokens/s (greedy; median of repeats, engines in lockstep)\n")
     print(
-        "Ratios pair each run with the run without speculation of the same round (the machine's\n"
-        "speed drifts between rounds): the median of those ratios, and their range. Rounds run\n"
-        "the engines in turn, every other round in reverse order.\n"
+        "Every round runs all engines at once, one step of each in turn (`lockstep.py`), so each\n"
+        "engine's steps see the load the others' do; ratios pair each engine's round with the\n"
+        "round of the engine without speculation: the median of those ratios, and their range.\n"
     )
     llms = {e.name: LLM(MODEL, **e.kwargs) for e in engines}
     timers = {name: timed_proposer(llm) for name, llm in llms.items()}
@@ -131,25 +132,23 @@ def speed_table(
     for batch in batches:
         rates: dict[str, list[float]] = {e.name: [] for e in engines}
         reference: list[list[int]] | None = None
-        for repeat in range(repeats):
-            # Every other round in reverse order: an engine's place in a round moves its rate
-            # (a plain engine beside a second plain one spread 0.986-1.025x in this process).
-            for engine in engines if repeat % 2 == 0 else engines[::-1]:
-                before = timers[engine.name]()
-                planned = policy_totals(llms[engine.name])
-                run: Generation = measure(llms[engine.name], prompts, max_tokens, batch)
-                after = timers[engine.name]()
-                total = decisions.setdefault((engine.name, batch), [0, 0, 0])
-                for i, (b, a) in enumerate(
-                    zip(planned, policy_totals(llms[engine.name]), strict=True)
-                ):
+        for _ in range(repeats):
+            before = {name: timers[name]() for name in llms}
+            planned = {name: policy_totals(llm) for name, llm in llms.items()}
+            runs = lockstep(llms, prompts, max_tokens, batch)
+            for engine in engines:
+                name, run = engine.name, runs[engine.name]
+                after = timers[name]()
+                total = decisions.setdefault((name, batch), [0, 0, 0])
+                done = policy_totals(llms[name])
+                for i, (b, a) in enumerate(zip(planned[name], done, strict=True)):
                     total[i] += a - b
                 if reference is None:
                     reference = run.outputs
-                assert run.outputs == reference, f"{engine.name} output differs at batch {batch}"
-                rates[engine.name].append(run.tokens_per_second)
-                step = after[1] - before[1]
-                shares[engine.name].append((after[0] - before[0]) / step if step else 0.0)
+                assert run.outputs == reference, f"{name} output differs at batch {batch}"
+                rates[name].append(run.tokens_per_second)
+                step = after[1] - before[name][1]
+                shares[name].append((after[0] - before[name][0]) / step if step else 0.0)
         medians = {name: statistics.median(r) for name, r in rates.items()}
         cells = " | ".join(f"{medians[e.name]:.1f}" for e in engines)
         base = rates[engines[0].name]

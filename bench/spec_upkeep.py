@@ -1,20 +1,23 @@
-"""What adaptive speculation costs at one batch size, resolved with many short rounds.
+"""What adaptive speculation costs at one batch size, resolved in lockstep.
 
 Whole `bench/spec.py` runs at batch 16 disagree by more than the effect in question (a few
-percent). This runs three engines in one process on the same held-out ShareGPT prompts, one
-batch, greedy, round after round (every other round in reverse order):
+percent). This runs the engines in one process on the same held-out ShareGPT prompts, one
+batch, greedy, stepping them in turn (`lockstep.py`: each engine's steps timed beside the
+others', so the VM's drift cancels out of their ratios), round after round:
 
 - `none`: no speculation;
 - `adaptive`: the method with the default adaptive policy;
 - `upkeep`: the same engine whose policy never verifies a draft, so it pays everything that
   speculation costs besides draft rows (drafter passes and probes, n-gram's shadow proposals,
-  their scoring, the planning) and gains nothing.
+  their scoring, the planning) and gains nothing;
+- `none again` (with `--control`): a second engine without speculation, whose ratio to `none`
+  is what two identical engines differ by here: the measurement's floor.
 
-It prints each round and the median and mean of `adaptive / none` and `upkeep / none` over the
-rounds: where `adaptive` is level with `upkeep`, the drafts it verifies pay for themselves and
-what is left is the upkeep. Every output is checked equal to the plain one.
+It prints each round and the median and mean of every engine's rate over `none`'s: where
+`adaptive` is level with `upkeep`, the drafts it verifies pay for themselves and what is left
+is the upkeep. Every output is checked equal to the plain one.
 
-    .venv/bin/python bench/spec_upkeep.py [--method ngram] [--batch 16] [--rounds 16]
+    .venv/bin/python bench/spec_upkeep.py [--method ngram] [--batch 16] [--rounds 16] [--control]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import os
 import statistics
 
 import torch
+from lockstep import lockstep
 from machine import cpu_model
 from spec import MODEL, held_out_prompts, policy_totals
 
@@ -47,6 +51,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--control", action="store_true", help="also a second engine without speculation"
+    )
     args = parser.parse_args()
     configure_logging("warning")
     prompts = held_out_prompts(args.batch, 512)
@@ -60,6 +67,8 @@ def main() -> None:
         "adaptive": LLM(MODEL, enable_prefix_caching=False, **spec),
         "upkeep": LLM(MODEL, enable_prefix_caching=False, **spec),
     }
+    if args.control:
+        llms["none again"] = LLM(MODEL, enable_prefix_caching=False)
     never_verify(llms["upkeep"])
     for llm in llms.values():
         measure(llm, prompts[:1], 8, batch=1)  # warm up
@@ -67,18 +76,17 @@ def main() -> None:
           f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.2f}")  # fmt: skip
     print(f"{args.method} K={METHODS[args.method]}, batch {args.batch}, {args.max_tokens} tokens")
     reference = None
-    ratios: dict[str, list[float]] = {"adaptive": [], "upkeep": []}
+    ratios: dict[str, list[float]] = {name: [] for name in llms if name != "none"}
     for round_ in range(args.rounds):
-        names = list(llms) if round_ % 2 == 0 else list(llms)[::-1]
+        runs = lockstep(llms, prompts, args.max_tokens, args.batch)
         rates = {}
-        for name in names:
-            run = measure(llms[name], prompts, args.max_tokens, args.batch)
+        for name, run in runs.items():
             reference = reference or run.outputs
             assert run.outputs == reference, f"{name} output differs"
             rates[name] = run.tokens_per_second
         for name in ratios:
             ratios[name].append(rates[name] / rates["none"])
-        cells = ", ".join(f"{name} {rates[name]:.1f}" for name in names)
+        cells = ", ".join(f"{name} {rate:.1f}" for name, rate in rates.items())
         print(f"round {round_ + 1}: {cells} tok/s", flush=True)
     for name, values in ratios.items():
         print(

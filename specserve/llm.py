@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from specserve.control.frontend import Frontend
@@ -52,6 +52,18 @@ class LLM:
         chat: bool = False,
     ) -> list[GenerationOutput]:
         """Generate for every prompt (text or token ids), batched together; results in order."""
+        *_, outputs = self.generate_stepwise(prompts, params, chat)
+        return outputs
+
+    def generate_stepwise(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat: bool = False,
+    ) -> Iterator[list[GenerationOutput]]:
+        """`generate`, one engine step per iteration: yields the outputs so far (in order) after
+        each step, final (text decoded) at the last. Lets a caller drive several engines in
+        turn, step by step, as `bench/lockstep.py` does to time them under the same load."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if params is None or isinstance(params, SamplingParams):
@@ -61,6 +73,7 @@ class LLM:
         engine = self.engine
         eos = engine.eos_token_ids
         outputs: dict[str, GenerationOutput] = {}
+        first_step = True
         for prompt, sampling in zip(prompts, params, strict=True):
             token_ids = self.encode_prompt(prompt, chat)
             request_id = f"llm-{next(self._ids)}"
@@ -70,6 +83,9 @@ class LLM:
             )
             outputs[request_id] = GenerationOutput(request_id, token_ids, [], None, None, [])
         while engine.has_unfinished_requests():
+            if not first_step:
+                yield list(outputs.values())
+            first_step = False
             for update in engine.step():
                 out = outputs[update.request_id]
                 out.token_ids.extend(update.new_token_ids)
@@ -84,4 +100,4 @@ class LLM:
         if self.tokenizer is not None:
             for out in outputs.values():
                 out.text = self.tokenizer.decode(out.token_ids)
-        return list(outputs.values())
+        yield list(outputs.values())

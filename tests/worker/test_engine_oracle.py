@@ -159,3 +159,35 @@ def test_prompt_logprobs_survive_preemption(llama_ckpt):
         assert out.prompt_logprobs is not None
         assert out.prompt_logprobs.chosen == pytest.approx(chosen, abs=1e-4)
         assert out.prompt_logprobs.top_ids == [[] for _ in chosen]
+
+
+def test_two_engines_stepped_in_turn_each_match_transformers(llama_ckpt):
+    """`generate_stepwise`, as `bench/lockstep.py` drives it: one engine step per iteration
+    (each request one token further without speculation), engines interleaved step by step."""
+    batch = prompts([6, 11, 19], seed=3)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engines = [_llm(llama_ckpt), _llm(llama_ckpt, max_num_batched_tokens=8)]
+    steps = [e.generate_stepwise(batch, params) for e in engines]
+    seen: list[list[list[int]]] = [[], []]
+    last: list[list] = [[], []]
+    live = [0, 1]
+    while live:
+        for i in list(live):
+            outs = next(steps[i], None)
+            if outs is None:
+                live.remove(i)
+            else:
+                seen[i].append([len(o.token_ids) for o in outs])
+                last[i] = outs
+    expected = [hf_greedy(llama_ckpt.hf_model, p, 12) for p in batch]
+    for i, lengths in enumerate(seen):
+        # every yield is one step: lengths grow by at most one token a step, to 12
+        assert lengths[-1] == [12, 12, 12]
+        for before, after in zip(lengths, lengths[1:], strict=False):
+            assert all(0 <= b - a <= 1 for a, b in zip(before, after, strict=True))
+    # the 8-token budget chunks the 36 prompt tokens over more steps than one budget of 2048
+    assert len(seen[1]) > len(seen[0])
+    for i, engine in enumerate(engines):
+        assert [o.token_ids for o in last[i]] == expected
+        assert [o.finish_reason for o in last[i]] == ["length"] * 3
+        assert [o.token_ids for o in engine.generate(batch, params)] == expected
