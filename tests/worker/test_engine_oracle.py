@@ -6,6 +6,8 @@ prefill, preemption and the msgspec step contract.
 
 from __future__ import annotations
 
+import itertools
+
 import msgspec
 import pytest
 from hf_reference import hf_greedy, prompts
@@ -180,10 +182,10 @@ def test_two_engines_stepped_in_turn_each_match_transformers(llama_ckpt):
                 seen[i].append([len(o.token_ids) for o in outs])
                 last[i] = outs
     expected = [hf_greedy(llama_ckpt.hf_model, p, 12) for p in batch]
-    for i, lengths in enumerate(seen):
+    for lengths in seen:
         # every yield is one step: lengths grow by at most one token a step, to 12
         assert lengths[-1] == [12, 12, 12]
-        for before, after in zip(lengths, lengths[1:], strict=False):
+        for before, after in itertools.pairwise(lengths):
             assert all(0 <= b - a <= 1 for a, b in zip(before, after, strict=True))
     # the 8-token budget chunks the 36 prompt tokens over more steps than one budget of 2048
     assert len(seen[1]) > len(seen[0])

@@ -10,7 +10,9 @@ import pytest
 from specserve.worker.spec_decode import policy as policy_module
 from specserve.worker.spec_decode.policy import (
     CURSE_MIN_CANDIDATES,
+    IDLE_REPLAN_EVERY,
     INITIAL_RATE,
+    MAX_FREE_PROBE_EVERY,
     MIN_SPEEDUP,
     PRIOR_RATE_WEIGHT,
     PRIOR_STRENGTH,
@@ -475,11 +477,64 @@ def test_a_drafter_model_probes_less_often_while_its_drafts_do_not_pay():
             depths.append(plan.num_to_propose(0, K))
     assert probes[:4] == [16, 48, 112, 176]  # every 16 steps, then 32, 64, 64
     assert depths[:4] == [K, 1, 1, 1]  # K deep, then one draft deep while backing off
-    ngram = SpecPolicy(K, free_drafts=True)  # free drafts: shadows every step, no back-off
+    # Free drafts (n-gram): shadows at the first step, then two steps on, then every
+    # MAX_FREE_PROBE_EVERY steps, always K deep.
+    ngram = SpecPolicy(K, free_drafts=True)
     _costs(ngram, plain=(0.0066, 0.00076), mixed=(0.011, 0.00083))
     for h in range(8):
         _set_rates(ngram, h, [0.05] * K)
-    assert all(ngram.plan(candidates).shadow for _ in range(100))
+    plans = [ngram.plan(candidates) for _ in range(20)]
+    probes = [step for step, plan in enumerate(plans, start=1) if plan.shadow]
+    assert probes == [1, 3, 7, 11, 15, 19]
+    assert MAX_FREE_PROBE_EVERY == 4
+    assert all(plans[step - 1].num_to_propose(0, K) == K for step in probes)
+    for h in range(8):
+        _set_rates(ngram, h, [0.99] * K)  # the requests start repeating: verified at once
+    assert ngram.plan(candidates).verify == dict.fromkeys(range(8), K)
+    for h in range(8):
+        _set_rates(ngram, h, [0.05] * K)
+    # verification reset the back-off: after the probe already due (step 23), shadows at the
+    # base rate again, then backing off
+    assert [bool(ngram.plan(candidates).shadow) for _ in range(4)] == [False, True, False, True]
+
+
+def test_a_plan_of_no_drafts_is_chosen_again_on_news_or_every_few_steps():
+    """While nothing pays, choosing again each step would mostly give the same answer at 1-1.5%
+    of a step: the choice is made again for another batch, for a first draft more likely
+    accepted than the best was, at a probe, or IDLE_REPLAN_EVERY steps on."""
+    policy = SpecPolicy(K, free_drafts=False)
+    _costs(policy, plain=(0.0066, 0.00076), mixed=(0.011, 0.00083))
+    candidates = [Candidate(h, []) for h in range(8)]
+    for h in range(8):
+        _set_rates(policy, h, [0.05] * K)
+    chosen = []
+    real_choose = policy._choose
+
+    def counting_choose(*args):
+        chosen.append(policy._steps)
+        return real_choose(*args)
+
+    policy._choose = counting_choose
+    for _ in range(12):
+        assert not policy.plan(candidates).verify
+    assert IDLE_REPLAN_EVERY == 4
+    assert chosen == [1, 5, 9]
+    assert not policy.plan(candidates[:7]).verify  # a request left: chosen again
+    assert chosen[-1] == 13
+    _set_rates(policy, 0, [0.01, 0.9, 0.9])  # rates that moved, the best first one did not
+    assert not policy.plan(candidates[:7]).verify
+    assert chosen[-1] == 13
+    for h in range(7):
+        _set_rates(policy, h, [0.95] * K)  # first drafts more likely accepted: chosen again
+    assert policy.plan(candidates[:7]).verify == dict.fromkeys(range(7), K)
+    assert chosen[-1] == 15
+    assert policy.plan(candidates[:7]).verify  # verifying: chosen every step
+    assert chosen[-1] == 16
+    for h in range(8):
+        _set_rates(policy, h, [0.05] * K)
+    plans = [policy.plan(candidates) for _ in range(16)]  # steps 17..32, a probe at 32
+    assert chosen[-5:] == [17, 21, 25, 29, 32]
+    assert [step for step, p in enumerate(plans, start=17) if p.shadow] == [32]
 
 
 def test_promises_that_verified_drafts_do_not_keep_are_discounted():

@@ -19,11 +19,12 @@ second (down to none), from:
   1.29-1.30x; with the worker-wide rate counted in, 87-92% of its steps and 1.24-1.27x). The
   *shadow* drafts: drafts proposed but not verified, scored against the tokens the target then
   produces (for a deterministic draft, matching the target's next token has exactly the
-  probability of being accepted). n-gram drafts are free, so a request that verifies none still
-  proposes shadows every step; a drafter model proposes them for the whole batch every
-  `PROBE_EVERY` steps, backing off to `MAX_PROBE_EVERY` while its probes lead to no
-  verification (its drafts do not pay at this batch size, and probing them costs drafter time),
-  and while backing off it probes one draft deep;
+  probability of being accepted). n-gram drafts are free, so a request that verifies none
+  proposes shadows every step, backing off to every `MAX_FREE_PROBE_EVERY` steps while they
+  lead to no verification (scoring them is what they cost); a drafter model proposes them for
+  the whole batch every `PROBE_EVERY` steps, backing off to `MAX_PROBE_EVERY` while its probes
+  lead to no verification (its drafts do not pay at this batch size, and probing them costs
+  drafter time), and while backing off it probes one draft deep;
 - the measured cost of steps: seconds against rows, one line each for plain decode steps (every
   request one row), verification steps (decode rows and drafts) and steps with prompt chunks,
   and one for drafting, seconds against draft tokens and the deepest draft of the call (its
@@ -50,6 +51,10 @@ and, where it chooses among two requests or more, discounts every estimate by th
 asks drafts for `MIN_SPEEDUP`. A lone request is not chosen over anyone: it is judged by its own
 outcomes, which its estimate follows (the discount and margin refused drafts there that paid).
 
+While the plans verify nothing, the choice is made again on news (requests that came or left,
+a first draft more likely accepted than any was then), at a probe, or `IDLE_REPLAN_EVERY` steps
+on, not at every step.
+
 The choice never changes what is generated: drafts are verified losslessly however many there
 are. A request sampled with a seed keeps the full K, because its draws per step depend on how
 many drafts it verifies, so a seeded request stays reproducible run to run.
@@ -64,8 +69,15 @@ REQUEST_DECAY = 0.9  # weight kept by a request's earlier outcomes at a position
 PRIOR_STRENGTH = 4.0  # outcomes the worker-wide rate counts as in each request's rates
 PRIOR_RATE_WEIGHT = 0.02  # how fast the worker-wide rates follow every request's outcomes
 INITIAL_RATE = 0.5
-PROBE_EVERY = 16  # steps between shadow drafts for a drafter model (n-gram: every step)
+PROBE_EVERY = 16  # steps between shadow drafts for a drafter model (n-gram: 1)
 MAX_PROBE_EVERY = 64  # ... after backing off
+MAX_FREE_PROBE_EVERY = 4  # ... for free drafts (n-gram), whose shadows cost only their scoring
+# While a plan verifies nothing, the next is chosen again only on news (another batch, a first
+# draft more likely accepted than any was then: the best prefix starts with the best draft), at
+# a probe, or after this many steps: choosing costs ~0.2-0.6 ms at batch 16 in Python (1-1.5%
+# of a step), and at batch 16 some request's rates move at nearly every step (n-gram shadows),
+# mostly by little and often down.
+IDLE_REPLAN_EVERY = 4
 COST_DECAY = 0.97  # weight kept by older cost observations at each new one
 MAX_SHADOWS = 4  # pending shadow drafts per request
 # Drafts are verified only when they promise this much more throughput than none: a margin for
@@ -296,8 +308,9 @@ class SpecPolicy:
         self.k = num_spec_tokens
         self.context_rows_in_pass = context_rows_in_pass
         self.adaptive = adaptive
+        self.free_drafts = free_drafts
         self.base_probe_every = 1 if free_drafts else PROBE_EVERY
-        self.max_probe_every = 1 if free_drafts else MAX_PROBE_EVERY
+        self.max_probe_every = MAX_FREE_PROBE_EVERY if free_drafts else MAX_PROBE_EVERY
         self.probe_every = self.base_probe_every
         self._next_probe = self.probe_every
         self.prior = [INITIAL_RATE] * num_spec_tokens
@@ -316,6 +329,10 @@ class SpecPolicy:
         # (decayed per step): the rates it chose on, handle -> rates of those drafts.
         self._promised: dict[int, list[float]] = {}
         self._accepted = self._expected = 0.0
+        # While plans verify nothing: the batch the last choice was made for (the requests, the
+        # other rows), the best first-draft rate among them and its step; None after a plan
+        # that verified drafts.
+        self._idle_since: tuple[tuple, float, int] | None = None
 
     # --- observations ---------------------------------------------------------------------
 
@@ -378,12 +395,28 @@ class SpecPolicy:
             verify = {c.handle: self.k for c in candidates}
             self.stats.record(len(candidates), self.k * len(candidates))
             return DraftPlan(verify, frozenset())
-        verify = self._choose(candidates, other_decodes, prefill_rows)
         probing = self._steps >= self._next_probe
+        batch = (tuple(c.handle for c in candidates), other_decodes, prefill_rows)
+        best_first = max((self._request(c.handle).rates[0] for c in candidates), default=0.0)
+        idle = self._idle_since
+        if (
+            idle is not None
+            and not probing
+            and idle[0] == batch
+            and best_first <= idle[1]
+            and self._steps - idle[2] < IDLE_REPLAN_EVERY
+        ):
+            verify: dict[int, int] = {}  # nothing new since a choice of none
+        else:
+            verify = self._choose(candidates, other_decodes, prefill_rows)
+            has_drafts = any(verify.values())
+            self._idle_since = None if has_drafts else (batch, best_first, self._steps)
         # Backing off, a probe drafts one token a request: one drafter pass instead of K (at
         # batch 16 a K=3 EAGLE-3 probe cost 60-70 ms, more than a target step). Whether a first
-        # draft would pay decides whether any does; deeper rates keep what was learnt.
-        probe_depth = 1 if self.probe_every > self.base_probe_every else None
+        # draft would pay decides whether any does; deeper rates keep what was learnt. Free
+        # drafts (n-gram) are proposed K deep whatever the back-off.
+        backing_off = self.probe_every > self.base_probe_every
+        probe_depth = 1 if backing_off and not self.free_drafts else None
         if any(verify.values()):
             self.probe_every = self.base_probe_every
         elif probing:  # the last probes led to no verification: probe less often
