@@ -73,7 +73,6 @@ class LLM:
         engine = self.engine
         eos = engine.eos_token_ids
         outputs: dict[str, GenerationOutput] = {}
-        first_step = True
         for prompt, sampling in zip(prompts, params, strict=True):
             token_ids = self.encode_prompt(prompt, chat)
             request_id = f"llm-{next(self._ids)}"
@@ -83,9 +82,6 @@ class LLM:
             )
             outputs[request_id] = GenerationOutput(request_id, token_ids, [], None, None, [])
         while engine.has_unfinished_requests():
-            if not first_step:
-                yield list(outputs.values())
-            first_step = False
             for update in engine.step():
                 out = outputs[update.request_id]
                 out.token_ids.extend(update.new_token_ids)
@@ -97,6 +93,8 @@ class LLM:
                     out.finish_reason = update.status.finish_reason
                     out.error = update.error
                     out.spec_stats = update.spec_stats
+            if engine.has_unfinished_requests():
+                yield list(outputs.values())
         if self.tokenizer is not None:
             for out in outputs.values():
                 out.text = self.tokenizer.decode(out.token_ids)

@@ -399,17 +399,17 @@ class SpecPolicy:
         batch = (tuple(c.handle for c in candidates), other_decodes, prefill_rows)
         best_first = max((self._request(c.handle).rates[0] for c in candidates), default=0.0)
         idle = self._idle_since
-        if (
+        # nothing new since a choice of none: the same choice
+        unchanged = (
             idle is not None
             and not probing
             and idle[0] == batch
             and best_first <= idle[1]
             and self._steps - idle[2] < IDLE_REPLAN_EVERY
-        ):
-            verify: dict[int, int] = {}  # nothing new since a choice of none
-        else:
-            verify = self._choose(candidates, other_decodes, prefill_rows)
-            has_drafts = any(verify.values())
+        )
+        verify = {} if unchanged else self._choose(candidates, other_decodes, prefill_rows)
+        has_drafts = any(verify.values())
+        if not unchanged:
             self._idle_since = None if has_drafts else (batch, best_first, self._steps)
         # Backing off, a probe drafts one token a request: one drafter pass instead of K (at
         # batch 16 a K=3 EAGLE-3 probe cost 60-70 ms, more than a target step). Whether a first
@@ -417,7 +417,7 @@ class SpecPolicy:
         # drafts (n-gram) are proposed K deep whatever the back-off.
         backing_off = self.probe_every > self.base_probe_every
         probe_depth = 1 if backing_off and not self.free_drafts else None
-        if any(verify.values()):
+        if has_drafts:
             self.probe_every = self.base_probe_every
         elif probing:  # the last probes led to no verification: probe less often
             self.probe_every = min(2 * self.probe_every, self.max_probe_every)
