@@ -42,7 +42,7 @@ from specserve.worker.sampler import (
 )
 from specserve.worker.spec_decode.policy import Candidate, DraftPlan, SpecPolicy
 from specserve.worker.spec_decode.rejection_sampler import greedy_verify, rejection_sample
-from specserve.worker.spec_decode.speculators import DraftInput, Speculator
+from specserve.worker.spec_decode.speculators import DraftInput, Speculator, VerifiedRows
 
 
 def forward_step(
@@ -129,6 +129,7 @@ class ModelRunner:
                 context_rows_in_pass=speculator.context_rows_in_pass,
             )
         self.recorder: HiddenStateRecorder | None = None  # set for drafter training only
+        self._planned_for: tuple[int, ...] = ()  # the requests of the last plan's step
         self.requests: dict[int, RequestState] = {}
         groups = self.config.kv_groups
         if (
@@ -302,7 +303,11 @@ class ModelRunner:
         num_drafts = sum(item.num_spec for item in scheduled)
         prefill = any(item.num_tokens - item.num_spec > 1 for item in scheduled)
         self.spec_policy.observe_step(len(input_ids), num_drafts, prefill, verified - started)
+        handles = tuple(item.state.handle for item in scheduled)
+        if not num_drafts and self._rests(handles, scheduled, results, row_starts, aux):
+            return results
         plan = self._plan_drafts(scheduled, results)
+        self._planned_for = handles
         draft_inputs = []
         for item, row_start, result, num_valid in zip(
             scheduled, row_starts, results, valid, strict=True
@@ -355,6 +360,33 @@ class ModelRunner:
                     result.handle, result.sampled_token_ids, state.draft_token_ids, result.logprobs
                 )
         return results
+
+    def _rests(
+        self,
+        handles: tuple[int, ...],
+        scheduled: Sequence[_Scheduled],
+        results: Sequence[RequestResult],
+        row_starts: Sequence[int],
+        aux: Sequence[torch.Tensor],
+    ) -> bool:
+        """Take a decode step that verified nothing with no plan and no `propose`, where the
+        plan would be the last one's, none (`SpecPolicy.rests`), for the same requests: the
+        drafter puts their rows aside as `propose` would have (`Speculator.rest`). Planning and
+        the per-request draft inputs cost more than the rest of such a step's speculation."""
+        assert self.speculator is not None and self.spec_policy is not None
+        if handles != self._planned_for or not all(
+            item.num_tokens == 1 and result.sampled_token_ids
+            for item, result in zip(scheduled, results, strict=True)
+        ):
+            return False  # other requests, or a prompt's rows (never put aside)
+        rows = [
+            VerifiedRows(item.state.handle, item.state.num_computed_tokens - 1, row_start, 1)
+            for item, row_start in zip(scheduled, row_starts, strict=True)
+        ]
+        if not self.speculator.can_rest(rows) or not self.spec_policy.rests():
+            return False
+        self.speculator.rest(rows, aux)
+        return True
 
     def _plan_drafts(
         self, scheduled: Sequence[_Scheduled], results: Sequence[RequestResult]

@@ -405,19 +405,22 @@ def test_fewer_drafts_are_a_prefix_of_k_drafts(qwen3_ckpt, tmp_path, method):
     batch = prompts([9, 14, 6, 11], seed=21)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     runs = []
-    for num_drafts in (lambda handle, step: K, lambda handle, step: handle % (K + 1)):
+    one_deep = (lambda handle, step: 1,)  # the deepest request shallower than K
+    for num_drafts in (lambda handle, step: K, lambda handle, step: handle % (K + 1), *one_deep):
         llm = LLM(str(qwen3_ckpt.path), spec_method=method, drafter=drafter, num_spec_tokens=K,
                   block_size=4, num_blocks=256, dtype="float64")  # fmt: skip
         recorded = _scripted_drafts(llm, num_drafts)
         outs = llm.generate(batch, params)
         runs.append((recorded, [o.token_ids for o in outs]))
-    (full, full_out), (varied, varied_out) = runs
-    assert full_out == varied_out  # lossless either way
-    common = set(full) & set(varied)
-    assert len(common) >= 8
+    (full, full_out), (varied, varied_out), (shallow, shallow_out) = runs
+    assert full_out == varied_out == shallow_out  # lossless either way
     assert {len(varied[key]) for key in varied} == {1, 2, 3}  # handle 0 proposes none
-    for key in common:
-        assert varied[key] == full[key][: len(varied[key])], key
+    assert {len(shallow[key]) for key in shallow} == {1}
+    for drafts in (varied, shallow):
+        common = set(full) & set(drafts)
+        assert len(common) >= 8
+        for key in common:
+            assert drafts[key] == full[key][: len(drafts[key])], key
 
 
 class _CountingClock:
@@ -531,3 +534,60 @@ def test_rows_put_aside_give_the_drafter_the_same_context(
     assert aside_out == every_out
     assert aside.keys() == every.keys() and len(aside) >= 6
     assert aside == every
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3", "dflash"])
+def test_a_step_that_plans_nothing_new_rests_and_changes_nothing(
+    qwen3_ckpt, tmp_path, method, monkeypatch
+):
+    """While the policy chooses no drafts, a decode step of the same requests skips the plan
+    and `propose` (`ModelRunner._rests`): the drafter keeps its rows as `propose` would. Against
+    an engine that never rests, on a clock that makes every timing the same in both: the same
+    outputs, the same decisions, the same shadow drafts at the probes (drawn from the context
+    the rows put aside became) and, for a drafter model, the same drafter K/V bit for bit."""
+    from specserve.worker import model_runner
+    from specserve.worker.spec_decode import speculators
+
+    monkeypatch.setattr(speculators, "MAX_DEFERRED_ROWS", 6)  # backlogs fill and are taken
+    for module in (model_runner, speculators):
+        monkeypatch.setattr(module, "time", _CountingClock())
+    spec = {"spec_method": method, "num_spec_tokens": K}
+    if method != "ngram":
+        spec["drafter"] = _drafter(qwen3_ckpt, method, tmp_path)
+    batch = prompts([10, 7, 13], seed=8)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    runs = []
+    for may_rest in (True, False):
+        llm = LLM(str(qwen3_ckpt.path), block_size=4, num_blocks=256, dtype="float32", **spec)
+        runner = llm.engine.runner
+        policy = runner.spec_policy
+        policy._choose = lambda *args: {}  # drafts never pay: only probes propose
+        shadows: list[tuple[int, int, list[int]]] = []
+        add_shadow = policy.add_shadow
+
+        def shadowing(handle, position, drafts, add=add_shadow, seen=shadows):
+            seen.append((handle, position, list(drafts)))
+            add(handle, position, drafts)
+
+        policy.add_shadow = shadowing
+        rested = []
+        rests = runner._rests
+
+        def resting(*args, rests=rests, may=may_rest, seen=rested):
+            seen.append(may and rests(*args))
+            return seen[-1]
+
+        runner._rests = resting
+        outs = [o.token_ids for o in llm.generate(batch, params)]
+        kv = runner.speculator.kv_cache if method != "ngram" else None
+        runs.append((outs, policy.stats, shadows, sum(rested), kv))
+    (outs, stats, shadows, rested, kv), (outs_full, stats_full, shadows_full, _, kv_full) = runs
+    assert outs == outs_full == [hf_greedy(qwen3_ckpt.hf_model, p, 40) for p in batch]
+    assert stats == stats_full  # and only the cold start, before costs are known, verified
+    assert sum(stats.speculating_steps.values()) == 1 and sum(stats.steps.values()) == 40
+    assert len(shadows) >= 3 and shadows == shadows_full
+    assert rested >= 10  # of 40 decode steps: all but replans, probes and full backlogs
+    if kv is not None:
+        assert kv.layers.keys() == kv_full.layers.keys()
+        assert all(torch.equal(kv.layers[i], kv_full.layers[i]) for i in kv.layers)
+        assert all(kv.layers[i].count_nonzero() > 0 for i in kv.layers)

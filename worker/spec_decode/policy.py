@@ -333,6 +333,10 @@ class SpecPolicy:
         # other rows), the best first-draft rate among them and its step; None after a plan
         # that verified drafts.
         self._idle_since: tuple[tuple, float, int] | None = None
+        # Candidates of the last plan where it proposed nothing and no shadow draft is pending
+        # (then a step of the same requests that verifies nothing changes nothing it chose on:
+        # `rests`); None otherwise.
+        self._resting_candidates: int | None = None
 
     # --- observations ---------------------------------------------------------------------
 
@@ -387,6 +391,7 @@ class SpecPolicy:
         self._steps += 1
         self._accepted *= CALIBRATION_DECAY
         self._expected *= CALIBRATION_DECAY
+        self._resting_candidates = None
         for cand in candidates:
             self._score_shadows(cand)
         drafted_line = self.prefill_step if prefill_rows else self.verify_step
@@ -431,7 +436,30 @@ class SpecPolicy:
             and len(self._request(c.handle).shadows) < MAX_SHADOWS
         )
         self.stats.record(len(candidates), sum(verify.values()))
+        quiet = not has_drafts and not shadow and not prefill_rows
+        if quiet and any(self._request(c.handle).shadows for c in candidates):
+            quiet = False
+        self._resting_candidates = len(candidates) if quiet else None
         return DraftPlan(verify, shadow, probe_depth)
+
+    def rests(self) -> bool:
+        """Whether the next plan is the last one's: none. For a decode step of the requests the
+        last plan was made for, with no drafts verified; if so it counts as planned, with no
+        `plan` to call. That plan proposed nothing and no shadow draft is pending, so no rate
+        has moved since; `plan` would find nothing new unless it probes or chooses again by
+        the clock (`IDLE_REPLAN_EVERY`), and `rests` says no to those. A request that left the
+        drafter's window meanwhile is seen at the next plan (within those steps)."""
+        idle = self._idle_since
+        if self._resting_candidates is None or idle is None:
+            return False
+        step = self._steps + 1
+        if step >= self._next_probe or step - idle[2] >= IDLE_REPLAN_EVERY:
+            return False
+        self._steps = step
+        self._accepted *= CALIBRATION_DECAY
+        self._expected *= CALIBRATION_DECAY
+        self.stats.record(self._resting_candidates, 0)
+        return True
 
     def _choose(
         self, candidates: Sequence[Candidate], other_decodes: int, prefill_rows: int

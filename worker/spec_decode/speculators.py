@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 import torch
 
@@ -65,6 +65,16 @@ class DraftInput:
     defer: bool = False
     temperature: float = 0.0  # the request's; used when drafts are sampled
     generator: torch.Generator | None = None
+
+
+class VerifiedRows(NamedTuple):
+    """A request's rows of a step whose tokens are now final: positions `start ..
+    start + num_valid - 1`, rows `row_start ..` of the step's flattened batch."""
+
+    handle: int
+    start: int
+    row_start: int
+    num_valid: int
 
 
 @dataclass(frozen=True)
@@ -177,6 +187,15 @@ class Speculator(ABC):
     def forget(self, handle: int) -> None:  # noqa: B027 - most speculators keep no state
         """The request left this worker (finished or preempted): drop any per-request state."""
 
+    def can_rest(self, rows: Sequence[VerifiedRows]) -> bool:
+        """Whether a decode step that proposes nothing may skip `propose` for these rows
+        (`rest`): n-gram's index takes the new tokens when it next proposes."""
+        return True
+
+    def rest(self, rows: Sequence[VerifiedRows], aux: Sequence[torch.Tensor]) -> None:  # noqa: B027
+        """Take a decode step that proposes nothing (`can_rest` said so) without `propose`:
+        `aux` are the step's captures of `aux_layer_ids`."""
+
 
 class NgramSpeculator(Speculator):
     """Prompt lookup over each request's own tokens, with an incremental per-request index."""
@@ -220,13 +239,19 @@ CONTEXT_ROWS_IN_PASS = 16
 @dataclass
 class _Deferred:
     start: int  # position of the first row put aside
-    # the target features of positions start.., as (tensor, first row, rows) of the tensors
-    # that `_put_aside` copied each step's rows into: sliced and joined only when taken
-    rows: list[tuple[torch.Tensor, int, int]]
+    # the target features of positions start.., as (tensors, first row, rows): the tensors
+    # that `_put_aside` kept for a step, the step's captures of the aux layers or one tensor
+    # of them joined; sliced and joined only when taken
+    rows: list[tuple[Sequence[torch.Tensor], int, int]]
     num_rows: int  # their rows, counted as they are put aside (asked for every step)
 
-    def features(self) -> list[torch.Tensor]:
-        return [kept[first : first + n] for kept, first, n in self.rows]
+    def features(self) -> torch.Tensor:
+        """The rows put aside, `[num_rows, aux features]`: the captures layer by layer, then
+        side by side (a join per step cost ~20 us of a 7 ms batch-1 step)."""
+        parts = [[kept[first : first + n] for kept in tensors] for tensors, first, n in self.rows]
+        if all(len(part) == len(parts[0]) for part in parts):
+            return torch.cat([torch.cat(layer) for layer in zip(*parts, strict=True)], dim=-1)
+        return torch.cat([torch.cat(part, dim=-1) for part in parts])
 
 
 @dataclass(frozen=True)
@@ -298,31 +323,51 @@ class _DrafterSpeculator(Speculator, Generic[_D]):
                 del self.deferred[inp.handle]
                 self.backlog_rows_taken += backlog.num_rows
                 start = backlog.start
-                rows = torch.cat([*backlog.features(), rows])
+                rows = torch.cat([backlog.features(), rows])
             if rows.shape[0]:
                 contexts.append(_Context(inp, start, rows))
         if aside:
-            self._put_aside(aside, aux_hidden)
+            rows = [VerifiedRows(i.handle, i.start, i.row_start, i.num_valid) for i in aside]
+            self._put_aside(rows, aux_hidden)
         return contexts
 
-    def _put_aside(self, inputs: Sequence[DraftInput], aux_hidden: torch.Tensor) -> None:
-        """Keep `inputs`' verified rows for a later step, in one copy for all of them (a
-        request's rows are slices of it: at batch 16 a copy each cost ~0.1 ms a step)."""
+    def can_rest(self, rows: Sequence[VerifiedRows]) -> bool:
+        """Whether every request's rows fit beside those it has put aside."""
+        for row in rows:
+            backlog = self.deferred.get(row.handle)
+            if (backlog.num_rows if backlog is not None else 0) + row.num_valid > MAX_DEFERRED_ROWS:
+                return False
+        return True
+
+    def rest(self, rows: Sequence[VerifiedRows], aux: Sequence[torch.Tensor]) -> None:
+        """The step's captures are kept as they are: `rows` are all their rows."""
+        self._keep(rows, tuple(aux))
+
+    def _put_aside(self, rows: Sequence[VerifiedRows], aux_hidden: torch.Tensor) -> None:
+        """Keep `rows` for a later step, in one copy for all of them (a request's rows are
+        slices of it: at batch 16 a copy each cost ~0.1 ms a step). `aux_hidden` is the step's
+        own (`torch.cat` of its captures): where `rows` are all of it, it is kept as it is."""
         index: list[int] = []
-        for inp in inputs:
-            index.extend(range(inp.row_start, inp.row_start + inp.num_valid))
-        if index and index[-1] - index[0] + 1 == len(index):  # one run of rows, as decodes are
+        for row in rows:
+            index.extend(range(row.row_start, row.row_start + row.num_valid))
+        if index == list(range(aux_hidden.shape[0])):
+            kept = aux_hidden
+        elif index and index[-1] - index[0] + 1 == len(index):  # one run, as decodes are
             kept = aux_hidden[index[0] : index[-1] + 1].clone()
         else:
             kept = aux_hidden.index_select(0, torch.tensor(index, device=aux_hidden.device))
+        self._keep(rows, (kept,))
+
+    def _keep(self, rows: Sequence[VerifiedRows], tensors: tuple[torch.Tensor, ...]) -> None:
+        """Add `rows`, one after another in `tensors`' rows, to their requests' backlogs."""
         first = 0
-        for inp in inputs:
-            backlog = self.deferred.get(inp.handle)
+        for row in rows:
+            backlog = self.deferred.get(row.handle)
             if backlog is None:
-                backlog = self.deferred[inp.handle] = _Deferred(inp.start, [], 0)
-            backlog.rows.append((kept, first, inp.num_valid))
-            backlog.num_rows += inp.num_valid
-            first += inp.num_valid
+                backlog = self.deferred[row.handle] = _Deferred(row.start, [], 0)
+            backlog.rows.append((tensors, first, row.num_valid))
+            backlog.num_rows += row.num_valid
+            first += row.num_valid
 
 
 class Eagle3Speculator(_DrafterSpeculator[Eagle3Drafter]):
@@ -545,16 +590,19 @@ class DFlashSpeculator(_DrafterSpeculator[DFlashDrafter]):
             self.kv_cache,
         )
         # Each MASK row predicts the token at its own position; the first row is not sampled.
-        mask_rows = [r * (k + 1) + j for r in range(len(proposing)) for j in range(1, k + 1)]
-        row_inputs = [inp for inp in proposing for _ in range(k)]
+        # The block is the drafter's trained size; a request asking for fewer keeps a prefix,
+        # and rows past the deepest request's are not read out: the full-vocabulary head is
+        # most of a pass (a one-deep probe at batch 1 reads one row of three).
+        depth = max(inp.num_drafts for inp in proposing)
+        mask_rows = [r * (k + 1) + j for r in range(len(proposing)) for j in range(1, depth + 1)]
+        row_inputs = [inp for inp in proposing for _ in range(depth)]
         logits = drafter.compute_logits(hidden[self._tensor(mask_rows)])
         tokens, probs = choose_drafts(logits, row_inputs, self.sample_drafts)
-        per_request = tokens.view(len(proposing), k).tolist()
-        # The block is the drafter's trained size; a request asking for fewer keeps a prefix.
+        per_request = tokens.view(len(proposing), depth).tolist()
         return {
             inp.handle: Draft(
                 d[: inp.num_drafts],
-                None if probs is None else probs[i * k : i * k + inp.num_drafts],
+                None if probs is None else probs[i * depth : i * depth + inp.num_drafts],
             )
             for i, (inp, d) in enumerate(zip(proposing, per_request, strict=True))
         }
