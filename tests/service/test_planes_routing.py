@@ -133,8 +133,14 @@ def test_a_plane_whose_workers_are_down_serves_through_another(planes, llama_ckp
         whole = pool.submit(other.generate, lone, long)
         stream = client.stream(lone, long)
         first_out = next(stream)
+        tokens = list(first_out.token_ids)
+        # both under way before the kill: the unstreamed one accepted, then a few steps more
+        # (batched with the stream's, it has output of its own by then)
+        wait_for(lambda: get_status(a.url).requests_in_flight == 2, 20, "never both in flight")
+        while len(tokens) < len(first_out.token_ids) + 4:
+            tokens.extend(next(stream).token_ids)
         second.workers["a1"].kill()
-        tokens = list(first_out.token_ids) + [t for out in stream for t in out.token_ids]
+        tokens += [t for out in stream for t in out.token_ids]
         unstreamed = whole.result(timeout=60)
     assert first_out.worker_id == "a1" and len(first_out.token_ids) < 200
     assert unstreamed.worker_id == "b0"
