@@ -389,9 +389,7 @@ class SpecPolicy:
         """Drafts per candidate for the next step, assumed to hold the same requests: the
         candidates (one row each plus their drafts), `other_decodes` requests that decode
         without drafts and `prefill_rows` rows of prompt chunks."""
-        self._steps += 1
-        self._accepted *= CALIBRATION_DECAY
-        self._expected *= CALIBRATION_DECAY
+        self._count_step()
         self._resting_candidates = None
         for cand in candidates:
             self._score_shadows(cand)
@@ -437,9 +435,9 @@ class SpecPolicy:
             and len(self._request(c.handle).shadows) < MAX_SHADOWS
         )
         self.stats.record(len(candidates), sum(verify.values()))
-        quiet = not has_drafts and not shadow and not prefill_rows
-        if quiet and any(self._request(c.handle).shadows for c in candidates):
-            quiet = False
+        quiet = not (has_drafts or shadow or prefill_rows) and not any(
+            self._request(c.handle).shadows for c in candidates
+        )
         self._resting_candidates = len(candidates) if quiet else None
         return DraftPlan(verify, shadow, probe_depth)
 
@@ -450,17 +448,21 @@ class SpecPolicy:
         has moved since; `plan` would find nothing new unless it probes or chooses again by
         the clock (`IDLE_REPLAN_EVERY`), and `rests` says no to those. A request that left the
         drafter's window meanwhile is seen at the next plan (within those steps)."""
-        idle = self._idle_since
-        if self._resting_candidates is None or idle is None:
+        if self._resting_candidates is None:
             return False
+        assert self._idle_since is not None  # a plan of none is idle
         step = self._steps + 1
-        if step >= self._next_probe or step - idle[2] >= IDLE_REPLAN_EVERY:
+        if step >= self._next_probe or step - self._idle_since[2] >= IDLE_REPLAN_EVERY:
             return False
-        self._steps = step
-        self._accepted *= CALIBRATION_DECAY
-        self._expected *= CALIBRATION_DECAY
+        self._count_step()
         self.stats.record(self._resting_candidates, 0)
         return True
+
+    def _count_step(self) -> None:
+        """A step planned: the step count and the calibration's forgetting move on."""
+        self._steps += 1
+        self._accepted *= CALIBRATION_DECAY
+        self._expected *= CALIBRATION_DECAY
 
     def _choose(
         self, candidates: Sequence[Candidate], other_decodes: int, prefill_rows: int

@@ -313,8 +313,7 @@ class _DrafterSpeculator(Speculator, Generic[_D]):
         aside: list[DraftInput] = []
         for inp in inputs:
             backlog = self.deferred.get(inp.handle)
-            held = backlog.num_rows if backlog is not None else 0
-            if inp.defer and not inp.num_drafts and held + inp.num_valid <= MAX_DEFERRED_ROWS:
+            if inp.defer and not inp.num_drafts and self._fits(inp.handle, inp.num_valid):
                 aside.append(inp)
                 continue
             start = inp.start
@@ -331,13 +330,13 @@ class _DrafterSpeculator(Speculator, Generic[_D]):
             self._put_aside(rows, aux_hidden)
         return contexts
 
+    def _fits(self, handle: int, num_rows: int) -> bool:
+        """Whether `num_rows` more rows fit beside those `handle` has put aside."""
+        backlog = self.deferred.get(handle)
+        return (backlog.num_rows if backlog is not None else 0) + num_rows <= MAX_DEFERRED_ROWS
+
     def can_rest(self, rows: Sequence[VerifiedRows]) -> bool:
-        """Whether every request's rows fit beside those it has put aside."""
-        for row in rows:
-            backlog = self.deferred.get(row.handle)
-            if (backlog.num_rows if backlog is not None else 0) + row.num_valid > MAX_DEFERRED_ROWS:
-                return False
-        return True
+        return all(self._fits(row.handle, row.num_valid) for row in rows)
 
     def rest(self, rows: Sequence[VerifiedRows], aux: Sequence[torch.Tensor]) -> None:
         """The step's captures are kept as they are: `rows` are all their rows."""
