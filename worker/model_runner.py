@@ -31,7 +31,7 @@ from specserve.worker.attention.base import AttentionMetadata, SequenceStep
 from specserve.worker.attention.torch_backend import verifies_as_decode_rows
 from specserve.worker.cpu import fused_decode
 from specserve.worker.kv_cache import PagedKVCache
-from specserve.worker.models import DecoderModel
+from specserve.worker.models import DecoderModel, ReadOut
 from specserve.worker.sampler import (
     SamplerOutput,
     apply_penalties,
@@ -52,13 +52,19 @@ def forward_step(
     metadata: AttentionMetadata,
     kv_cache: PagedKVCache,
     aux_layers: Sequence[int],
+    read_out: ReadOut | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The target's forward for one step: a CPU decode step in one kernel call where it
-    applies (`fused_decode`), else layer by layer; the same results either way."""
-    fused = fused_decode.decode_step(model, input_ids, positions, metadata, kv_cache, aux_layers)
-    if fused is not None:
-        return fused
-    return model.forward_with_aux(input_ids, positions, metadata, kv_cache, aux_layers)
+    applies (`fused_decode`), else layer by layer; the same results either way. With
+    `read_out` (never a decode step: it reads fewer rows than the step has), the final hidden
+    states of its rows only."""
+    if read_out is None:
+        fused = fused_decode.decode_step(
+            model, input_ids, positions, metadata, kv_cache, aux_layers
+        )
+        if fused is not None:
+            return fused
+    return model.forward_with_aux(input_ids, positions, metadata, kv_cache, aux_layers, read_out)
 
 
 PROMPT_LOGPROB_ROWS = 256  # prompt rows whose logits are held at once (49k floats each)
@@ -92,6 +98,16 @@ class HiddenStateRecorder(Protocol):
     def record(
         self, request_id: str, start: int, aux: torch.Tensor, final: torch.Tensor
     ) -> None: ...
+
+
+@dataclass(frozen=True)
+class _Sampled:
+    """The requests a step samples from, each from its last k+1 rows (k its drafts)."""
+
+    rows: list[int]  # the step's rows sampled from, request by request
+    states: list[RequestState]
+    drafts: list[list[int]]
+    steps: list[SequenceStep]  # each request's sampled rows as the queries of its sequence
 
 
 @dataclass(frozen=True)
@@ -269,12 +285,18 @@ class ModelRunner:
             if self.speculator is not None:
                 raise ValueError("hidden states are recorded only without speculation")
             aux_layers = self.recorder.layers
-        hidden, aux = forward_step(self.model, ids, pos, metadata, self.kv_cache, aux_layers)
+        sampled = _sampled(scheduled, row_starts, steps)
+        read_out = self._read_out(scheduled, sampled, len(input_ids), aux_layers)
+        hidden, aux = forward_step(
+            self.model, ids, pos, metadata, self.kv_cache, aux_layers, read_out
+        )
         if self.recorder is not None:
             self._record(scheduled, row_starts, hidden, aux)
 
         prompt_logprobs = self._prompt_logprobs(scheduled, row_starts, hidden)
-        emitted, logprobs = self._sample(scheduled, row_starts, hidden)
+        if read_out is None and sampled.rows:
+            hidden = hidden[torch.tensor(sampled.rows, device=self.device)]
+        emitted, logprobs = self._sample(sampled, hidden)
         results = []
         valid: list[int] = []  # rows per request whose tokens are now final
         for item in scheduled:
@@ -460,27 +482,43 @@ class ModelRunner:
             out[state.handle] = (start + 1, joined)
         return out
 
+    def _read_out(
+        self,
+        scheduled: Sequence[_Scheduled],
+        sampled: _Sampled,
+        num_rows: int,
+        aux_layers: Sequence[int],
+    ) -> ReadOut | None:
+        """The sampled rows as the last layer's only outputs, where the step reads no other
+        row's final hidden state (no prompt logprobs, no recorder, the last layer not
+        captured) and at least half its rows are not sampled: a step with prompt rows."""
+        if (
+            2 * len(sampled.rows) > num_rows
+            or self.recorder is not None
+            or self.config.num_layers - 1 in aux_layers
+            or any(item.state.sampling.prompt_logprobs is not None for item in scheduled)
+        ):
+            return None
+        metadata = None
+        if sampled.steps:
+            metadata = self.model.backend.build_metadata(
+                sampled.steps, self.config.kv_groups, self.kv_cache.block_size, self.device
+            )
+        rows = torch.tensor(sampled.rows, dtype=torch.int64, device=self.device)
+        return ReadOut(rows, metadata)
+
     def _sample(
-        self, scheduled: Sequence[_Scheduled], row_starts: Sequence[int], hidden: torch.Tensor
+        self, sampled: _Sampled, selected: torch.Tensor
     ) -> tuple[dict[int, list[int]], dict[int, TokenLogprobs]]:
-        """Tokens per request that reached the end of its known tokens (plus their logprobs).
+        """Tokens per request that reached the end of its known tokens (plus their logprobs),
+        from `selected`, the final hidden states of `sampled.rows`.
 
         A request verifying k drafts samples from its last k+1 rows through the rejection
         sampler; a batch with no drafts at all takes the plain sampler.
         """
-        rows: list[int] = []
-        sampling: list[RequestState] = []
-        drafts: list[list[int]] = []
-        for item, row_start in zip(scheduled, row_starts, strict=True):
-            state, n, k = item.state, item.num_tokens, item.num_spec
-            if state.num_computed_tokens + n - k < len(state.token_ids):
-                continue  # a prefill chunk: nothing to sample yet
-            rows.extend(range(row_start + n - k - 1, row_start + n))
-            sampling.append(state)
-            drafts.append(state.draft_token_ids[:k])
-        if not rows:
+        sampling, drafts = sampled.states, sampled.drafts
+        if not sampling:
             return {}, {}
-        selected = hidden[torch.tensor(rows, device=self.device)]
         if all(_argmax_only(s.sampling) for s in sampling):
             argmax = self.model.greedy_tokens(selected)
             if argmax is not None:
@@ -546,6 +584,22 @@ class ModelRunner:
                 ids = torch.tensor(scheduled, device=logits.device)
                 rows.append(torch.nn.functional.one_hot(ids, logits.shape[-1]).float())
         return torch.cat(rows)
+
+
+def _sampled(
+    scheduled: Sequence[_Scheduled], row_starts: Sequence[int], steps: Sequence[SequenceStep]
+) -> _Sampled:
+    """The requests that reach the end of their known tokens this step, and their rows."""
+    sampled = _Sampled([], [], [], [])
+    for item, row_start, step in zip(scheduled, row_starts, steps, strict=True):
+        state, n, k = item.state, item.num_tokens, item.num_spec
+        if state.num_computed_tokens + n - k < len(state.token_ids):
+            continue  # a prefill chunk: nothing to sample yet
+        sampled.rows.extend(range(row_start + n - k - 1, row_start + n))
+        sampled.states.append(state)
+        sampled.drafts.append(state.draft_token_ids[:k])
+        sampled.steps.append(SequenceStep(k + 1, step.seq_len, step.block_tables))
+    return sampled
 
 
 def _argmax_only(sampling: SamplingParams) -> bool:

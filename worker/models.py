@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -259,6 +260,19 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate).mul_(up))  # in place: one activation buffer less
 
 
+@dataclass(frozen=True)
+class ReadOut:
+    """The rows of a step whose final hidden states are read (the rows sampled from), and
+    attention metadata for those rows alone as queries over the same sequences.
+
+    The last layer's output is read only there, so every other row needs from it just its K/V
+    for later steps: a prompt chunk of 2,048 rows that samples one skips the last layer's q,
+    attention, o_proj and MLP for 2,047 of them (~3% of a 30-layer prefill)."""
+
+    rows: torch.Tensor  # [R] int64 indices into the step's rows, in the order read
+    metadata: AttentionMetadata | None  # None when R == 0 (prompt chunks only)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP blocks; `attn_in_features` is `Attention`'s `in_features`."""
 
@@ -316,6 +330,32 @@ class DecoderLayer(nn.Module):
         )
         return x, self.mlp(h)
 
+    def read_out_step(
+        self,
+        x: torch.Tensor,
+        pending: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_cache: PagedKVCache,
+        read_out: ReadOut,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`residual_step` for a last layer: the K/V of every row, the rest for `read_out`'s
+        rows only (the pair returned has one row per read row)."""
+        if pending is None:
+            h = self.input_layernorm(x)
+        else:
+            x, h = self.input_layernorm.add_and_norm(x, pending)
+        rows = metadata.groups[self.group].kv_write_rows(kv_cache.block_size)
+        self.attn.write_context_kv(h, cos, sin, kv_cache, rows)
+        keep = read_out.rows
+        x, h = x[keep], h[keep]
+        if read_out.metadata is None:
+            return x, torch.zeros_like(x)
+        attended = self.attn(h, cos[keep], sin[keep], self.group, read_out.metadata, kv_cache)
+        x, h = self.post_attention_layernorm.add_and_norm(x, attended)
+        return x, self.mlp(h)
+
 
 class DecoderModel(nn.Module):
     """Embeddings, decoder layers, final norm and LM head (absent when tied to embeddings)."""
@@ -371,15 +411,26 @@ class DecoderModel(nn.Module):
         attn_metadata: AttentionMetadata,
         kv_cache: PagedKVCache,
         aux_layers: Sequence[int],
+        read_out: ReadOut | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Like `forward`, plus the hidden states of `aux_layers` (module docstring convention).
+        """Like `forward`, plus the hidden states of `aux_layers` (module docstring convention);
+        with `read_out`, the final hidden states of its rows alone (`[R, hidden]`), which the
+        last layer may not be one of `aux_layers`.
 
         Layer by layer; the model runner may instead run a CPU decode step in one kernel call
         (`worker.cpu.fused_decode`), with the same results."""
         x, cos, sin = self.embed_step(input_ids, positions, attn_metadata, aux_layers)
+        last = len(self.layers) - 1
+        if read_out is not None and last in aux_layers:
+            raise ValueError(f"layer {last} is captured: every row of it is read")
         captured: dict[int, torch.Tensor] = {}
         pending: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
+            if i == last and read_out is not None:
+                x, pending = layer.read_out_step(
+                    x, pending, cos, sin, attn_metadata, kv_cache, read_out
+                )
+                break
             x, pending = layer.residual_step(x, pending, cos, sin, attn_metadata, kv_cache)
             if i in aux_layers:
                 captured[i] = x + pending

@@ -18,7 +18,7 @@ from paged_driver import PagedDriver
 
 from specserve.worker.attention.base import SequenceStep
 from specserve.worker.loader import load_model
-from specserve.worker.models import DecoderModel
+from specserve.worker.models import DecoderModel, ReadOut
 
 ATOL_FP32 = 1e-4
 NEW_TOKENS = 64
@@ -76,6 +76,77 @@ def test_aux_hidden_states_match_transformers(qwen3_hybrid_ckpt: Checkpoint) -> 
     torch.testing.assert_close(final, out.hidden_states[-1][0].detach(), atol=ATOL_FP32, rtol=0)
     with pytest.raises(ValueError, match="out of range"):
         model.forward_with_aux(torch.tensor(prompt), torch.arange(20), meta, driver.cache, [3])
+
+
+def _prefill_step(driver: PagedDriver, work: list[tuple[list[int], int]]):
+    """Sequences for `work`'s (prompt, rows) pairs, their first rows allocated, and the step's
+    ids, positions and metadata."""
+    seqs, steps, ids = [], [], []
+    for prompt, n in work:
+        seq = driver.new_seq(prompt)
+        driver.allocate(seq, n)
+        seqs.append(seq)
+        steps.append(SequenceStep(n, n, [list(t) for t in seq.block_tables]))
+        ids += prompt[:n]
+    cfg = driver.model.config
+    meta = driver.model.backend.build_metadata(steps, cfg.kv_groups, driver.block_size, "cpu")
+    positions = [p for _, n in work for p in range(n)]
+    return seqs, steps, torch.tensor(ids), torch.tensor(positions), meta
+
+
+@pytest.mark.parametrize("name", ALL_CKPTS)
+def test_a_last_layer_read_at_some_rows_writes_every_rows_kv(
+    request: pytest.FixtureRequest, name: str
+) -> None:
+    """A step whose final hidden states are read at a few rows: those rows' states equal the
+    full forward's, and every layer's K/V of every row (the last layer's included, which the
+    other rows' later steps read) equals the full forward's. A prompt still in chunks reads
+    no row at all."""
+    ckpt = _ckpt(request, name)
+    model, ref = _fp64_pair(ckpt)
+    batch = prompts([24, 5, 13], seed=3)
+    work = [(batch[0], 10), (batch[1], 5), (batch[2], 13)]  # the first prompt is a chunk
+    full, part = _driver(model), _driver(model)
+    _, steps, ids, positions, meta = _prefill_step(full, work)
+    _, _, _, _, part_meta = _prefill_step(part, work)
+    expected, _ = model.forward_with_aux(ids, positions, meta, full.cache, ())
+    read = torch.tensor([14, 27])  # the last rows of the two whole prompts
+    read_steps = [SequenceStep(1, s.seq_len, s.block_tables) for s in steps[1:]]
+    read_meta = model.backend.build_metadata(
+        read_steps, model.config.kv_groups, part.block_size, "cpu"
+    )
+    got, _ = model.forward_with_aux(
+        ids, positions, part_meta, part.cache, (), ReadOut(read, read_meta)
+    )
+    torch.testing.assert_close(got, expected[read], rtol=1e-12, atol=1e-12)
+    for layer in full.cache.layers:
+        torch.testing.assert_close(
+            part.cache.layers[layer], full.cache.layers[layer], equal_nan=True
+        )
+    logits = model.compute_logits(got)
+    for row, prompt in zip(logits, batch[1:], strict=True):
+        hf_logits = ref(torch.tensor([prompt])).logits[0, -1]
+        torch.testing.assert_close(row, hf_logits.detach(), rtol=0, atol=1e-5)  # RoPE in fp32
+    chunk_only = [(batch[0], 10)]
+    _, _, ids, positions, meta = _prefill_step(full, chunk_only)
+    _, _, _, _, part_meta = _prefill_step(part, chunk_only)
+    model.forward_with_aux(ids, positions, meta, full.cache, ())
+    got, _ = model.forward_with_aux(
+        ids,
+        positions,
+        part_meta,
+        part.cache,
+        (),
+        ReadOut(torch.tensor([], dtype=torch.int64), None),
+    )
+    assert got.shape == (0, model.config.hidden_size)
+    for layer in full.cache.layers:
+        torch.testing.assert_close(
+            part.cache.layers[layer], full.cache.layers[layer], equal_nan=True
+        )
+    last = model.config.num_layers - 1
+    with pytest.raises(ValueError, match=f"layer {last} is captured"):
+        model.forward_with_aux(ids, positions, part_meta, part.cache, [last], ReadOut(read, None))
 
 
 @pytest.mark.parametrize("name", ALL_CKPTS)
