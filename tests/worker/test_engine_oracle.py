@@ -193,3 +193,36 @@ def test_two_engines_stepped_in_turn_each_match_transformers(llama_ckpt):
         assert [o.token_ids for o in last[i]] == expected
         assert [o.finish_reason for o in last[i]] == ["length"] * 3
         assert [o.token_ids for o in engine.generate(batch, params)] == expected
+
+
+def test_prompt_steps_compute_the_last_layer_only_for_the_rows_they_sample(llama_ckpt, monkeypatch):
+    """Every step with prompt rows reads out exactly the rows it samples from (none for a
+    chunk that does not end its prompt); decode steps read every row; outputs stay
+    transformers'."""
+    from specserve.worker.model_runner import ModelRunner
+
+    batch = prompts([3, 9, 17, 24, 30, 5, 12, 40], seed=1)
+    llm = _llm(llama_ckpt, max_num_batched_tokens=16)
+    seen: list[tuple[int, int | None]] = []  # (rows in the step, rows read out or None)
+    read_out = ModelRunner._read_out
+
+    def spy(self, scheduled, sampled, num_rows, aux_layers):
+        got = read_out(self, scheduled, sampled, num_rows, aux_layers)
+        seen.append((num_rows, None if got is None else len(got.rows)))
+        if got is not None:
+            assert got.rows.tolist() == sampled.rows
+        return got
+
+    monkeypatch.setattr(ModelRunner, "_read_out", spy)
+    outs = llm.generate(batch, GREEDY64)
+    for prompt, out in zip(batch, outs, strict=True):
+        assert out.token_ids == hf_greedy(llama_ckpt.hf_model, prompt, 64)
+    read_steps = [(rows, read) for rows, read in seen if read is not None]
+    assert len(read_steps) >= 5  # 140 prompt tokens at 16 a step
+    assert all(2 * read <= rows for rows, read in read_steps)
+    assert sum(read is None for _, read in seen) >= 60  # the decode steps
+    seen.clear()
+    (alone,) = prompts([40], seed=7)  # no prefix cached: chunks of 16, 16 and 8
+    (out,) = llm.generate(alone, GREEDY64)
+    assert out.token_ids == hf_greedy(llama_ckpt.hf_model, alone, 64)
+    assert seen[:3] == [(16, 0), (16, 0), (8, 1)]
