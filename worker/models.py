@@ -204,8 +204,9 @@ class Attention(nn.Module):
     ) -> None:
         """Write the K/V of rows no query reads out (`x` as `forward` takes it; `rows` from
         `kv_write_rows`): the k/v columns of `qkv_proj` alone, `k_norm`, RoPE. A drafter's
-        context rows need nothing more, and q, the attention and what follows it would be a
-        forward's larger part."""
+        context rows and the rows of a target's last layer that nobody reads (`ReadOut`) need
+        nothing more, and q, the attention and what follows it would be a forward's larger
+        part."""
         q_size, kv_size, _ = self.split
         weight = self.qkv_proj.weight[q_size:]
         bias = None if self.qkv_proj.bias is None else self.qkv_proj.bias[q_size:]
@@ -414,8 +415,8 @@ class DecoderModel(nn.Module):
         read_out: ReadOut | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Like `forward`, plus the hidden states of `aux_layers` (module docstring convention);
-        with `read_out`, the final hidden states of its rows alone (`[R, hidden]`), which the
-        last layer may not be one of `aux_layers`.
+        with `read_out`, the final hidden states of its rows alone (`[R, hidden]`), and then
+        the last layer may not be among `aux_layers`.
 
         Layer by layer; the model runner may instead run a CPU decode step in one kernel call
         (`worker.cpu.fused_decode`), with the same results."""
