@@ -318,43 +318,27 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         metadata: AttentionMetadata,
         kv_cache: PagedKVCache,
+        read_out: ReadOut | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer on input `x + pending` (`x` when None), its output left as a pair
         `(residual, mlp_out)` whose sum it is: the next layer's (or the final) norm adds them
-        in its own kernel call instead of a separate pass over the rows."""
+        in its own kernel call instead of a separate pass over the rows. With `read_out` (a
+        last layer): the K/V of every row, the rest for its rows only (one pair row each)."""
         if pending is None:
             h = self.input_layernorm(x)
         else:
             x, h = self.input_layernorm.add_and_norm(x, pending)
+        if read_out is not None:
+            rows = metadata.groups[self.group].kv_write_rows(kv_cache.block_size)
+            self.attn.write_context_kv(h, cos, sin, kv_cache, rows)
+            keep = read_out.rows
+            x, h, cos, sin = x[keep], h[keep], cos[keep], sin[keep]
+            if read_out.metadata is None:
+                return x, torch.zeros_like(x)
+            metadata = read_out.metadata
         x, h = self.post_attention_layernorm.add_and_norm(
             x, self.attn(h, cos, sin, self.group, metadata, kv_cache)
         )
-        return x, self.mlp(h)
-
-    def read_out_step(
-        self,
-        x: torch.Tensor,
-        pending: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        metadata: AttentionMetadata,
-        kv_cache: PagedKVCache,
-        read_out: ReadOut,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`residual_step` for a last layer: the K/V of every row, the rest for `read_out`'s
-        rows only (the pair returned has one row per read row)."""
-        if pending is None:
-            h = self.input_layernorm(x)
-        else:
-            x, h = self.input_layernorm.add_and_norm(x, pending)
-        rows = metadata.groups[self.group].kv_write_rows(kv_cache.block_size)
-        self.attn.write_context_kv(h, cos, sin, kv_cache, rows)
-        keep = read_out.rows
-        x, h = x[keep], h[keep]
-        if read_out.metadata is None:
-            return x, torch.zeros_like(x)
-        attended = self.attn(h, cos[keep], sin[keep], self.group, read_out.metadata, kv_cache)
-        x, h = self.post_attention_layernorm.add_and_norm(x, attended)
         return x, self.mlp(h)
 
 
@@ -427,12 +411,9 @@ class DecoderModel(nn.Module):
         captured: dict[int, torch.Tensor] = {}
         pending: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            if i == last and read_out is not None:
-                x, pending = layer.read_out_step(
-                    x, pending, cos, sin, attn_metadata, kv_cache, read_out
-                )
-                break
-            x, pending = layer.residual_step(x, pending, cos, sin, attn_metadata, kv_cache)
+            x, pending = layer.residual_step(
+                x, pending, cos, sin, attn_metadata, kv_cache, read_out if i == last else None
+            )
             if i in aux_layers:
                 captured[i] = x + pending
         hidden = self.norm(x) if pending is None else self.norm.add_and_norm(x, pending)[1]
