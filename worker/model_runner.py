@@ -107,7 +107,7 @@ class _Sampled:
     rows: list[int]  # the step's rows sampled from, request by request
     states: list[RequestState]
     drafts: list[list[int]]
-    steps: list[SequenceStep]  # each request's sampled rows as the queries of its sequence
+    items: list[int]  # each request's index in the step
 
 
 @dataclass(frozen=True)
@@ -285,8 +285,8 @@ class ModelRunner:
             if self.speculator is not None:
                 raise ValueError("hidden states are recorded only without speculation")
             aux_layers = self.recorder.layers
-        sampled = _sampled(scheduled, row_starts, steps)
-        read_out = self._read_out(scheduled, sampled, len(input_ids), aux_layers)
+        sampled = _sampled(scheduled, row_starts)
+        read_out = self._read_out(scheduled, steps, sampled, len(input_ids), aux_layers)
         hidden, aux = forward_step(
             self.model, ids, pos, metadata, self.kv_cache, aux_layers, read_out
         )
@@ -485,6 +485,7 @@ class ModelRunner:
     def _read_out(
         self,
         scheduled: Sequence[_Scheduled],
+        steps: Sequence[SequenceStep],
         sampled: _Sampled,
         num_rows: int,
         aux_layers: Sequence[int],
@@ -500,9 +501,13 @@ class ModelRunner:
         ):
             return None
         metadata = None
-        if sampled.steps:
+        if sampled.items:  # each request's sampled rows as the queries of its sequence
+            read_steps = [
+                SequenceStep(scheduled[i].num_spec + 1, steps[i].seq_len, steps[i].block_tables)
+                for i in sampled.items
+            ]
             metadata = self.model.backend.build_metadata(
-                sampled.steps, self.config.kv_groups, self.kv_cache.block_size, self.device
+                read_steps, self.config.kv_groups, self.kv_cache.block_size, self.device
             )
         rows = torch.tensor(sampled.rows, dtype=torch.int64, device=self.device)
         return ReadOut(rows, metadata)
@@ -586,19 +591,17 @@ class ModelRunner:
         return torch.cat(rows)
 
 
-def _sampled(
-    scheduled: Sequence[_Scheduled], row_starts: Sequence[int], steps: Sequence[SequenceStep]
-) -> _Sampled:
+def _sampled(scheduled: Sequence[_Scheduled], row_starts: Sequence[int]) -> _Sampled:
     """The requests that reach the end of their known tokens this step, and their rows."""
     sampled = _Sampled([], [], [], [])
-    for item, row_start, step in zip(scheduled, row_starts, steps, strict=True):
+    for i, (item, row_start) in enumerate(zip(scheduled, row_starts, strict=True)):
         state, n, k = item.state, item.num_tokens, item.num_spec
         if state.num_computed_tokens + n - k < len(state.token_ids):
             continue  # a prefill chunk: nothing to sample yet
         sampled.rows.extend(range(row_start + n - k - 1, row_start + n))
         sampled.states.append(state)
         sampled.drafts.append(state.draft_token_ids[:k])
-        sampled.steps.append(SequenceStep(k + 1, step.seq_len, step.block_tables))
+        sampled.items.append(i)
     return sampled
 
 

@@ -206,8 +206,8 @@ def test_prompt_steps_compute_the_last_layer_only_for_the_rows_they_sample(llama
     seen: list[tuple[int, int | None]] = []  # (rows in the step, rows read out or None)
     read_out = ModelRunner._read_out
 
-    def spy(self, scheduled, sampled, num_rows, aux_layers):
-        got = read_out(self, scheduled, sampled, num_rows, aux_layers)
+    def spy(self, scheduled, steps, sampled, num_rows, aux_layers):
+        got = read_out(self, scheduled, steps, sampled, num_rows, aux_layers)
         seen.append((num_rows, None if got is None else len(got.rows)))
         if got is not None:
             assert got.rows.tolist() == sampled.rows

@@ -79,19 +79,18 @@ def test_aux_hidden_states_match_transformers(qwen3_hybrid_ckpt: Checkpoint) -> 
 
 
 def _prefill_step(driver: PagedDriver, work: list[tuple[list[int], int]]):
-    """Sequences for `work`'s (prompt, rows) pairs, their first rows allocated, and the step's
-    ids, positions and metadata."""
-    seqs, steps, ids = [], [], []
+    """A step of `work`'s (prompt, rows) pairs, each a new sequence with those rows allocated:
+    its sequence steps, ids, positions and metadata."""
+    steps, ids = [], []
     for prompt, n in work:
         seq = driver.new_seq(prompt)
         driver.allocate(seq, n)
-        seqs.append(seq)
         steps.append(SequenceStep(n, n, [list(t) for t in seq.block_tables]))
         ids += prompt[:n]
     cfg = driver.model.config
     meta = driver.model.backend.build_metadata(steps, cfg.kv_groups, driver.block_size, "cpu")
     positions = [p for _, n in work for p in range(n)]
-    return seqs, steps, torch.tensor(ids), torch.tensor(positions), meta
+    return steps, torch.tensor(ids), torch.tensor(positions), meta
 
 
 @pytest.mark.parametrize("name", ALL_CKPTS)
@@ -107,8 +106,8 @@ def test_a_last_layer_read_at_some_rows_writes_every_rows_kv(
     batch = prompts([24, 5, 13], seed=3)
     work = [(batch[0], 10), (batch[1], 5), (batch[2], 13)]  # the first prompt is a chunk
     full, part = _driver(model), _driver(model)
-    _, steps, ids, positions, meta = _prefill_step(full, work)
-    _, _, _, _, part_meta = _prefill_step(part, work)
+    steps, ids, positions, meta = _prefill_step(full, work)
+    _, _, _, part_meta = _prefill_step(part, work)
     expected, _ = model.forward_with_aux(ids, positions, meta, full.cache, ())
     read = torch.tensor([14, 27])  # the last rows of the two whole prompts
     read_steps = [SequenceStep(1, s.seq_len, s.block_tables) for s in steps[1:]]
@@ -128,8 +127,8 @@ def test_a_last_layer_read_at_some_rows_writes_every_rows_kv(
         hf_logits = ref(torch.tensor([prompt])).logits[0, -1]
         torch.testing.assert_close(row, hf_logits.detach(), rtol=0, atol=1e-5)  # RoPE in fp32
     chunk_only = [(batch[0], 10)]
-    _, _, ids, positions, meta = _prefill_step(full, chunk_only)
-    _, _, _, _, part_meta = _prefill_step(part, chunk_only)
+    _, ids, positions, meta = _prefill_step(full, chunk_only)
+    _, _, _, part_meta = _prefill_step(part, chunk_only)
     model.forward_with_aux(ids, positions, meta, full.cache, ())
     got, _ = model.forward_with_aux(
         ids,
