@@ -171,28 +171,31 @@ def _q4_weight(n: int = 64, k: int = 96) -> PackedWeight:
     return packed
 
 
-def _timings(q4_loses_from: int | None):
+def _timings(q4_loses_from: int | None, lost: float = 0.9):
     """Stands in for `_best_passes` (machine timings): the 4-bit pass (first) takes 1.0, the
-    float32 pass 1.5 below `q4_loses_from` rows and 0.9 from there on."""
+    float32 pass 1.5 below `q4_loses_from` rows and `lost` from there on."""
 
     def best(*passes):
         narrow_calls, float32_calls = passes
         rows = narrow_calls[0].args[0].shape[0]
         assert narrow_calls[0].args[4] is not None and narrow_calls[0].args[5] in (4, 8, 16)
         assert len(float32_calls[0].args) == 4
-        lost = q4_loses_from is not None and rows >= q4_loses_from
-        return [1.0, 0.9 if lost else 1.5]
+        behind = q4_loses_from is not None and rows >= q4_loses_from
+        return [1.0, lost if behind else 1.5]
 
     return best
 
 
-@pytest.mark.parametrize(("loses_from", "expected"), [(32, 24), (16, 8), (64, 48), (None, None)])
+@pytest.mark.parametrize(
+    ("loses_from", "expected"), [(32, 24), (16, 12), (6, 4), (4, 2), (64, 48), (None, None)]
+)
 def test_the_narrow_row_limit_is_the_last_row_count_where_they_won(
     monkeypatch: pytest.MonkeyPatch, loses_from: int | None, expected: int | None
 ) -> None:
-    """`calibrate_narrow_rows`: the candidate before the first where the float32 panels are
-    as fast, half the first candidate where that is the first, the kernel's limit for the kind
-    where the narrow panels always win (or where no weight has them, timing nothing)."""
+    """`calibrate_narrow_rows`: the candidate before the first where the float32 panels take
+    at most `NARROW_MARGIN` of the narrow panels' time, half the first candidate where that is
+    the first, the kernel's limit for the kind where the narrow panels always win (or where no
+    weight has them, timing nothing)."""
     monkeypatch.setattr(linear_module, "_best_passes", _timings(loses_from))
     b16 = pack_weight(torch.randn(64, 96).to(torch.bfloat16).float())
     assert b16 is not None and b16.bits == 16
@@ -209,6 +212,20 @@ def test_the_narrow_row_limit_is_the_last_row_count_where_they_won(
     most = kernels.linear_narrow_max_rows(4)
     assert calibrate_narrow_rows([plain], 4) == most
     assert calibrate_narrow_rows([_q4_weight()], 8) == most  # no 8-bit panels among them
+
+
+def test_narrow_panels_that_tie_with_the_float32_ones_are_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Within `NARROW_MARGIN` of the float32 panels (a tie, whose winner is the timing's noise)
+    the narrow panels stay: they read a fraction of the bytes. Beyond it they end."""
+    most = kernels.linear_narrow_max_rows(4)
+    tie = (1.0 + linear_module.NARROW_MARGIN) / 2
+    monkeypatch.setattr(linear_module, "_best_passes", _timings(6, lost=tie))
+    assert calibrate_narrow_rows([_q4_weight()], 4) == most
+    behind = linear_module.NARROW_MARGIN - 0.01
+    monkeypatch.setattr(linear_module, "_best_passes", _timings(6, lost=behind))
+    assert calibrate_narrow_rows([_q4_weight()], 4) == 4
 
 
 def test_inputs_beyond_the_4bit_row_limit_read_the_float32_panels(

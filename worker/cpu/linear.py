@@ -86,8 +86,14 @@ ONEDNN_CALIBRATION_ROWS = (8, 16, 32, 64, 128)  # where calibration may move tha
 # their expansion costs arithmetic that outweighs the bytes saved from some row count on, which
 # depends on the CPU and the kind (SmolLM2's 4-bit layers on a 2-core Zen 4, which runs 512-bit
 # operations in two halves: 1.10x faster at 16 rows, level at 24-48, 0.94x at 64; on a Zen 5
-# still 1.15x at 64).
-NARROW_CALIBRATION_ROWS = (16, 24, 32, 48, 64)
+# still 1.15x at 64). A CPU with 128-bit FMA units loses much sooner: on a 2-core Zen 1 (AVX2)
+# 1.05x faster at 4 rows, 0.90x at 6 and 0.88x at 8, where the AVX2 blocks' own limit (16
+# rows) left 8 as the only answer short of 16.
+NARROW_CALIBRATION_ROWS = (4, 6, 8, 12, 16, 24, 32, 48, 64)
+# ... and they end only where the float32 panels take at most this share of their time: where
+# the two tie (the Zen 1 at 4 rows: 1.05x one run, level in the calibration), the narrow panels
+# read a fraction of the bytes, which leaves memory bandwidth to the other cores' work.
+NARROW_MARGIN = 0.97
 # oneDNN takes over where its GEMMs take at most this share of the panels' time: the rest must
 # pay for the glue of the layer-by-layer path, which the fused decode step (panels only) saves.
 # On a 2-core Sapphire Rapids machine in bfloat16 (AVX512_BF16 panels, before their AMX body)
@@ -441,7 +447,13 @@ def _calibration_key(packed: Sequence[PackedWeight]) -> tuple[str, dict[str, Any
         ]
         for p in packed
     ]
-    rules = [CALIBRATION_ROWS, ONEDNN_CALIBRATION_ROWS, ONEDNN_MARGIN, NARROW_CALIBRATION_ROWS]
+    rules = [
+        CALIBRATION_ROWS,
+        ONEDNN_CALIBRATION_ROWS,
+        ONEDNN_MARGIN,
+        NARROW_CALIBRATION_ROWS,
+        NARROW_MARGIN,
+    ]
     identity = json.dumps([described, weights, rules]).encode()
     return hashlib.sha256(identity).hexdigest()[:16], described
 
@@ -564,11 +576,12 @@ def calibrate_narrow_rows(
 ) -> int:
     """The most rows at which the narrow panels of kind `bits` of `packed` (those that have
     them) still beat their float32 panels: the candidate before the first at which one pass
-    over them on the float32 panels is as fast (best of 3, alternating), half the first
+    over them on the float32 panels takes at most `NARROW_MARGIN` of their time (best of 3,
+    alternating), half the first
     candidate if that is the first; the kernel's limit (`kernels.linear_narrow_max_rows`) if
-    they always win or none has such panels (nothing to measure). Where they win at a handful
-    of rows is not asked: one row reads a sixth (4-bit), 17/64 (8-bit) or half (16-bit) of the
-    bytes (4-bit 1.97x faster on the Zen 4 above)."""
+    they always win or none has such panels (nothing to measure). Whether they win at one to
+    three rows is not asked: one row reads a sixth (4-bit), 17/64 (8-bit) or half (16-bit) of
+    the bytes (4-bit 1.97x faster on the Zen 4 above, 1.57x on the Zen 1)."""
     limit = kernels.linear_narrow_max_rows(bits)
     narrow = [p for p in packed if p.narrow is not None and p.bits == bits]
     candidates = [rows for rows in candidates if rows <= limit]
@@ -586,7 +599,7 @@ def calibrate_narrow_rows(
             calls["float32"].append(partial(kernels.panel_linear, x, p.tensor, None, n))
         return calls
 
-    rows = _fewest_rows(candidates, 1.0, f"linear.narrow_calibration_step_{bits}", passes)
+    rows = _fewest_rows(candidates, NARROW_MARGIN, f"linear.narrow_calibration_step_{bits}", passes)
     if rows is None:
         return limit
     earlier = [r for r in candidates if r < rows]
