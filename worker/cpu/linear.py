@@ -577,11 +577,11 @@ def calibrate_narrow_rows(
     """The most rows at which the narrow panels of kind `bits` of `packed` (those that have
     them) still beat their float32 panels: the candidate before the first at which one pass
     over them on the float32 panels takes at most `NARROW_MARGIN` of their time (best of 3,
-    alternating), half the first
-    candidate if that is the first; the kernel's limit (`kernels.linear_narrow_max_rows`) if
-    they always win or none has such panels (nothing to measure). Whether they win at one to
-    three rows is not asked: one row reads a sixth (4-bit), 17/64 (8-bit) or half (16-bit) of
-    the bytes (4-bit 1.97x faster on the Zen 4 above, 1.57x on the Zen 1)."""
+    alternating), half the first candidate if that is the first; the kernel's limit
+    (`kernels.linear_narrow_max_rows`) if they always win or none has such panels (nothing to
+    measure). Whether they win at one to three rows is not asked: one row reads a sixth
+    (4-bit), 17/64 (8-bit) or half (16-bit) of the bytes (4-bit 1.97x faster on the Zen 4
+    above, 1.57x on the Zen 1)."""
     limit = kernels.linear_narrow_max_rows(bits)
     narrow = [p for p in packed if p.narrow is not None and p.bits == bits]
     candidates = [rows for rows in candidates if rows <= limit]
