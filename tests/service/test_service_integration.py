@@ -244,9 +244,11 @@ def test_a_joining_worker_takes_over_queued_requests(service: Service, llama_ckp
     async def run() -> None:
         async with AsyncClient(service.url, timeout=120) as client:
             tasks = [asyncio.ensure_future(consume(client, i)) for i in range(len(prompts))]
-            while not any(tokens.values()):  # w0 is busy, the rest wait in its queue
+            scheduler = plane.workers["w0"].scheduler
+            # w0 is busy and every request has reached it: the rest wait in its queue.
+            while not any(tokens.values()) or len(scheduler.requests) < len(prompts):
                 await asyncio.sleep(0.05)
-            assert len(plane.workers["w0"].scheduler.unstarted_waiting()) >= 30
+            assert len(scheduler.unstarted_waiting()) >= 30
             service.start_worker("w1", max_num_seqs=2)
             await asyncio.gather(*tasks)
 
