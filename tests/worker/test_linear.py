@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
@@ -24,6 +25,7 @@ from specserve.worker.cpu import linear as linear_module
 from specserve.worker.cpu.linear import (
     Linear,
     PackedWeight,
+    calibrate_large_rows_blas,
     calibrate_min_rows,
     can_pack,
     pack_weight,
@@ -256,6 +258,62 @@ def test_a_calibrated_hand_over_runs_a_blocked_copy(
     assert layer.packed.onednn is None and layer.packed.runs_panels(20)
 
 
+def test_float32_prompt_chunks_run_the_gemm_calibration_chose(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """From PANEL_MAX_ROWS rows on, a float32 weight without a blocked copy runs oneDNN's GEMM
+    on its plain layout or, where calibration found it faster, `F.linear`'s BLAS: bit for bit
+    what that library gives. A reload keeps the choice; below the hand-over, the panels."""
+    if torch.float32 not in kernels.linear_dtypes():
+        pytest.skip("the panel kernel does not run float32 on this CPU")
+    layer, panel_rows = _panel_layer(torch.float32, monkeypatch)
+    packed = layer.packed
+    assert packed is not None and not packed.large_rows_blas
+    x = torch.randn(linear_module.PANEL_MAX_ROWS + 44, 576)
+    onednn = linear_module._onednn_linear(x, layer.weight, layer.bias)
+    blas = F.linear(x, layer.weight, layer.bias)
+    if torch.equal(onednn, blas):
+        pytest.skip("oneDNN and the BLAS sum in the same order here: nothing tells them apart")
+    assert torch.equal(layer(x), onednn)
+    packed.large_rows_blas = True
+    assert torch.equal(layer(x), blas)
+    layer.load_state_dict({"weight": layer.weight.detach() * 2, "bias": layer.bias.detach()})
+    assert layer.packed is not packed and layer.packed.large_rows_blas
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert panel_rows == []
+    layer(x[:8])
+    assert panel_rows == [8]
+
+
+@needs_onednn
+def test_the_blas_calibration_weighs_each_shape_by_its_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One weight of each shape is timed and counted as often as its shape occurs: three
+    layers 10% faster through the BLAS outweigh one 20% slower (3.9 against 4.0, within
+    BLAS_MARGIN), not one 30% slower (4.0 against 4.0)."""
+    layers = [Linear(64, 48) for _ in range(3)] + [Linear(32, 80)]
+    packed = [p for layer in layers for p in layer.pack_weights()]
+    if not all(p.panels and p.large_rows_onednn for p in packed):
+        pytest.skip("no float32 panels handing over to oneDNN here")
+    times = {(48, 64): [1.0, 0.9], (80, 32): [1.0, 1.2]}
+    timed: list[tuple[int, ...]] = []
+
+    def best_passes(onednn: list[Callable[[], Any]], blas: list[Callable[[], Any]]) -> list[float]:
+        (call,) = onednn
+        shape = tuple(call.args[1].shape)
+        assert blas[0].args[1] is call.args[1] and call.args[0].shape[0] == 512
+        timed.append(shape)
+        return times[shape]
+
+    monkeypatch.setattr(linear_module, "_best_passes", best_passes)
+    assert calibrate_large_rows_blas(packed) is True
+    assert timed == [(48, 64), (80, 32)]
+    times[80, 32] = [1.0, 1.3]
+    assert calibrate_large_rows_blas(packed) is False
+    assert calibrate_large_rows_blas([]) is False
+
+
 def test_weights_oneDNN_cannot_run_stay_unpacked() -> None:
     assert pack_weight(torch.randn(8, 4, dtype=torch.float64)) is None
     assert pack_weight(torch.randn(8, 4, dtype=torch.float16)) is None
@@ -398,6 +456,8 @@ class FakeCalibration:
     results: list[int]
     calls: list[int] = field(default_factory=list)
     onednn_rows: int = 32  # what the hand-over's calibration (`hand_over`) answers
+    large_rows_blas: bool = True  # what the large rows' calibration (`blas`) answers
+    blas_calls: int = 0
 
     def __call__(self, packed: list[PackedWeight]) -> int:
         self.calls.append(len(packed))
@@ -405,6 +465,10 @@ class FakeCalibration:
 
     def hand_over(self, packed: list[PackedWeight]) -> int:
         return self.onednn_rows
+
+    def blas(self, packed: list[PackedWeight]) -> bool:
+        self.blas_calls += 1
+        return self.large_rows_blas
 
 
 @pytest.fixture
@@ -414,6 +478,7 @@ def calibration(monkeypatch: pytest.MonkeyPatch) -> FakeCalibration:
     monkeypatch.setattr(linear_module, "CALIBRATE_MIN_BYTES", 1)
     monkeypatch.setattr(linear_module, "calibrate_min_rows", fake)
     monkeypatch.setattr(linear_module, "calibrate_onednn_rows", fake.hand_over)
+    monkeypatch.setattr(linear_module, "calibrate_large_rows_blas", fake.blas)
     return fake
 
 
@@ -457,8 +522,29 @@ def test_calibration_is_logged_and_cached(calibration, linear_log, private_cache
     ]
     (entry,) = json.loads((private_cache / "linear_calibration.json").read_text()).values()
     assert entry["min_rows"] == 6 and entry["onednn_rows"] == 32
+    # A hand-over below PANEL_MAX_ROWS gives large rows a blocked copy: no BLAS to choose.
+    assert entry["large_rows_blas"] is False and calibration.blas_calls == 0
     assert entry["threads"] == torch.get_num_threads()
     assert entry["cpu"] == kernels.cpu_model()
+
+
+@needs_onednn
+def test_the_large_rows_gemm_is_calibrated_and_cached(
+    calibration, linear_log, private_cache
+) -> None:
+    """Where the hand-over stays at PANEL_MAX_ROWS, which library GEMM runs float32 prompt
+    chunks is measured once, logged, cached and given to every packed weight."""
+    calibration.results[:] = [6]
+    calibration.onednn_rows = linear_module.PANEL_MAX_ROWS
+    packed = pack_weights(_model((48, 32), (32, 48)))
+    assert [p.large_rows_blas for p in packed] == [True, True]
+    assert linear_log[1].kwargs["large_rows_gemm"] == "blas"
+    packed = pack_weights(_model((48, 32), (32, 48)))  # cached
+    assert [p.large_rows_blas for p in packed] == [True, True]
+    assert linear_log[2].kwargs["large_rows_gemm"] == "blas"
+    assert calibration.calls == [2] and calibration.blas_calls == 1
+    (entry,) = json.loads((private_cache / "linear_calibration.json").read_text()).values()
+    assert entry["large_rows_blas"] is True
 
 
 @needs_onednn
@@ -485,6 +571,10 @@ CORRUPTIONS: dict[str, tuple[Callable[[str], str], int]] = {
     "min_rows a string": (lambda text: text.replace('"min_rows": 6', '"min_rows": "6"'), 0),
     "min_rows zero": (lambda text: text.replace('"min_rows": 6', '"min_rows": 0'), 0),
     "no hand-over (an older entry)": (lambda text: text.replace('"onednn_rows"', '"x"'), 0),
+    "no large rows' GEMM (an older entry)": (
+        lambda text: text.replace('"large_rows_blas"', '"x"'),
+        0,
+    ),
 }
 
 

@@ -16,9 +16,11 @@ every call, which is slow for the few rows of a decode step. So each weight gets
   stops paying there, and in a real prefill between the model's other ops the panels ran at
   about 290 GFLOP/s where oneDNN ran at about 450 (64 ShareGPT prompts: 1,000 prompt tokens/s
   against 1,540 in float32, 1,600 against 2,400 in bfloat16). oneDNN is reached through
-  `F.linear` in bfloat16 and `torch.ops.mkldnn._linear_pointwise` in float32, whose `F.linear`
-  goes to a slower GEMM (860 tokens/s); both reorder the weight per call, which costs little
-  beside a GEMM of that many rows and needs no third copy of the weights. Where a CPU's GEMM
+  `F.linear` in bfloat16 and `torch.ops.mkldnn._linear_pointwise` in float32, where `F.linear`
+  goes to the BLAS torch was built with: slower on that machine (860 tokens/s), faster on an
+  Intel Xeon, so which of the two runs float32 is calibrated (`BLAS_CALIBRATION_ROWS`). Both
+  reorder the weight per call, which costs little beside a GEMM of that many rows and needs
+  no third copy of the weights. Where a CPU's GEMM
   library beats the panels from fewer rows, the hand-over moves down (calibrated, below) and
   oneDNN gets a blocked copy of each weight. On CPUs with AMX tiles (Intel Sapphire Rapids and
   later) the bfloat16 panels multiply on the tiles from 4 rows on (where K is a multiple of 32):
@@ -59,6 +61,7 @@ import json
 import os
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -100,6 +103,14 @@ NARROW_MARGIN = 0.97
 # that glue was about a third of a panel pass at 8-16 rows: 8 rows at 0.88 of the panels' time
 # ran 193-223 tokens/s on oneDNN against 267 on the panels, 16 rows at 0.65 ran even.
 ONEDNN_MARGIN = 0.6
+# From `PANEL_MAX_ROWS` rows on, a float32 weight without a blocked copy goes to a library GEMM
+# on its plain layout: oneDNN's (`_linear_pointwise`) or the BLAS that `F.linear` calls (MKL in
+# torch's x86 wheels), whichever calibration at this many rows (a prompt chunk) finds faster by
+# `BLAS_MARGIN`. It depends on the CPU: on a 2-core Intel Xeon with AMX, SmolLM2's layers at
+# 512 rows took 0.966 of oneDNN's time through `F.linear` (0.938 at 1,024), where on an AMD
+# EPYC `F.linear` went to a slower GEMM (a prefill of 860 prompt tokens/s against 1,000).
+BLAS_CALIBRATION_ROWS = 512
+BLAS_MARGIN = 0.98
 CALIBRATION_FILE = "linear_calibration.json"  # in `cache_root()`
 # A calibration is cached only if this process had at least this share of its threads' time on
 # the cores while it ran; below, another process was using them and skewed the timings. On a
@@ -149,6 +160,9 @@ class PackedWeight:
     large_rows_onednn: bool = False
     onednn_rows: int = PANEL_MAX_ROWS
     onednn: torch.Tensor | None = None
+    # Without a blocked copy, float32 inputs of `onednn_rows` rows and more take `F.linear`'s
+    # BLAS instead of oneDNN's GEMM (calibrated; bfloat16 ones always take `F.linear`).
+    large_rows_blas: bool = False
     # A float32 weight's exact narrower panels (`narrow_panels`), of kind `bits` (4, 8, 16),
     # read up to `narrow_rows` rows (calibrated; the kernel's own limit at most).
     narrow: torch.Tensor | None = None
@@ -168,7 +182,7 @@ class PackedWeight:
             return kernels.panel_linear(x, self.tensor, bias, n, *self.narrow_for(rows))
         if self.onednn is not None:
             return _onednn_linear(x, self.onednn, bias)
-        if x.dtype == torch.bfloat16:
+        if x.dtype == torch.bfloat16 or self.large_rows_blas:
             return F.linear(x, self.weight, bias)
         return _onednn_linear(x, self.weight, bias)
 
@@ -283,6 +297,7 @@ def pack_again(packed: PackedWeight | None, weight: torch.Tensor) -> PackedWeigh
     again = pack_weight(weight, packed.min_rows)
     if again is not None:
         again.hand_over(packed.onednn_rows)
+        again.large_rows_blas = packed.large_rows_blas
         if again.narrow is not None and packed.narrow is not None:
             again.limit_narrow(packed.bits, packed.narrow_rows)
     return again
@@ -346,8 +361,8 @@ def pack_weights(module: nn.Module, calibrate: bool = True) -> list[PackedWeight
     """Call `pack_weights()` on every submodule that has one (each `Linear`, and e.g. a model
     whose LM head reuses its embedding); with `calibrate`, a model whose packed weights reach
     `CALIBRATE_MIN_BYTES` then times from how many rows on they beat `F.linear`, from how many
-    rows on panels should hand over to oneDNN, and up to how many rows each kind of narrow panels
-    pay."""
+    rows on panels should hand over to oneDNN, up to how many rows each kind of narrow panels
+    pay, and which library GEMM runs float32 prompt chunks."""
     packed = [p for m in module.modules() if hasattr(m, "pack_weights") for p in m.pack_weights()]
     nbytes = sum(p.weight.numel() * p.weight.element_size() for p in packed)
     if calibrate and nbytes >= CALIBRATE_MIN_BYTES:
@@ -355,6 +370,7 @@ def pack_weights(module: nn.Module, calibrate: bool = True) -> list[PackedWeight
         for p in packed:
             p.min_rows = calibration.min_rows
             p.hand_over(calibration.onednn_rows)
+            p.large_rows_blas = calibration.large_rows_blas
             for bits, rows in calibration.narrow_rows.items():
                 p.limit_narrow(bits, rows)
     return packed
@@ -367,11 +383,13 @@ class Calibration:
     min_rows: int  # packed from this many rows on
     onednn_rows: int  # panels hand over to oneDNN from this many rows on
     narrow_rows: dict[int, int]  # narrow panels of each kind (bits) read up to this many rows
+    large_rows_blas: bool  # float32 prompt chunks through `F.linear`'s BLAS, not oneDNN's GEMM
 
 
 def _cached_calibration(packed: Sequence[PackedWeight], megabytes: int) -> Calibration:
-    """`calibrate_min_rows(packed)`, `calibrate_onednn_rows(packed)` and
-    `calibrate_narrow_rows(packed, bits)` for each kind, from the cache when this kind of
+    """`calibrate_min_rows(packed)`, `calibrate_onednn_rows(packed)`,
+    `calibrate_narrow_rows(packed, bits)` for each kind and `calibrate_large_rows_blas(packed)`
+    (where the hand-over leaves large rows to the plain weight), from the cache when this kind of
     machine has measured these weights before (it takes seconds), else measured and cached."""
     path = cache_root() / CALIBRATION_FILE
     key, described = _calibration_key(packed)
@@ -385,6 +403,7 @@ def _cached_calibration(packed: Sequence[PackedWeight], megabytes: int) -> Calib
             packed_from_rows=cached.min_rows,
             onednn_from_rows=cached.onednn_rows,
             narrow_up_to_rows=cached.narrow_rows,
+            large_rows_gemm=_gemm_name(cached.large_rows_blas),
             path=str(path),
         )
         return cached
@@ -396,7 +415,8 @@ def _cached_calibration(packed: Sequence[PackedWeight], megabytes: int) -> Calib
         for bits, rows in narrow_rows.items():
             p.limit_narrow(bits, rows)
     onednn_rows = calibrate_onednn_rows(packed)
-    calibration = Calibration(min_rows, onednn_rows, narrow_rows)
+    blas = onednn_rows >= PANEL_MAX_ROWS and calibrate_large_rows_blas(packed)
+    calibration = Calibration(min_rows, onednn_rows, narrow_rows, blas)
     wall = time.perf_counter() - start
     cpu_share = (time.process_time() - cpu_start) / (max(wall, 1e-9) * torch.get_num_threads())
     seconds = round(wall, 2)
@@ -407,6 +427,7 @@ def _cached_calibration(packed: Sequence[PackedWeight], megabytes: int) -> Calib
         packed_from_rows=min_rows,
         onednn_from_rows=onednn_rows,
         narrow_up_to_rows=narrow_rows,
+        large_rows_gemm=_gemm_name(blas),
         calibration_seconds=seconds,
         cpu_share=round(cpu_share, 2),
     )
@@ -422,6 +443,7 @@ def _cached_calibration(packed: Sequence[PackedWeight], megabytes: int) -> Calib
         "min_rows": min_rows,
         "onednn_rows": onednn_rows,
         "narrow_rows": {str(bits): rows for bits, rows in narrow_rows.items()},
+        "large_rows_blas": blas,
     }
     cache[key] = {**described, **rows, "seconds": seconds}
     _write_calibrations(path, cache)
@@ -453,6 +475,8 @@ def _calibration_key(packed: Sequence[PackedWeight]) -> tuple[str, dict[str, Any
         ONEDNN_MARGIN,
         NARROW_CALIBRATION_ROWS,
         NARROW_MARGIN,
+        BLAS_CALIBRATION_ROWS,
+        BLAS_MARGIN,
     ]
     identity = json.dumps([described, weights, rules]).encode()
     return hashlib.sha256(identity).hexdigest()[:16], described
@@ -465,15 +489,24 @@ def _cached_entry(cache: dict[str, Any], key: str) -> Calibration | None:
     if not isinstance(entry, dict):
         return None
     min_rows, onednn_rows = entry.get("min_rows"), entry.get("onednn_rows")
-    narrow = entry.get("narrow_rows")
-    if not (type(min_rows) is int and type(onednn_rows) is int and isinstance(narrow, dict)):
+    narrow, blas = entry.get("narrow_rows"), entry.get("large_rows_blas")
+    if not (
+        type(min_rows) is int
+        and type(onednn_rows) is int
+        and isinstance(narrow, dict)
+        and type(blas) is bool
+    ):
         return None
     narrow_rows = {bits: narrow.get(str(bits)) for bits in kernels.NARROW_BITS}
     if min(min_rows, onednn_rows) < 1 or not all(
         type(r) is int and r >= 0 for r in narrow_rows.values()
     ):
         return None
-    return Calibration(min_rows, onednn_rows, narrow_rows)  # type: ignore[arg-type]
+    return Calibration(min_rows, onednn_rows, narrow_rows, blas)  # type: ignore[arg-type]
+
+
+def _gemm_name(blas: bool) -> str:
+    return "blas" if blas else "onednn"
 
 
 def _read_calibrations(path: Path) -> dict[str, Any]:
@@ -604,6 +637,38 @@ def calibrate_narrow_rows(
         return limit
     earlier = [r for r in candidates if r < rows]
     return earlier[-1] if earlier else rows // 2
+
+
+def calibrate_large_rows_blas(
+    packed: Sequence[PackedWeight], rows: int = BLAS_CALIBRATION_ROWS
+) -> bool:
+    """Whether `F.linear` (the BLAS torch was built with) runs the float32 panel-packed weights
+    at `rows` rows in at most `BLAS_MARGIN` of oneDNN's time on their plain layout: one weight
+    of each shape timed (best of 3, alternating; a GEMM of that many rows is bound by its
+    arithmetic, so repeats of a shape would time the same), weighted by how many there are.
+    False where there is no such weight."""
+    weights = [
+        p for p in packed if p.panels and p.large_rows_onednn and p.weight.dtype == torch.float32
+    ]
+    shapes = Counter(tuple(p.weight.shape) for p in weights)
+    if not shapes:
+        return False
+    one_each = list({tuple(p.weight.shape): p for p in weights}.values())
+    inputs = _constant_inputs(one_each, rows)
+    onednn = blas = 0.0
+    for p, x in zip(one_each, inputs, strict=True):
+        count = shapes[tuple(p.weight.shape)]
+        first, second = _best_passes(
+            [partial(_onednn_linear, x, p.weight)], [partial(F.linear, x, p.weight)]
+        )
+        onednn, blas = onednn + count * first, blas + count * second
+    log.debug(
+        "linear.blas_calibration_step",
+        rows=rows,
+        onednn_ms=round(onednn * 1e3, 2),
+        blas_ms=round(blas * 1e3, 2),
+    )
+    return blas <= BLAS_MARGIN * onednn
 
 
 def _fewest_rows(
