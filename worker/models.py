@@ -208,9 +208,7 @@ class Attention(nn.Module):
         nothing more, and q, the attention and what follows it would be a forward's larger
         part."""
         q_size, kv_size, _ = self.split
-        weight = self.qkv_proj.weight[q_size:]
-        bias = None if self.qkv_proj.bias is None else self.qkv_proj.bias[q_size:]
-        k, v = F.linear(x, weight, bias).split(kv_size, dim=-1)
+        k, v = self.qkv_proj.forward_columns(x, q_size).split(kv_size, dim=-1)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if self.k_norm is not None:

@@ -221,11 +221,14 @@ def _panel_layer(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> tuple[L
 def test_panels_hand_prompt_sized_inputs_to_onednn(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """From PANEL_MAX_ROWS rows on, a panel-packed layer runs oneDNN's GEMM on its plain weight
-    (same result within the GEMM's rounding); below, the panel kernel."""
+    """From PANEL_MAX_ROWS rows on (AMX_PANEL_MAX_ROWS where bfloat16 multiplies on AMX
+    tiles), a panel-packed layer runs oneDNN's GEMM on its plain weight (same result within
+    the GEMM's rounding); below, the panel kernel."""
     layer, panel_rows = _panel_layer(dtype, monkeypatch)
     assert layer.packed is not None and layer.packed.onednn is None  # no third copy
-    limit = linear_module.PANEL_MAX_ROWS
+    on_tiles = dtype == torch.bfloat16 and kernels.linear_amx_min_rows() > 0
+    limit = linear_module.AMX_PANEL_MAX_ROWS if on_tiles else linear_module.PANEL_MAX_ROWS
+    assert layer.packed.panel_max_rows == layer.packed.onednn_rows == limit
     for rows in (limit - 1, limit, 3 * limit):
         x = torch.randn(rows, 576).to(dtype)
         _assert_panel_result(layer(x), _reference(x, layer.weight, layer.bias), dtype)
@@ -256,6 +259,46 @@ def test_a_calibrated_hand_over_runs_a_blocked_copy(
     assert panel_rows == [1, 15]
     layer.packed.hand_over(linear_module.PANEL_MAX_ROWS)
     assert layer.packed.onednn is None and layer.packed.runs_panels(20)
+    assert layer.packed.onednn_rows == layer.packed.panel_max_rows  # the weight's own limit
+
+
+def test_only_weights_on_amx_tiles_keep_prompt_chunks() -> None:
+    """bfloat16 weights whose K is a multiple of 32 multiply on the tiles, where there are
+    tiles, and keep up to AMX_PANEL_MAX_ROWS rows; the rest hand over at PANEL_MAX_ROWS."""
+    if torch.bfloat16 not in kernels.linear_dtypes():
+        pytest.skip("the panel kernel does not run bfloat16 here")
+    on_tiles = kernels.linear_amx_min_rows() > 0
+    for k, dtype, tiles in ((576, torch.bfloat16, on_tiles), (48, torch.bfloat16, False)):
+        packed = pack_weight(torch.randn(64, k).to(dtype))
+        assert packed is not None and packed.panels
+        expected = linear_module.AMX_PANEL_MAX_ROWS if tiles else linear_module.PANEL_MAX_ROWS
+        assert packed.panel_max_rows == expected, k
+    if torch.float32 in kernels.linear_dtypes():
+        packed = pack_weight(torch.randn(64, 576))
+        assert packed is not None and packed.panel_max_rows == linear_module.PANEL_MAX_ROWS
+
+
+@pytest.mark.parametrize("dtype", PANEL_DTYPES)
+def test_output_columns_come_from_the_panels_that_hold_them(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`forward_columns(x, start)` is `forward`'s columns from `start` on, bit for bit where
+    both run the panels (read from a view of the panels, not a copy); past the hand-over,
+    and where `start` splits a panel, `F.linear` on those rows of the weight."""
+    layer, panel_rows = _panel_layer(dtype, monkeypatch)
+    packed = layer.packed
+    assert packed is not None
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 576).to(dtype)
+        assert torch.equal(layer.forward_columns(x, 576), layer(x)[:, 576:])
+    assert panel_rows == [1, 1, 5, 5, 40, 40]
+    x = torch.randn(3, 576).to(dtype)
+    expected = F.linear(x, layer.weight[584:], layer.bias[584:])
+    assert torch.equal(layer.forward_columns(x, 584), expected)  # 584 splits a panel
+    x = torch.randn(packed.onednn_rows, 576).to(dtype)
+    expected = F.linear(x, layer.weight[576:], layer.bias[576:])
+    assert torch.equal(layer.forward_columns(x, 576), expected)
+    assert panel_rows == [1, 1, 5, 5, 40, 40]
 
 
 def test_float32_prompt_chunks_run_the_gemm_calibration_chose(

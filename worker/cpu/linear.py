@@ -25,7 +25,8 @@ every call, which is slow for the few rows of a decode step. So each weight gets
   oneDNN gets a blocked copy of each weight. On CPUs with AMX tiles (Intel Sapphire Rapids and
   later) the bfloat16 panels multiply on the tiles from 4 rows on (where K is a multiple of 32):
   on a 2-core machine of that kind 15.4 ms at 16 rows and 24.9 at 64 (oneDNN: 19.1, 26.8; the
-  AVX512_BF16 panels took 29.7 and 95.9).
+  AVX512_BF16 panels took 29.7 and 95.9). Those keep prompt chunks of up to
+  `AMX_PANEL_MAX_ROWS` rows, which oneDNN's bfloat16 GEMM would first compile a kernel for.
 - elsewhere, oneDNN's blocked layout (`torch.ops.mkldnn`), 1.5-3x faster than `F.linear` at
   16 rows (13.6 ms instead of 40.6 ms on a Zen 5 machine, 36 ms instead of 57 ms on an Intel
   one; see docs/benchmarks.md).
@@ -84,6 +85,13 @@ _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 CALIBRATE_MIN_BYTES = 32 * 2**20
 CALIBRATION_ROWS = (1, 2, 4, 8, 16)
 PANEL_MAX_ROWS = 256  # from this many rows on, panel-packed weights run oneDNN's GEMM instead
+# ... except bfloat16 panels that multiply on AMX tiles: they keep inputs of fewer rows than
+# this (prompt chunks, a drafter's catch-ups). oneDNN's bfloat16 GEMM compiles a kernel for
+# every row count it first meets, and those come in every size: on a 2-core Intel Xeon with AMX
+# a first 300-900-row call of a 576 x 1,728 weight took ~5 ms more than the 1.3 ms of its
+# compiled kernel (16-256 rows: ~1.8 ms more), where the tiles ran SmolLM2's layers at 0.86 /
+# 0.98 / 0.97 of oneDNN's compiled time at 256 / 512 / 1,024 rows (1.77x it at 2,048).
+AMX_PANEL_MAX_ROWS = 1024
 ONEDNN_CALIBRATION_ROWS = (8, 16, 32, 64, 128)  # where calibration may move that hand-over
 # Where calibration may end the narrow panels (`narrow_panels`), up to the kernel's own limit:
 # their expansion costs arithmetic that outweighs the bytes saved from some row count on, which
@@ -158,6 +166,7 @@ class PackedWeight:
     panels: bool = False
 
     large_rows_onednn: bool = False
+    panel_max_rows: int = PANEL_MAX_ROWS  # the hand-over where calibration moves it no lower
     onednn_rows: int = PANEL_MAX_ROWS
     onednn: torch.Tensor | None = None
     # Without a blocked copy, float32 inputs of `onednn_rows` rows and more take `F.linear`'s
@@ -218,10 +227,11 @@ class PackedWeight:
 
     def hand_over(self, rows: int) -> None:
         """Panels hand `rows` rows and more to oneDNN; below `PANEL_MAX_ROWS` through a
-        blocked copy of the weight (more memory, a faster GEMM than reordering per call)."""
+        blocked copy of the weight (more memory, a faster GEMM than reordering per call);
+        from `PANEL_MAX_ROWS` on, at the weight's own `panel_max_rows`."""
         if not (self.panels and self.large_rows_onednn):
             return
-        self.onednn_rows = rows
+        self.onednn_rows = rows if rows < PANEL_MAX_ROWS else self.panel_max_rows
         self.onednn = (
             torch.ops.mkldnn._reorder_linear_weight(self.weight.detach())
             if rows < PANEL_MAX_ROWS
@@ -240,6 +250,16 @@ def _panel_kernel_runs(weight: torch.Tensor) -> bool:
         weight.device.type == "cpu"
         and weight.dim() == 2
         and weight.dtype in kernels.linear_dtypes()
+    )
+
+
+def _panels_on_tiles(weight: torch.Tensor) -> bool:
+    """Whether the panel kernel multiplies this weight on AMX tiles (bfloat16, K a multiple
+    of 32, a CPU with tiles)."""
+    return (
+        weight.dtype == torch.bfloat16
+        and weight.shape[1] % 32 == 0
+        and kernels.linear_amx_min_rows() > 0
     )
 
 
@@ -270,12 +290,15 @@ def pack_weight(weight: torch.Tensor, min_rows: int = 1) -> PackedWeight | None:
         limits = {bits: kernels.linear_narrow_max_rows(bits) for bits in kernels.NARROW_BITS}
         kinds = [bits for bits, rows in limits.items() if rows]  # those the kernel runs
         narrow, bits = narrow_panels.pack(weight, kinds, panels) or (None, 0)
+        max_rows = AMX_PANEL_MAX_ROWS if _panels_on_tiles(weight) else PANEL_MAX_ROWS
         return PackedWeight(
             panels,
             weight,
             min_rows,
             panels=True,
             large_rows_onednn=_onednn_runs(weight),
+            panel_max_rows=max_rows,
+            onednn_rows=max_rows,
             narrow=narrow,
             bits=bits,
             narrow_rows=limits.get(bits, 0),
@@ -355,6 +378,29 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed)
+
+    def forward_columns(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """`F.linear(x, weight[start:], bias[start:])`: the output columns from `start` on
+        (e.g. an attention's k and v without q), through the panels that hold them where the
+        panels run these rows and `start` begins a panel (a view: no copy of the weight),
+        else `F.linear` on those rows of the weight. The same numbers as `forward`'s
+        columns where both run the panels."""
+        weight = self.weight[start:]
+        bias = None if self.bias is None else self.bias[start:]
+        packed = self.packed
+        rows = x.numel() // x.shape[-1]
+        if (
+            packed is not None
+            and packed.panels
+            and start % kernels.PANEL == 0
+            and rows >= packed.min_rows
+            and packed.runs_panels(rows)
+            and x.dtype == weight.dtype
+            and x.device.type == "cpu"
+        ):
+            panels = packed.tensor[start // kernels.PANEL :]
+            return kernels.panel_linear(x, panels, bias, weight.shape[0])
+        return F.linear(x, weight, bias)
 
 
 def pack_weights(module: nn.Module, calibrate: bool = True) -> list[PackedWeight]:
