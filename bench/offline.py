@@ -65,8 +65,10 @@ def measure(load, generate, prompts, max_tokens):
             start = time.perf_counter()
             got = [generate(batch, tokens) for batch in batches]
             seconds = time.perf_counter() - start
-            count = sum(len(p) for b in batches for p in b) if tokens == 1 else None
-            count = count or sum(len(b) for b in batches) * tokens
+            if tokens == 1:  # prompt tokens
+                count = sum(len(p) for b in batches for p in b)
+            else:
+                count = sum(len(b) for b in batches) * tokens
             best = max(best, count / seconds)
         rates[name] = best
         if name == "all":

@@ -67,7 +67,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import structlog
 import torch
@@ -335,14 +335,22 @@ def linear(
     """`F.linear(x, weight, bias)`, through the packed weight when there is one, `x` has at
     least its `min_rows` rows, and `x` is a CPU tensor of the weight's dtype (otherwise
     `F.linear` gives its usual clear error)."""
-    if (
-        packed is None
-        or x.numel() < packed.min_rows * x.shape[-1]
-        or x.dtype != weight.dtype
-        or x.device.type != "cpu"
-    ):
+    if not _takes_packed(x, weight, packed):
         return F.linear(x, weight, bias)
     return packed(x, bias)
+
+
+def _takes_packed(
+    x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None
+) -> TypeGuard[PackedWeight]:
+    """Whether `x` goes through `packed`: there is one, `x` has at least its `min_rows` rows
+    and is a CPU tensor of the weight's dtype."""
+    return (
+        packed is not None
+        and x.numel() >= packed.min_rows * x.shape[-1]
+        and x.dtype == weight.dtype
+        and x.device.type == "cpu"
+    )
 
 
 class Linear(nn.Linear):
@@ -388,15 +396,10 @@ class Linear(nn.Linear):
         weight = self.weight[start:]
         bias = None if self.bias is None else self.bias[start:]
         packed = self.packed
-        rows = x.numel() // x.shape[-1]
         if (
-            packed is not None
-            and packed.panels
+            _takes_packed(x, self.weight, packed)
             and start % kernels.PANEL == 0
-            and rows >= packed.min_rows
-            and packed.runs_panels(rows)
-            and x.dtype == weight.dtype
-            and x.device.type == "cpu"
+            and packed.runs_panels(x.numel() // x.shape[-1])
         ):
             panels = packed.tensor[start // kernels.PANEL :]
             return kernels.panel_linear(x, panels, bias, weight.shape[0])
