@@ -326,6 +326,12 @@ def create_app(settings: ApiSettings) -> FastAPI:
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":  # its loc is the offset the parser stopped at
+            reason = first.get("ctx", {}).get("error", first.get("msg"))
+            message = (
+                f"the request body is not valid JSON ({reason} at character {first['loc'][-1]})"
+            )
+            return ApiError(400, message).response()
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         param = ".".join(loc) or None
         message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(exc)

@@ -334,7 +334,10 @@ def test_bad_chat_and_malformed_json(served: Running) -> None:
         headers={"content-type": "application/json"},
     )  # fmt: skip
     assert response.status_code == 400
-    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] is None
+    assert error["message"].startswith("the request body is not valid JSON (")
+    assert error["message"].endswith(" at character 1)")
     nested = b'{"prompt": ' + b"[" * 20000  # neither JSON nor a stack overflow
     response = httpx.post(
         f"{served.api}/v1/completions", content=nested, timeout=30,
