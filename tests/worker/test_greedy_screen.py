@@ -16,7 +16,7 @@ import torch
 
 from specserve.llm import LLM
 from specserve.shared.protocol import SamplingParams
-from specserve.worker.cpu import kernels, narrow_panels
+from specserve.worker.cpu import greedy_screen, kernels, narrow_panels
 from specserve.worker.cpu.greedy_screen import (
     MAX_CANDIDATES,
     WIDENED_MAX_LOGIT_ROWS,
@@ -172,6 +172,47 @@ def test_a_head_that_reads_fewer_bits_itself_is_not_screened(copy: str) -> None:
     assert halves is not None and halves.bits == 16
     screen = dataclasses.replace(GreedyScreen.of(halves, copy), widened=False)
     assert screen.pays(1) == (copy == "int8")
+
+
+def test_the_narrow_head_keeps_the_rows_where_it_beats_a_bfloat16_screen(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the copy multiplies as bfloat16, the head's 8-bit panels keep greedy rows only up
+    to the most rows at which they were timed faster than the screen. A clock that charges the
+    narrow head a unit a row and the screen 2 units plus half a unit a row makes them tie at 4
+    rows (kept: the screen must be faster) and the screen win at 8; a head below
+    `CALIBRATE_MIN_BYTES` is not timed and keeps its narrow panels' own limit."""
+    torch.manual_seed(6)
+    head = pack_weight(narrow_panels.round_to_q8_blocks(torch.randn(VOCAB, DEPTH) * 0.05))
+    assert head is not None and head.bits == 8
+    head.narrow_rows = 24
+    clock = [0.0]
+    monkeypatch.setattr(greedy_screen.time, "perf_counter", lambda: clock[0])
+    panel_linear = kernels.panel_linear
+
+    def narrow_head(x, *args):
+        clock[0] += x.shape[0] if len(args) == 5 else 0.0
+        return panel_linear(x, *args)
+
+    screened = GreedyScreen._screened_argmax
+
+    def screen_argmax(self, x):
+        clock[0] += 2 + 0.5 * x.shape[0]
+        return screened(self, x)
+
+    monkeypatch.setattr(kernels, "panel_linear", narrow_head)
+    monkeypatch.setattr(GreedyScreen, "_screened_argmax", screen_argmax)
+    monkeypatch.setattr(kernels, "linear_widens_bfloat16", lambda: False)
+    small = GreedyScreen.of(head, "bfloat16")
+    assert small is not None and small.narrow_head_rows == 24  # too small to time
+    monkeypatch.setattr(greedy_screen, "CALIBRATE_MIN_BYTES", 1)
+    screen = GreedyScreen.of(head, "bfloat16")
+    assert screen is not None and not screen.widened and screen.narrow_head_rows == 4
+    assert not screen.pays(4) and screen.pays(5) and screen.pays(24) and screen.pays(25)
+    monkeypatch.setattr(kernels, "panel_linear", panel_linear)
+    rows = torch.randn(5, DEPTH)
+    assert torch.equal(screen.argmax(rows), argmax_rows(linear(rows, head.weight, None, head)))
+    assert GreedyScreen.of(head, "int8").narrow_head_rows == 2**31 - 1  # widened: not timed
 
 
 def test_only_a_float32_head_packed_as_panels_gets_a_screen() -> None:

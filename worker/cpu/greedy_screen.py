@@ -37,7 +37,10 @@ there both copies multiply at float32's rate, so the screen answers steps of up 
 bytes a weight than the copy at that many rows (`linear.PackedWeight.narrow_for`): a head made
 of 8-bit blocks (SmolLM2's tied head, Q8_0 in its GGUF) read as those blocks gives every logit
 exactly from 8.5 bits a weight, fewer than the bfloat16 copy's 16 and about the int8 copy's 8,
-with no columns to recompute; a head of bfloat16 values (a drafter's) reads 16. Drafters read
+with no columns to recompute; a head of bfloat16 values (a drafter's) reads 16. Except where
+the copy multiplies as bfloat16: there the narrow head keeps only the rows at which it was
+timed faster than the screen when the screen was made (`NARROW_HEAD_CALIBRATION_ROWS`), since
+from a few rows on the head's arithmetic, not its bytes, sets its time. Drafters read
 the screen's logits as they are (`logits`; widened, up to `WIDENED_MAX_LOGIT_ROWS` rows): a draft
 needs no exact logits, since the target verifies it. An EAGLE-3 drafter's own float32 draft
 head has a screen of its own, whose `argmax` gives its greedy drafts
@@ -46,13 +49,17 @@ head has a screen of its own, whose `argmax` gives its greedy drafts
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Literal
 
+import structlog
 import torch
 
 from specserve.worker.cpu import kernels
-from specserve.worker.cpu.linear import PackedWeight
+from specserve.worker.cpu.linear import CALIBRATE_MIN_BYTES, PackedWeight
+
+log = structlog.get_logger(__name__)
 
 _U = 2.0**-8  # bfloat16's unit roundoff
 _U32 = 2.0**-24
@@ -71,6 +78,15 @@ MAX_CANDIDATES = 1024
 # against 4 had for the bfloat16 copy (1.00x; batch 8 1.05x).
 WIDENED_MAX_ROWS = 8  # argmax (candidate columns recomputed in float32)
 WIDENED_MAX_LOGIT_ROWS = 24  # logits alone
+# A head read as its narrow panels (8-bit blocks) reads fewer bytes than a bfloat16 copy, but
+# a copy the CPU multiplies as bfloat16 does twice float32's arithmetic a cycle, while the
+# narrow panels widen every weight to float32: from a few rows on, where the head's arithmetic
+# rather than its bytes sets its time, the screen wins. So the narrow head keeps greedy rows
+# only up to the most of these row counts at which it still beats the screen, timed when the
+# screen is made (SmolLM2's 49,152 x 576 head on a 2-core Zen 4, caches flushed between calls,
+# ms, the 8-bit head against the bfloat16 screen: 1 row 1.17 / 2.04, 4 rows 1.46 / 2.05, 8 rows
+# 2.80 / 2.27, 16 rows 4.94 / 3.22, 64 rows 19.39 / 10.45).
+NARROW_HEAD_CALIBRATION_ROWS = (1, 2, 4, 8, 16)
 
 
 Copy = Literal["bfloat16", "int8"]
@@ -128,6 +144,10 @@ class GreedyScreen:
     column_bounds: torch.Tensor  # [V] float32 c_j, rounded up: |head_j - screen_j| <= c_j ||x||
     max_bound: float
     widened: bool  # the copy multiplies at float32's rate: int8, or bfloat16 widened
+    # Up to this many rows the head's own narrow panels (where it has them and they read no
+    # more bits than the copy) answer instead of the screen: calibrated where the copy is not
+    # widened (`NARROW_HEAD_CALIBRATION_ROWS`), everywhere elsewhere.
+    narrow_head_rows: int = 2**31 - 1
 
     @classmethod
     def of(cls, head: PackedWeight | None, copy: Copy | None = None) -> GreedyScreen | None:
@@ -146,7 +166,7 @@ class GreedyScreen:
             q, scale = kernels.quantize_int8(weight)
             panels, bounds = kernels.pack_panels(q), _int8_bounds(weight, q, scale)
         bounds = (bounds * (1 + _MARGIN)).float()
-        return cls(
+        screen = cls(
             head,
             copy,
             panels,
@@ -155,6 +175,43 @@ class GreedyScreen:
             float(bounds.max()) if bounds.numel() else 0.0,
             copy == "int8" or kernels.linear_widens_bfloat16(),
         )
+        if not screen.widened and head.narrow is not None and head.bits <= COPY_BITS[copy]:
+            screen.narrow_head_rows = screen._calibrate_narrow_head()
+        return screen
+
+    def _calibrate_narrow_head(self) -> int:
+        """The most of `NARROW_HEAD_CALIBRATION_ROWS` at which the head's narrow panels give
+        the argmax faster than the screen (0: at none; at most the head's own `narrow_rows`):
+        best of 3, alternating, with the caches flushed before each call, as a decode step's
+        weights flush them before its head. A head too small for the choice to matter
+        (`linear.CALIBRATE_MIN_BYTES`) keeps its narrow panels, and its tests their outcome."""
+        head = self.head
+        if head.weight.numel() * head.weight.element_size() < CALIBRATE_MIN_BYTES:
+            return head.narrow_rows
+        generator = torch.Generator().manual_seed(0)  # no draw from the global generator
+        flush = torch.zeros(CALIBRATE_MIN_BYTES // 2)  # twice the bytes of the largest L3s
+        n, k = head.weight.shape
+        most = 0
+        for rows in NARROW_HEAD_CALIBRATION_ROWS:
+            if rows > head.narrow_rows:
+                break
+            x = torch.randn(rows, k, generator=generator)
+            narrow, screen = float("inf"), float("inf")
+            for _ in range(3):
+                flush.add_(1.0)
+                start = time.perf_counter()
+                kernels.panel_linear(x, head.tensor, None, n, head.narrow, head.bits).argmax(-1)
+                narrow = min(narrow, time.perf_counter() - start)
+                flush.add_(1.0)
+                start = time.perf_counter()
+                self._screened_argmax(x)
+                screen = min(screen, time.perf_counter() - start)
+            times = {"narrow_ms": round(narrow * 1e3, 2), "screen_ms": round(screen * 1e3, 2)}
+            log.debug("greedy_screen.narrow_head_calibration_step", rows=rows, **times)
+            if screen < narrow:
+                break
+            most = rows
+        return most
 
     @property
     def vocab_size(self) -> int:
@@ -165,7 +222,8 @@ class GreedyScreen:
         (`argmax`), or for logits as they are (`exact=False`, drafts). Never where the head
         reads no more bits a weight itself, by nominal width (its narrow panels: 8-bit blocks,
         8.5 bits with their scales, count as the int8 copy's 8, and are exact)."""
-        if (self.head.narrow_for(rows)[1] or 32) <= COPY_BITS[self.copy]:
+        narrow_bits = self.head.narrow_for(rows)[1]
+        if narrow_bits and narrow_bits <= COPY_BITS[self.copy] and rows <= self.narrow_head_rows:
             return False
         if not self.widened:
             return True
@@ -191,7 +249,10 @@ class GreedyScreen:
             or not self.pays(rows)
         ):
             return None
-        hidden = hidden.contiguous()
+        return self._screened_argmax(hidden.contiguous())
+
+    def _screened_argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """`argmax` of contiguous float32 rows through the screen, whatever `pays` says."""
         screen = self.logits(hidden)
         if not kernels.rows_supported(screen):
             return None
