@@ -22,11 +22,10 @@ import msgspec
 import pytest
 import zmq
 from hf_reference import hf_greedy
-from service_harness import Service
+from service_harness import Service, up_ports
 
 from specserve.client import AsyncClient, Client, ServiceUnreachable, fetch_status, get_status
 from specserve.control.control_plane import ControlArgs, ControlPlane
-from specserve.launch.local_redis import free_port
 from specserve.shared import protocol
 from specserve.shared.curve import CLIENTS, WORKERS, PeerKeys, generate_keys, load_pair
 from specserve.shared.protocol import (
@@ -272,7 +271,7 @@ def test_heartbeats_of_another_key_do_not_keep_a_frozen_worker_alive(
 
 
 def test_a_non_loopback_bind_without_keys_refuses_unless_insecure(llama_ckpt) -> None:
-    port = free_port()
+    port, _ = up_ports()  # the worker port, port + 1, must be free too
     args = ControlArgs(bind=f"tcp://0.0.0.0:{port}", model=str(llama_ckpt.path))
     with pytest.raises(
         ValueError, match=r"refusing to listen on tcp://0\.0\.0\.0:\d+ without keys"
