@@ -177,6 +177,7 @@ class GreedyScreen:
         )
         if not screen.widened and head.narrow is not None and head.bits <= COPY_BITS[copy]:
             screen.narrow_head_rows = screen._calibrate_narrow_head()
+            log.info("greedy_screen.narrow_head", copy=copy, rows=screen.narrow_head_rows)
         return screen
 
     def _calibrate_narrow_head(self) -> int:
