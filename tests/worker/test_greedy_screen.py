@@ -10,6 +10,7 @@ output with the screen against the output without it, with and without speculati
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -187,7 +188,7 @@ def test_the_narrow_head_keeps_the_rows_where_it_beats_a_bfloat16_screen(
     assert head is not None and head.bits == 8
     head.narrow_rows = 24
     clock = [0.0]
-    monkeypatch.setattr(greedy_screen.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])  # as `_best_passes` reads it
     panel_linear = kernels.panel_linear
 
     def narrow_head(x, *args):

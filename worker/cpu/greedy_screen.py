@@ -49,15 +49,15 @@ head has a screen of its own, whose `argmax` gives its greedy drafts
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import structlog
 import torch
 
 from specserve.worker.cpu import kernels
-from specserve.worker.cpu.linear import CALIBRATE_MIN_BYTES, PackedWeight
+from specserve.worker.cpu.linear import CALIBRATE_MIN_BYTES, PackedWeight, _best_passes
 
 log = structlog.get_logger(__name__)
 
@@ -87,6 +87,7 @@ WIDENED_MAX_LOGIT_ROWS = 24  # logits alone
 # ms, the 8-bit head against the bfloat16 screen: 1 row 1.17 / 2.04, 4 rows 1.46 / 2.05, 8 rows
 # 2.80 / 2.27, 16 rows 4.94 / 3.22, 64 rows 19.39 / 10.45).
 NARROW_HEAD_CALIBRATION_ROWS = (1, 2, 4, 8, 16)
+FLUSH_BYTES = 64 * 2**20  # written before each timed call: twice the largest L3 of a 2-core VM
 
 
 Copy = Literal["bfloat16", "int8"]
@@ -190,23 +191,22 @@ class GreedyScreen:
         if head.weight.numel() * head.weight.element_size() < CALIBRATE_MIN_BYTES:
             return head.narrow_rows
         generator = torch.Generator().manual_seed(0)  # no draw from the global generator
-        flush = torch.zeros(CALIBRATE_MIN_BYTES // 2)  # twice the bytes of the largest L3s
+        flush = torch.zeros(FLUSH_BYTES // 4)
         n, k = head.weight.shape
+
+        def narrow_argmax(x: torch.Tensor) -> torch.Tensor:
+            return kernels.panel_linear(x, head.tensor, None, n, head.narrow, head.bits).argmax(-1)
+
         most = 0
         for rows in NARROW_HEAD_CALIBRATION_ROWS:
             if rows > head.narrow_rows:
                 break
             x = torch.randn(rows, k, generator=generator)
-            narrow, screen = float("inf"), float("inf")
-            for _ in range(3):
-                flush.add_(1.0)
-                start = time.perf_counter()
-                kernels.panel_linear(x, head.tensor, None, n, head.narrow, head.bits).argmax(-1)
-                narrow = min(narrow, time.perf_counter() - start)
-                flush.add_(1.0)
-                start = time.perf_counter()
-                self._screened_argmax(x)
-                screen = min(screen, time.perf_counter() - start)
+            narrow, screen = _best_passes(
+                [partial(narrow_argmax, x)],
+                [partial(self._screened_argmax, x)],
+                before=partial(flush.add_, 1.0),
+            )
             times = {"narrow_ms": round(narrow * 1e3, 2), "screen_ms": round(screen * 1e3, 2)}
             log.debug("greedy_screen.narrow_head_calibration_step", rows=rows, **times)
             if screen < narrow:
@@ -220,9 +220,10 @@ class GreedyScreen:
 
     def pays(self, rows: int, exact: bool = True) -> bool:
         """Whether reading the screen beats the head at this many rows: for exact greedy tokens
-        (`argmax`), or for logits as they are (`exact=False`, drafts). Never where the head
+        (`argmax`), or for logits as they are (`exact=False`, drafts). Not where the head
         reads no more bits a weight itself, by nominal width (its narrow panels: 8-bit blocks,
-        8.5 bits with their scales, count as the int8 copy's 8, and are exact)."""
+        8.5 bits with their scales, count as the int8 copy's 8, and are exact), up to
+        `narrow_head_rows` rows (all of them where the copy is widened)."""
         narrow_bits = self.head.narrow_for(rows)[1]
         if narrow_bits and narrow_bits <= COPY_BITS[self.copy] and rows <= self.narrow_head_rows:
             return False

@@ -752,14 +752,20 @@ def _constant_inputs(packed: Sequence[PackedWeight], rows: int) -> list[torch.Te
     return [shared[p.weight.shape[1], p.weight.dtype] for p in packed]
 
 
-def _best_passes(*passes: Sequence[Callable[[], Any]]) -> list[float]:
-    """The best time of each pass (a call per weight) over 3 alternating rounds.
+def _best_passes(
+    *passes: Sequence[Callable[[], Any]], before: Callable[[], Any] | None = None
+) -> list[float]:
+    """The best time of each pass (a call per weight) over 3 alternating rounds, `before`
+    (untimed) ahead of every pass.
 
     A pass streams every weight once, as a decode step does, so memory bandwidth is part of
-    what is measured rather than weights sitting in cache."""
+    what is measured rather than weights sitting in cache; a pass of one weight that fits in
+    cache needs a `before` that flushes it."""
     best = [float("inf")] * len(passes)
     for _ in range(3):
         for i, calls in enumerate(passes):
+            if before is not None:
+                before()
             start = time.perf_counter()
             for call in calls:
                 call()
